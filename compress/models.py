@@ -70,9 +70,26 @@ def _convert_gguf(gguf: Path, cache_root: Path) -> Path:
     return out
 
 
+def _tiny_folder(source: str, cache_root: Path) -> Path:
+    """model.source 'tiny' or 'tiny:SEED': the seeded tiny Llama of compress/tiny.py, saved once."""
+    from compress.tiny import save_tiny_llama
+
+    _, _, seed = source.partition(":")
+    if seed and not seed.isdigit():
+        raise ModelError(f"model.source {source!r}: write 'tiny' or 'tiny:<integer seed>'")
+    out = cache_root / f"tiny-seed{int(seed or 0)}"
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(out.name + ".tmp")
+        save_tiny_llama(tmp, seed=int(seed or 0))
+        tmp.rename(out)
+    return out
+
+
 def resolve_source(source: str, gguf_file: str | None, cache_dir: str | Path) -> str:
     """Turn model.source into something from_pretrained takes without network: a folder or a hub id."""
     cache_root = Path(cache_dir)
+    if source.startswith("tiny"):
+        return str(_tiny_folder(source, cache_root))
     if source == "embedded":
         return str(_convert_gguf(embedded_gguf_path(), cache_root))
     path = Path(source).expanduser()

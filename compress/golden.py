@@ -1,0 +1,204 @@
+"""Golden outputs: record a torch model's behaviour on fixed prompts, check any ONNX model against it.
+
+Recorded per prompt: the greedy continuation of N tokens and, at every position
+of prompt + continuation, the top-k logits (values and token ids). Stored as
+golden.json + golden.npz (no pickle). The check runs the ONNX graph through both
+paths the server uses: one prefill over the whole sequence (logits), and
+prefill + one-token decode steps through the KV cache (greedy continuation);
+plus a left-padded batch that must match each prompt run alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from compress.onnx_lm import OnnxLM
+
+
+class GoldenMismatch(AssertionError):
+    """An ONNX model that does not reproduce the golden outputs."""
+
+
+@dataclass
+class GoldenSet:
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    continuations: list[list[int]]
+    topk_values: list[np.ndarray]  # per prompt [positions, k] float32
+    topk_indices: list[np.ndarray]  # per prompt [positions, k] int64
+
+    def sequence(self, i: int) -> list[int]:
+        """The tokens whose logits were recorded: prompt + continuation minus the last generated token."""
+        return self.prompt_ids[i] + self.continuations[i][:-1]
+
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"prompts": self.prompts, "prompt_ids": self.prompt_ids, "continuations": self.continuations}
+        (folder / "golden.json").write_text(json.dumps(meta, indent=1))
+        arrays = {}
+        for i, (v, ix) in enumerate(zip(self.topk_values, self.topk_indices)):
+            arrays[f"values_{i}"] = v
+            arrays[f"indices_{i}"] = ix
+        np.savez_compressed(folder / "golden.npz", **arrays)
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "GoldenSet":
+        folder = Path(folder)
+        meta = json.loads((folder / "golden.json").read_text())
+        with np.load(folder / "golden.npz", allow_pickle=False) as z:
+            n = len(meta["prompts"])
+            values = [z[f"values_{i}"] for i in range(n)]
+            indices = [z[f"indices_{i}"] for i in range(n)]
+        return cls(meta["prompts"], meta["prompt_ids"], meta["continuations"], values, indices)
+
+
+@torch.no_grad()
+def record_golden(model, tokenizer, prompts: list[str], top_k: int = 8, new_tokens: int = 16) -> GoldenSet:
+    model.eval()
+    prompt_ids, conts, values, indices = [], [], [], []
+    for p in prompts:
+        ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"golden.prompts: prompt {p!r} tokenizes to nothing; use a non-empty prompt")
+        seq = list(ids)
+        # Greedy without the KV cache: the reference path, independent of the cache code under test.
+        for _ in range(new_tokens):
+            logits = model(input_ids=torch.tensor([seq])).logits[0, -1]
+            seq.append(int(logits.argmax()))
+        cont = seq[len(ids):]
+        full = model(input_ids=torch.tensor([ids + cont[:-1]])).logits[0].float()
+        v, ix = full.topk(top_k, dim=-1)
+        prompt_ids.append(list(ids))
+        conts.append(cont)
+        values.append(v.numpy().astype(np.float32))
+        indices.append(ix.numpy().astype(np.int64))
+    return GoldenSet(list(prompts), prompt_ids, conts, values, indices)
+
+
+@dataclass
+class PromptResult:
+    prompt: str
+    max_abs_error: float
+    off_count: int
+    positions: int
+    top1_agreement: float
+    greedy_prefix: int
+    greedy_len: int
+    first_bad_position: int | None  # first position whose logits are off or whose argmax differs
+    batched_max_abs_error: float | None = None
+
+    @property
+    def prefix_match(self) -> float:
+        return self.greedy_prefix / max(self.greedy_len, 1)
+
+
+@dataclass
+class GoldenReport:
+    rows: list[PromptResult]
+    thresholds: dict
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def metrics(self, prefix: str = "golden_") -> dict[str, float]:
+        rows = self.rows
+        out = {
+            "max_abs_error": max(r.max_abs_error for r in rows),
+            "off_count": float(sum(r.off_count for r in rows)),
+            "top1_agreement": float(np.mean([r.top1_agreement for r in rows])),
+            "prefix_match": float(np.mean([r.prefix_match for r in rows])),
+            "passed": float(self.passed),
+        }
+        batched = [r.batched_max_abs_error for r in rows if r.batched_max_abs_error is not None]
+        if batched:
+            out["batched_max_abs_error"] = max(batched)
+        return {prefix + k: v for k, v in out.items()}
+
+    def table(self) -> dict[str, list]:
+        """Column-oriented, as mlflow.log_table takes it."""
+        cols: dict[str, list] = {}
+        for r in self.rows:
+            d = asdict(r)
+            d["prefix_match"] = r.prefix_match
+            for k, v in d.items():
+                cols.setdefault(k, []).append(v)
+        return cols
+
+    def raise_if_failed(self) -> None:
+        if self.failures:
+            raise GoldenMismatch("golden validation failed:\n  " + "\n  ".join(self.failures))
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare_onnx(lm: OnnxLM | str | Path, golden: GoldenSet, max_abs_error: float = 1e-2, off_threshold: float = 1e-2,
+                 max_off_count: int = 0, min_top1_agreement: float = 1.0, min_prefix_match: float = 1.0,
+                 check_batched: bool = True, pad_id: int = 0) -> GoldenReport:
+    """Check an ONNX artifact against golden outputs; report.failures names prompt and position."""
+    if not isinstance(lm, OnnxLM):
+        lm = OnnxLM(lm)
+    thresholds = dict(max_abs_error=max_abs_error, off_threshold=off_threshold, max_off_count=max_off_count,
+                      min_top1_agreement=min_top1_agreement, min_prefix_match=min_prefix_match)
+    rows: list[PromptResult] = []
+    failures: list[str] = []
+    single_logits = []
+    for i, prompt in enumerate(golden.prompts):
+        seq = golden.sequence(i)
+        logits = lm.logits(seq)
+        single_logits.append(logits)
+        idx, ref = golden.topk_indices[i], golden.topk_values[i]
+        got = np.take_along_axis(logits, idx, axis=-1)
+        err = np.abs(got - ref)
+        per_pos = err.max(axis=-1)
+        top1_ok = logits.argmax(-1) == idx[:, 0]
+        bad = np.nonzero((per_pos > max_abs_error) | ~top1_ok)[0]
+        cont = lm.greedy(golden.prompt_ids[i], len(golden.continuations[i]))
+        lcp = _lcp(cont, golden.continuations[i])
+        r = PromptResult(prompt, float(err.max()), int((err > off_threshold).sum()), int(len(seq)),
+                         float(top1_ok.mean()), lcp, len(golden.continuations[i]), int(bad[0]) if len(bad) else None)
+        rows.append(r)
+        name = f"prompt {i} {prompt[:40]!r}"
+        if r.max_abs_error > max_abs_error:
+            pos = int(per_pos.argmax())
+            failures.append(f"{name}: max abs logit error {r.max_abs_error:.3g} > {max_abs_error:g}, "
+                            f"first diverging position {r.first_bad_position} (worst {pos}) of {len(seq)}")
+        if r.off_count > max_off_count:
+            failures.append(f"{name}: {r.off_count} top-k logits off by > {off_threshold:g} (allowed {max_off_count})")
+        if r.top1_agreement < min_top1_agreement:
+            failures.append(f"{name}: top-1 agreement {r.top1_agreement:.3f} < {min_top1_agreement}, "
+                            f"first diverging position {r.first_bad_position}")
+        if r.prefix_match < min_prefix_match:
+            failures.append(f"{name}: greedy continuation diverges at generated token {lcp} "
+                            f"(position {len(golden.prompt_ids[i]) + lcp}); matched {lcp}/{r.greedy_len}")
+    if check_batched and len(golden.prompts) > 1:
+        seqs = [golden.sequence(i) for i in range(len(golden.prompts))]
+        for i, batched in enumerate(lm.logits_left_padded(seqs, pad_id)):
+            d = float(np.abs(batched - single_logits[i]).max())
+            rows[i].batched_max_abs_error = d
+            if d > max_abs_error:
+                pos = int(np.abs(batched - single_logits[i]).max(-1).argmax())
+                failures.append(f"prompt {i} {golden.prompts[i][:40]!r}: left-padded batch differs from the "
+                                f"single run by {d:.3g} at position {pos}")
+    return GoldenReport(rows, thresholds, failures)
+
+
+def compare_from_config(lm, golden: GoldenSet, cfg, pad_id: int = 0) -> GoldenReport:
+    """cfg: a GoldenConfig."""
+    return compare_onnx(lm, golden, cfg.max_abs_error, cfg.off_threshold, cfg.max_off_count, cfg.min_top1_agreement,
+                        cfg.min_prefix_match, cfg.check_batched, pad_id)

@@ -1,0 +1,165 @@
+"""MLflow model registry: register artifact folders as versions, move aliases, promote, roll back.
+
+The one compress/ module that talks to MLflow, because the registry *is* MLflow;
+it holds no pipeline logic. Aliases: ``baseline`` (exported teacher),
+``candidate`` (newest compressed model), ``champion`` (what the server serves).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from compress.config import project_root
+
+ARTIFACT_PATH = "artifact"
+
+
+class RegistryError(RuntimeError):
+    pass
+
+
+def default_tracking_uri() -> str:
+    db = project_root() / "mlruns" / "mlflow.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    # Absolute: a worker started elsewhere must find the same store.
+    return f"sqlite:///{db}"
+
+
+def resolve_tracking_uri(configured: str | None = None) -> str:
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+
+
+def configure(tracking_uri: str | None = None, experiment: str | None = None) -> str:
+    """Point mlflow at the store (and experiment); artifacts of a sqlite store go to <project>/mlruns."""
+    import mlflow
+
+    uri = resolve_tracking_uri(tracking_uri)
+    mlflow.set_tracking_uri(uri)
+    if experiment:
+        exp = mlflow.get_experiment_by_name(experiment)
+        if exp is None:
+            location = None
+            if uri.startswith("sqlite:"):
+                location = (project_root() / "mlruns" / "artifacts" / experiment).as_uri()
+            mlflow.create_experiment(experiment, artifact_location=location)
+        mlflow.set_experiment(experiment)
+    return uri
+
+
+def check_reachable(tracking_uri: str) -> None:
+    """Fail early, with the URI, when the tracking server cannot be reached."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=5).read()
+    except Exception as e:
+        raise RegistryError(
+            f"MLflow tracking server {tracking_uri} is unreachable ({type(e).__name__}: {e}); start it "
+            f"(make ui) or unset MLFLOW_TRACKING_URI to use the local store under mlruns/"
+        ) from None
+
+
+@dataclass
+class Version:
+    name: str
+    version: str
+    run_id: str | None
+    source: str
+    tags: dict
+    aliases: list[str]
+
+
+def _client():
+    from mlflow import MlflowClient
+
+    return MlflowClient()
+
+
+def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict | None = None,
+                    aliases: list[str] | None = None) -> Version:
+    """Log the artifact folder to the run and create a model version from it.
+
+    The files are uploaded before the version is created, so a failure leaves no
+    half-registered version behind.
+    """
+    client = _client()
+    client.log_artifacts(run_id, str(folder), ARTIFACT_PATH)
+    try:
+        client.get_registered_model(model_name)
+    except Exception:
+        client.create_registered_model(model_name)
+    source = f"{client.get_run(run_id).info.artifact_uri}/{ARTIFACT_PATH}"
+    mv = client.create_model_version(model_name, source, run_id=run_id,
+                                     tags={k: str(v) for k, v in (tags or {}).items()})
+    for alias in aliases or []:
+        client.set_registered_model_alias(model_name, alias, mv.version)
+    return get_version(model_name, mv.version)
+
+
+def get_version(model_name: str, version: str | int) -> Version:
+    mv = _client().get_model_version(model_name, str(version))
+    return Version(mv.name, mv.version, mv.run_id, mv.source, dict(mv.tags), list(mv.aliases))
+
+
+def version_for_alias(model_name: str, alias: str) -> Version | None:
+    try:
+        mv = _client().get_model_version_by_alias(model_name, alias)
+    except Exception:
+        return None
+    return get_version(model_name, mv.version)
+
+
+def list_versions(model_name: str) -> list[Version]:
+    found = _client().search_model_versions(f"name='{model_name}'")
+    # search_model_versions leaves aliases empty; get_model_version fills them.
+    return sorted((get_version(model_name, v.version) for v in found), key=lambda v: int(v.version))
+
+
+def set_alias(model_name: str, alias: str, version: str | int) -> None:
+    _client().set_registered_model_alias(model_name, alias, str(version))
+
+
+def set_tags(model_name: str, version: str | int, tags: dict) -> None:
+    client = _client()
+    for k, v in tags.items():
+        client.set_model_version_tag(model_name, str(version), k, str(v))
+
+
+def promote(model_name: str, version: str | int, alias: str = "champion") -> str | None:
+    """Point alias at version; returns the version it pointed at before (for rollback)."""
+    before = version_for_alias(model_name, alias)
+    v = get_version(model_name, version)
+    if v.tags.get("verdict") == "rejected":
+        raise RegistryError(f"version {version} of {model_name} was rejected by the acceptance gate; it cannot become {alias}")
+    set_alias(model_name, alias, version)
+    set_tags(model_name, version, {"previous_" + alias: before.version if before else ""})
+    return before.version if before else None
+
+
+def rollback(model_name: str, to_version: str | int | None = None, alias: str = "champion") -> str:
+    """Move alias to a named version, or to the one it pointed at before the last promotion."""
+    current = version_for_alias(model_name, alias)
+    if to_version is None:
+        if current is None:
+            raise RegistryError(f"{model_name} has no {alias!r} alias to roll back")
+        to_version = current.tags.get("previous_" + alias) or ""
+        if not to_version:
+            older = [v for v in list_versions(model_name) if int(v.version) < int(current.version)
+                     and v.tags.get("verdict") != "rejected"]
+            if not older:
+                raise RegistryError(f"{model_name}@{alias} is version {current.version}; there is no earlier version to roll back to")
+            to_version = older[-1].version
+    get_version(model_name, to_version)  # raises when it does not exist
+    set_alias(model_name, alias, to_version)
+    return str(to_version)
+
+
+def download(model_uri: str, dst: str | Path | None = None) -> Path:
+    """models:/NAME@alias or models:/NAME/3 -> a local artifact folder."""
+    import mlflow
+
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dst) if dst else None))

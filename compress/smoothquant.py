@@ -1,0 +1,131 @@
+"""SmoothQuant on the ONNX graph: move activation outliers into the weights before W8A8.
+
+For a linear group y = x W (all MatMuls that read the same activation x), pick
+per input channel s_j = max|x_j|^alpha / max|W_j,:|^(1-alpha) and compute
+y = (x / s) (diag(s) W). The division by s is folded into whatever produced x,
+so the float model is unchanged and no op is added:
+
+* x = gamma * rmsnorm(h)   (input_layernorm -> q/k/v, post_attention_layernorm -> gate/up):
+  gamma <- gamma / s;
+* x = silu(gate) * up      (-> down_proj, the |x| ~ 3100 outliers): up's weight columns <- / s.
+
+Any other producer (the attention output feeding o_proj: folding into v_proj
+would change the KV cache the server stores) is left alone. A fresh initializer
+is written for every folded tensor because the exporter de-duplicates equal
+initializers (e.g. all-ones norms of a fresh model share one tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from compress.calibration import ActStats, Linear
+
+
+@dataclass
+class SmoothedTensor:
+    tensor: str
+    folded_into: str  # "norm" or "up_proj"
+    linears: list[str]
+    max_before: float
+    max_after: float
+
+
+def _init_map(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    return {i.name: i for i in model.graph.initializer}
+
+
+def _replace_init(model: onnx.ModelProto, inits: dict, old: str, new_name: str, arr: np.ndarray, node: onnx.NodeProto, slot: int) -> None:
+    """Point node.input[slot] at a new initializer; drop the old one when nothing else reads it."""
+    t = numpy_helper.from_array(arr.astype(np.float32), new_name)
+    model.graph.initializer.append(t)
+    inits[new_name] = model.graph.initializer[-1]
+    node.input[slot] = new_name
+    still_used = any(old in n.input for n in model.graph.node)
+    if not still_used and old in inits:
+        model.graph.initializer.remove(inits.pop(old))
+
+
+def smoothing_scales(act_absmax: np.ndarray, weights: list[np.ndarray], alpha: float) -> np.ndarray:
+    """s_j = max|x_j|^alpha / max|W_j|^(1-alpha), over all weights [K, N] that read x; 1 where a channel is dead."""
+    w_absmax = np.max(np.stack([np.abs(w).max(axis=1) for w in weights]), axis=0)
+    a = np.maximum(act_absmax.astype(np.float64), 1e-5)
+    w = np.maximum(w_absmax.astype(np.float64), 1e-5)
+    s = a**alpha / w ** (1.0 - alpha)
+    s = np.where((act_absmax > 0) & (w_absmax > 0), s, 1.0)
+    return np.clip(s, 1e-4, 1e4).astype(np.float32)
+
+
+def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict[str, ActStats], alpha: float) -> tuple[dict[str, np.ndarray], list[SmoothedTensor]]:
+    """Smooth every linear input that has a foldable producer, in place.
+
+    Returns {activation tensor: 1/s} (what calibration statistics must be multiplied by) and a report.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"quantize.smoothquant_alpha must be in [0, 1] (or null to disable), got {alpha}")
+    g = model.graph
+    inits = _init_map(model)
+    producer = {o: n for n in g.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    by_node = {n.name: n for n in g.node}
+    linear_by_output = {by_node[l.node].output[0]: l for l in linears if l.node in by_node}
+    groups: dict[str, list[Linear]] = {}
+    for l in linears:
+        groups.setdefault(l.input, []).append(l)
+
+    inv: dict[str, np.ndarray] = {}
+    report: list[SmoothedTensor] = []
+    for tensor, group in groups.items():
+        st = stats.get(tensor)
+        prod = producer.get(tensor)
+        if st is None or prod is None or prod.op_type != "Mul":
+            continue
+        group_nodes = {l.node for l in group}
+        # every reader of x must be one of the smoothed linears, or it would see x / s
+        if any(c.name not in group_nodes for c in consumers.get(tensor, [])):
+            continue
+        C = st.cmax.shape[0]
+        fold = None
+        for slot, name in enumerate(prod.input):
+            t = inits.get(name)
+            if t is not None and len(t.dims) == 1 and t.dims[0] == C:
+                fold = ("norm", slot, name)
+                break
+        if fold is None:
+            for slot, name in enumerate(prod.input):
+                up = linear_by_output.get(name)
+                if up is not None and len(consumers.get(name, [])) == 1:
+                    fold = ("up_proj", slot, up)
+                    break
+        if fold is None:
+            continue
+        ws = [numpy_helper.to_array(inits[by_node[l.node].input[1]]) for l in group]
+        s = smoothing_scales(st.absmax, ws, alpha)
+        kind = fold[0]
+        if kind == "norm":
+            gamma = numpy_helper.to_array(inits[fold[2]])
+            _replace_init(model, inits, fold[2], f"{tensor}_smooth_gamma", gamma / s, prod, fold[1])
+        else:
+            up: Linear = fold[2]
+            up_node = by_node[up.node]
+            w_up = numpy_helper.to_array(inits[up_node.input[1]])
+            _replace_init(model, inits, up_node.input[1], f"{up_node.input[1]}_smooth_cols", w_up / s[None, :], up_node, 1)
+        for l, w in zip(group, ws):
+            node = by_node[l.node]
+            _replace_init(model, inits, node.input[1], f"{node.input[1]}_smooth_rows", w * s[:, None], node, 1)
+        inv[tensor] = (1.0 / s).astype(np.float32)
+        report.append(SmoothedTensor(tensor, kind, [l.module for l in group], float(st.absmax.max()), float((st.absmax / s).max())))
+    return inv, report
+
+
+def refresh_linears(model: onnx.ModelProto, linears: list[Linear]) -> list[Linear]:
+    """The same linears with their (possibly renamed) weight initializers after smoothing."""
+    by_node = {n.name: n for n in model.graph.node}
+    return [Linear(l.node, l.module, l.role, l.layer, l.input, by_node[l.node].input[1]) for l in linears]

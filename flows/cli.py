@@ -1,0 +1,111 @@
+"""`compressor` command line: run the pipeline, check configs, manage the registry, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from compress.artifact import ArtifactError
+    from compress.config import ConfigError
+    from compress.data import DataError
+    from compress.models import ModelError
+    from compress.registry import RegistryError
+
+    return (ConfigError, DataError, ModelError, ArtifactError, RegistryError)
+
+
+def cmd_run(args) -> int:
+    from compress.config import load_config
+    from flows.compress import compress_flow
+
+    load_config(args.config, args.set)  # fail fast, before Prefect starts
+    t0 = time.perf_counter()
+    out = compress_flow(config=args.config, overrides=args.set)
+    print(f"\ndone in {time.perf_counter() - t0:.0f} s")
+    print(f"MLflow run:  {out['run_id']}  ({out['tracking_uri']})")
+    for r in out["registered"]:
+        print(f"registered:  {r['name']} version {r['version']} aliases {r['aliases']}")
+    print("see it:      make ui   -> http://127.0.0.1:5000")
+    return 0
+
+
+def cmd_config(args) -> int:
+    from compress.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    if args.action == "show":
+        import yaml
+
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    else:
+        print(f"{args.config}: valid (hash {cfg.section_hash()})")
+    return 0
+
+
+def cmd_registry(args) -> int:
+    from compress import registry
+    from compress.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    registry.configure(cfg.mlflow.tracking_uri)
+    name = args.name or cfg.registry.model_name
+    if args.action == "list":
+        for v in registry.list_versions(name):
+            tags = {k: v.tags[k] for k in sorted(v.tags) if k in ("role", "verdict", "golden_max_abs_error", "config_hash")}
+            print(f"{name} v{v.version:>3}  aliases={','.join(v.aliases) or '-':<24} {json.dumps(tags)}")
+    elif args.action == "promote":
+        before = registry.promote(name, args.version, args.alias)
+        print(f"{name}@{args.alias}: {before} -> {args.version}")
+    elif args.action == "rollback":
+        to = registry.rollback(name, args.version, args.alias)
+        print(f"{name}@{args.alias} -> {to}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="compressor", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--config", "-c", default="configs/default.yaml", help="YAML config (default: %(default)s)")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set distill.steps=10 (repeatable)")
+
+    r = sub.add_parser("run", help="run the compression flow")
+    common(r)
+    r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser("config", help="validate or print the resolved config")
+    c.add_argument("action", choices=["check", "show"])
+    common(c)
+    c.set_defaults(fn=cmd_config)
+
+    g = sub.add_parser("registry", help="list versions, promote, roll back")
+    g.add_argument("action", choices=["list", "promote", "rollback"])
+    g.add_argument("version", nargs="?", help="version number (promote: required; rollback: default previous)")
+    g.add_argument("--name", help="registered model name (default: registry.model_name of the config)")
+    g.add_argument("--alias", default="champion")
+    common(g)
+    g.set_defaults(fn=cmd_registry)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "action", None) == "promote" and not args.version:
+        print("compressor registry promote: give the version number to promote", file=sys.stderr)
+        return 2
+    try:
+        return args.fn(args)
+    except _user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""The compression DAG as a Prefect flow: one task per stage, one MLflow parent run per pipeline run.
+
+load -> export -> golden -> register (baseline); later stages plug in after golden.
+Re-running with the same config resumes: finished stages come from cache.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import mlflow
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from compress import registry
+from compress.config import PipelineConfig, load_config, project_root
+from tasks.common import stage_key, submit_stage
+from tasks.export import export_task
+from tasks.golden import golden_task
+from tasks.load import load_task
+from tasks.register import register_task
+from tasks.tracking import log_json, log_metrics, log_params
+
+
+class StageTimer:
+    """Wall time and key figures of each stage, for the run summary."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def run(self, name: str, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.rows.append({"stage": name, "seconds": time.perf_counter() - t0, "metrics": (out or {}).get("metrics", {})})
+        return out
+
+    def markdown(self, cfg: PipelineConfig, run, tracking_uri: str, registered: list[dict]) -> str:
+        lines = [f"# Compression run `{cfg.name}`", "",
+                 f"MLflow run `{run.info.run_id}` in experiment `{cfg.mlflow.experiment}` ({tracking_uri}); "
+                 f"open it with `make ui` → http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}",
+                 "", "| stage | seconds | key figures |", "|---|---:|---|"]
+        for r in self.rows:
+            figs = ", ".join(f"{k}={v:.4g}" for k, v in list(r["metrics"].items())[:6] if isinstance(v, (int, float)))
+            lines.append(f"| {r['stage']} | {r['seconds']:.1f} | {figs} |")
+        if registered:
+            lines += ["", "| model | version | aliases |", "|---|---|---|"]
+            lines += [f"| {r['name']} | {r['version']} | {', '.join(r['aliases'])} |" for r in registered]
+        return "\n".join(lines)
+
+
+def run_pipeline(cfg: PipelineConfig) -> dict:
+    log = get_run_logger()
+    tracking_uri = registry.configure(cfg.mlflow.tracking_uri, cfg.mlflow.experiment)
+    registry.check_reachable(tracking_uri)
+    timer = StageTimer()
+    registered: list[dict] = []
+    run_name = f"{cfg.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    with mlflow.start_run(run_name=run_name) as parent:
+        pid = parent.info.run_id
+        log.info("MLflow parent run %s (%s)", pid, tracking_uri)
+        mlflow.set_tags({"config_hash": cfg.section_hash(), "pipeline": cfg.name})
+        log_params(cfg.model_dump(mode="json"))
+        log_json(cfg.model_dump(mode="json"), "config.json")
+
+        k_load = stage_key(cfg, "load", ["model", "data"])
+        loaded = timer.run("load", submit_stage, load_task, cfg, "load", k_load, parent_run_id=pid)
+        k_exp = stage_key(cfg, "export", ["export"], k_load)
+        teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
+                            model_dir=loaded["model_dir"])
+        k_gold = stage_key(cfg, "golden", ["golden"], k_exp)
+        gold = timer.run("golden", submit_stage, golden_task, cfg, "golden", k_gold, parent_run_id=pid,
+                         model_dir=loaded["model_dir"], artifact=teacher["artifact"])
+
+        if cfg.registry.register_baseline:
+            tags = {"role": "baseline", "config_hash": cfg.section_hash(), **gold["metrics"]}
+            registered.append(timer.run("register", lambda: register_task(cfg, pid, teacher["artifact"], ["baseline"], tags)))
+
+        for r in timer.rows:
+            log_metrics({f"{r['stage']}_seconds": r["seconds"], **r["metrics"]})
+        summary = timer.markdown(cfg, parent, tracking_uri, registered)
+        mlflow.log_text(summary, "summary.md")
+    create_markdown_artifact(markdown=summary, key="compress-summary", description=f"compression run {cfg.name}")
+    log.info("\n%s", summary)
+    return {"run_id": pid, "tracking_uri": tracking_uri, "stages": timer.rows, "registered": registered,
+            "teacher_artifact": teacher["artifact"], "golden": gold["metrics"]}
+
+
+@flow(name="compress", log_prints=True)
+def compress_flow(config: str = "configs/default.yaml", overrides: list[str] | None = None) -> dict:
+    """Run the compression DAG for a YAML config (path relative to the project root) with KEY=VALUE overrides."""
+    path = Path(config)
+    if not path.is_absolute() and not path.exists():
+        path = project_root() / path
+    cfg = load_config(path, overrides or [])
+    return run_pipeline(cfg)

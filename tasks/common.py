@@ -1,0 +1,69 @@
+"""What every stage task shares: stage folders, done markers and the Prefect cache key.
+
+A stage writes its outputs to <workdir>/<stage>/<key>/ and a DONE.json last. The
+key is a hash of the stage's inputs and the config sections it reads; Prefect's
+cache hits only while that folder is complete, so a re-run after a failure (or a
+deleted folder) redoes exactly the stages whose outputs are missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from compress.config import PipelineConfig, project_root
+
+DONE = "DONE.json"
+
+
+def workdir(cfg: PipelineConfig) -> Path:
+    p = Path(cfg.workdir)
+    return p if p.is_absolute() else project_root() / p
+
+
+def stage_key(cfg: PipelineConfig, stage: str, sections: list[str], *upstream: str) -> str:
+    h = hashlib.sha256()
+    h.update(stage.encode())
+    h.update(cfg.section_hash(*sections).encode())
+    for u in upstream:
+        h.update(str(u).encode())
+    return h.hexdigest()[:16]
+
+
+def stage_dir(cfg: PipelineConfig, stage: str, key: str) -> Path:
+    return workdir(cfg) / stage / key
+
+
+def is_done(folder: Path) -> bool:
+    return (folder / DONE).is_file()
+
+
+def read_done(folder: Path) -> dict:
+    return json.loads((folder / DONE).read_text())
+
+
+def fresh(folder: Path) -> Path:
+    """An empty folder for a stage that is about to (re)compute."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def mark_done(folder: Path, result: dict) -> dict:
+    (folder / DONE).write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def cache_key_fn(context, parameters) -> str:
+    """Prefect cache key: stage + key (inputs and config sections). The flow refreshes it when the folder is gone."""
+    return f"{parameters['stage']}-{parameters['key']}"
+
+
+def submit_stage(task, cfg: PipelineConfig, stage: str, key: str, **kwargs):
+    """Run a stage task; bypass a Prefect cache hit whose outputs no longer exist on disk."""
+    if not is_done(stage_dir(cfg, stage, key)):
+        task = task.with_options(refresh_cache=True)
+    return task(cfg=cfg, stage=stage, key=key, **kwargs)

@@ -1,0 +1,33 @@
+"""Task: export a torch checkpoint folder to an ONNX artifact folder with KV-cache I/O."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from compress.config import PipelineConfig
+from compress.export import build_artifact
+from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.load import load_model
+from tasks.tracking import child_run, log_metrics, log_params
+
+
+@task(name="export", cache_key_fn=cache_key_fn, persist_result=True)
+def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str) -> dict:
+    folder = stage_dir(cfg, stage, key)
+    if is_done(folder):
+        return read_done(folder)
+    fresh(folder)
+    with child_run(parent_run_id, stage) as run:
+        model, tok = load_model(model_dir, cfg)
+        art = folder / "artifact"
+        result, manifest = build_artifact(model, tok, art, cfg.export.exporter, cfg.export.opset,
+                                          cfg.export.external_data_threshold_mb,
+                                          extra={"source_model": model_dir, "config_hash": cfg.section_hash()})
+        log_params({"export": cfg.export.model_dump()})
+        metrics = {"export_seconds": result.seconds, "onnx_mb": result.onnx_bytes / 2**20}
+        log_metrics(metrics)
+        if run is not None:
+            import mlflow
+
+            mlflow.log_artifact(str(art / "manifest.json"))
+    return mark_done(folder, {"artifact": str(art), "metrics": metrics})

@@ -1,0 +1,40 @@
+"""Task: record golden outputs from the torch model and validate its ONNX export against them."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from compress.config import PipelineConfig
+from compress.golden import GoldenSet, compare_from_config, record_golden
+from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.load import load_model
+from tasks.tracking import child_run, log_metrics, log_params
+
+
+@task(name="golden", cache_key_fn=cache_key_fn, persist_result=True)
+def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str,
+                artifact: str, reference_golden: str | None = None) -> dict:
+    """Fails the run when the export does not reproduce its own torch model; drift vs a reference is reported only."""
+    folder = stage_dir(cfg, stage, key)
+    if is_done(folder):
+        return read_done(folder)
+    fresh(folder)
+    import mlflow
+
+    with child_run(parent_run_id, stage) as run:
+        model, tok = load_model(model_dir, cfg)
+        g = cfg.golden
+        golden = record_golden(model, tok, g.prompts, g.top_k, g.new_tokens)
+        golden.save(folder)
+        report = compare_from_config(artifact, golden, g, pad_id=tok.pad_token_id or 0)
+        metrics = report.metrics()
+        if reference_golden:
+            drift = compare_from_config(artifact, GoldenSet.load(reference_golden), g, pad_id=tok.pad_token_id or 0)
+            metrics.update(drift.metrics(prefix="drift_vs_teacher_"))
+        log_params({"golden": {k: v for k, v in g.model_dump().items() if k != "prompts"}})
+        log_metrics(metrics)
+        if run is not None:
+            mlflow.log_table(report.table(), artifact_file="golden_report.json")
+            mlflow.log_artifacts(str(folder), "golden")
+        report.raise_if_failed()
+    return mark_done(folder, {"golden": str(folder), "metrics": metrics, "failures": report.failures})

@@ -1,0 +1,42 @@
+"""Task: resolve and load the teacher, cut the data into train/calib/eval blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+from prefect import task
+
+from compress.config import PipelineConfig
+from compress.data import DataSplits, splits_from_config
+from compress.models import load_teacher, model_info, resolve_source
+from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.tracking import child_run, log_metrics, log_params
+
+
+def load_splits(path: str) -> DataSplits:
+    with np.load(path, allow_pickle=False) as z:
+        return DataSplits(z["train"], z["calib"], z["eval"], str(z["source"]), int(z["total_tokens"]))
+
+
+def load_model(model_dir: str, cfg: PipelineConfig):
+    return load_teacher(model_dir, None, cfg.model.cache_dir, cfg.model.revision, cfg.model.trust_remote_code)
+
+
+@task(name="load", cache_key_fn=cache_key_fn, persist_result=True, retries=1, retry_delay_seconds=5)
+def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None) -> dict:
+    folder = stage_dir(cfg, stage, key)
+    if is_done(folder):
+        return read_done(folder)
+    fresh(folder)
+    with child_run(parent_run_id, stage):
+        model_dir = resolve_source(cfg.model.source, cfg.model.gguf_file, cfg.model.cache_dir)
+        model, tok = load_model(model_dir, cfg)
+        splits = splits_from_config(tok, cfg.data)
+        path = folder / "splits.npz"
+        np.savez(path, train=splits.train, calib=splits.calib, eval=splits.eval, source=splits.source,
+                 total_tokens=splits.total_tokens)
+        info = model_info(model)
+        log_params({"model": cfg.model.model_dump(), "data": cfg.data.model_dump()})
+        metrics = {**{k: v for k, v in splits.summary().items() if isinstance(v, (int, float))},
+                   "teacher_num_parameters": info["num_parameters"]}
+        log_metrics(metrics)
+    return mark_done(folder, {"model_dir": model_dir, "splits": str(path), "info": info, "metrics": metrics})
