@@ -136,25 +136,47 @@ class DistillConfig(_Section):
 
 class QuantizeConfig(_Section):
     enabled: bool = False
+    # static = W8A8 QDQ (calibrated activations); dynamic = W8 + per-call activation ranges;
+    # weight_only = MatMulNBits 8-bit block-wise weights, float activations. Figures: docs/quantization.md.
     method: Literal["static", "dynamic", "weight_only"] = "static"
     calibration: Literal["minmax", "entropy", "percentile"] = "minmax"
     percentile: float = Field(99.999, gt=90, le=100)
     per_channel: bool = True
     # None = detect from the CPU (no VNNI -> 7-bit weights, else u8 x s8 saturates)
     reduce_range: bool | None = None
+    # SmoothQuant migration strength (0 = none, 1 = all onto the weights); null disables smoothing.
     smoothquant_alpha: float | None = Field(0.5, ge=0, le=1)
+    # Linears whose module path (e.g. model.layers.3.mlp.down_proj), node name or group contains one of these stay float.
     keep_float: list[str] = Field(default_factory=lambda: ["down_proj"])
+    # Sensitivity scan: quantize one group (a layer's qkv / o / gate_up / down) at a time, this many
+    # candidates (ranked by their activation's quantization error), on calib data; 0 = no scan.
     sensitivity_trials: int = Field(0, ge=0)
+    # How many of the scanned groups, most sensitive first, are kept in float.
+    sensitivity_keep: int = Field(0, ge=0)
+    sensitivity_blocks: int = Field(4, ge=1)
+    # weight_only: block size along K (power of two >= 16) and MatMulNBits accuracy_level (4 = int8 compute;
+    # lower levels are ~25x slower on CPU).
     block_size: int = Field(32, ge=16)
-    calib_samples: int = Field(16, ge=1)
+    accuracy_level: int = Field(4, ge=0, le=4)
+    # Quantize the tied embedding / lm_head too (8-bit block-wise, weight-only; activations stay float).
+    quantize_embedding: bool = True
+    # At most this many calib blocks are fed to calibration (the calib split is never eval).
+    calib_samples: int = Field(32, ge=1)
+    calib_batch_size: int = Field(4, ge=1)
 
 
 class AcceptConfig(_Section):
     enabled: bool = False
+    # Relative (INC tolerable_loss style) and absolute (NNCF max_drop style) perplexity tolerances.
     max_perplexity_ratio: float = Field(1.10, ge=1.0)
+    max_perplexity_delta: float | None = Field(None, ge=0)
     min_top1_agreement: float = Field(0.90, ge=0, le=1)
+    # candidate tokens/s over baseline tokens/s (batch-1 decode); null = no floor.
     min_throughput_ratio: float | None = Field(None, gt=0)
+    max_size_ratio: float | None = Field(None, gt=0)
+    # Accuracy-aware loop: on rejection move this many more groups (most sensitive first) to float and retry.
     relax_trials: int = Field(2, ge=0)
+    relax_groups_per_trial: int = Field(4, ge=1)
 
 
 class RegistryConfig(_Section):
@@ -172,15 +194,29 @@ class MlflowConfig(_Section):
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    # KV pool: sized from this budget (bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes)
+    # unless num_blocks is set. The runner's per-step past buffers come on top (see docs/serving.md).
     kv_memory_mb: int = Field(256, ge=1)
-    block_size: int = Field(16, ge=1)
+    num_blocks: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1, le=1024)
+    enable_prefix_caching: bool = True
     max_batch_size: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
+    # None = the model's max positions from the manifest (a larger value is capped to it).
+    max_model_len: int | None = Field(None, ge=2)
     max_waiting: int = Field(64, ge=1)
     max_wait_s: float = Field(2.0, gt=0)
+    # Order of the waiting queue for requests younger than max_wait_s.
+    scheduling_policy: Literal["fcfs", "shortest_first"] = "fcfs"
     result_cache_size: int = Field(1024, ge=0)
     poll_interval_s: float = Field(10.0, gt=0)
     providers: list[str] = Field(default_factory=lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    # onnxruntime intra-op threads; 0 = onnxruntime's default (one per physical core).
+    intra_op_threads: int = Field(0, ge=0)
+    # Check every artifact file against its sha256 in the manifest before serving.
+    verify_artifact: bool = True
+    # How many recent TTFT / inter-token latency samples the stats snapshot keeps.
+    latency_window: int = Field(2048, ge=1)
 
 
 class PipelineConfig(_Section):

@@ -1,0 +1,152 @@
+"""Quantize SmolLM2-135M every way compress/quantize.py offers and measure each variant (docs/quantization.md).
+
+  .venv/bin/python benchmarks/quantize_smollm2.py                 # every variant, then the table
+  .venv/bin/python benchmarks/quantize_smollm2.py --only w8a8_sq  # one variant (results are cached per variant)
+  .venv/bin/python benchmarks/quantize_smollm2.py --table         # print the table from the cached results
+
+The fp32 teacher artifact is exported once to .cache/bench/smollm2-fp32 (dynamo, ~1-4 min) and reused.
+Each variant runs in its own process so its peak RSS is its own. Eval: 32 blocks of 128 tokens of the
+embedded corpus (the eval split; calibration reads only the calib split), 2 threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / ".cache" / "bench"
+FP32 = BENCH / "smollm2-fp32"
+RESULTS = BENCH / "results"
+THREADS = 2
+
+# name -> QuantizeConfig overrides
+VARIANTS: dict[str, dict] = {
+    "fp32": {},
+    "naive_static": dict(method="static", smoothquant_alpha=None, keep_float=[], quantize_embedding=False, reduce_range=False),
+    "naive_dynamic": dict(method="dynamic", smoothquant_alpha=None, keep_float=[], quantize_embedding=False, reduce_range=False),
+    "static_keep_down": dict(method="static", smoothquant_alpha=None, keep_float=["down_proj"], quantize_embedding=False),
+    "w8a8_sq": dict(method="static", smoothquant_alpha=0.5, keep_float=[], calibration="minmax"),
+    "w8a8_sq_entropy": dict(method="static", smoothquant_alpha=0.5, keep_float=[], calibration="entropy"),
+    "w8a8_sq_percentile": dict(method="static", smoothquant_alpha=0.5, keep_float=[], calibration="percentile"),
+    "w8a8_sq_sens": dict(method="static", smoothquant_alpha=0.5, keep_float=[], sensitivity_trials=24, sensitivity_keep=6),
+    "dynamic_sq": dict(method="dynamic", smoothquant_alpha=0.5, keep_float=[]),
+    "weight_only": dict(method="weight_only", smoothquant_alpha=None, keep_float=[], quantize_embedding=False),
+    "weight_only_emb": dict(method="weight_only", smoothquant_alpha=None, keep_float=[]),
+    "weight_only_sq": dict(method="weight_only", smoothquant_alpha=0.5, keep_float=[]),
+}
+
+
+def ensure_fp32():
+    from compress.data import make_splits
+    from compress.models import load_teacher
+
+    model, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
+    if not (FP32 / "manifest.json").is_file():
+        from compress.export import build_artifact
+
+        tmp = FP32.with_name(FP32.name + ".tmp")
+        build_artifact(model, tok, tmp)
+        tmp.rename(FP32)
+    splits = make_splits(tok, "embedded", block_size=128, train_blocks=16, calib_blocks=32, eval_blocks=32)
+    return model, tok, splits
+
+
+def run_variant(name: str) -> dict:
+    from compress.config import QuantizeConfig
+    from compress.evaluate import evaluate_onnx
+    from compress.quantize import quantize_artifact
+
+    model, tok, splits = ensure_fp32()
+    row: dict = {"variant": name, "overrides": VARIANTS[name]}
+    if name == "fp32":
+        from compress.torch_eval import perplexity
+
+        row["torch_perplexity"] = perplexity(model, splits.eval)
+        art = FP32
+    else:
+        del model
+        cfg = QuantizeConfig(**VARIANTS[name])
+        art = BENCH / name
+        t0 = time.perf_counter()
+        rep = quantize_artifact(FP32, art, splits.calib, cfg, threads=THREADS,
+                                on_event=lambda ev, d: print(f"  {ev}: {d}", flush=True))
+        row["quant_seconds"] = time.perf_counter() - t0
+        row["quant_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        row["report"] = rep.to_dict()
+    row.update(evaluate_onnx(art, splits.eval, reference_artifact=FP32, threads=THREADS, decode_steps=40))
+    row["size_ratio"] = row["size_bytes"] / sum(p.stat().st_size for p in FP32.glob("model.onnx*"))
+    return row
+
+
+def verdicts(rows: dict[str, dict]) -> dict[str, str]:
+    from compress.accept import accept
+    from compress.config import AcceptConfig
+
+    base = rows.get("fp32")
+    if base is None:
+        return {}
+    cfg = AcceptConfig(max_perplexity_ratio=1.02, min_top1_agreement=0.95, max_size_ratio=0.30)
+    out = {}
+    for name, r in rows.items():
+        v = accept(r, base, cfg)
+        out[name] = "accept" if v.accepted else "reject: " + "; ".join(v.reasons)
+    return out
+
+
+def table(rows: dict[str, dict]) -> str:
+    base = rows.get("fp32", {})
+    v = verdicts(rows)
+    lines = ["| variant | perplexity | vs fp32 | top-1 agr. | size MiB | size ratio | b1 decode ms/tok | quant s | peak RSS GB | gate (ppl<=1.02x, agr>=0.95, size<=0.30x) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in VARIANTS:
+        r = rows.get(name)
+        if r is None:
+            continue
+        rel = (r["perplexity"] / base["perplexity"] - 1) * 100 if base else float("nan")
+        lines.append(
+            f"| {name} | {r['perplexity']:.2f} | {rel:+.1f}% | {r.get('top1_agreement', float('nan')):.3f} | {r['size_bytes'] / 2**20:.0f} | "
+            f"{r['size_ratio']:.2f} | {r.get('decode_ms_per_token', float('nan')):.1f} | {r.get('quant_seconds', 0):.0f} | "
+            f"{r.get('quant_peak_rss_mb', 0) / 1024:.1f} | {v.get(name, '')} |"
+        )
+    return "\n".join(lines)
+
+
+def load_rows() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*", help="variants to run (default: all)")
+    ap.add_argument("--table", action="store_true", help="only print the table of cached results")
+    ap.add_argument("--inproc", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.table:
+        print(table(load_rows()))
+        return
+    names = args.only or list(VARIANTS)
+    if args.inproc:
+        for n in names:
+            row = run_variant(n)
+            (RESULTS / f"{n}.json").write_text(json.dumps(row, indent=1, default=str))
+            print(json.dumps({k: v for k, v in row.items() if k not in ("report",)}, default=str), flush=True)
+        return
+    for n in names:
+        print(f"== {n}", flush=True)
+        subprocess.run([sys.executable, __file__, "--inproc", "--only", n], check=False)
+    print(table(load_rows()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The acceptance gate: a candidate's metrics against the baseline's, under tolerances from config.
+
+`accept` is a pure function of two metric dicts (from compress.evaluate.evaluate_onnx);
+`quantize_with_acceptance` is the accuracy-aware loop: quantize, evaluate, gate, and on a
+rejection move the next most sensitive linear groups back to float and retry, up to
+AcceptConfig.relax_trials times, before rejecting for good.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from compress.config import AcceptConfig, QuantizeConfig
+
+
+@dataclass
+class Verdict:
+    accepted: bool
+    reasons: list[str]  # one line per failed tolerance, with the numbers
+    metrics: dict[str, float] = field(default_factory=dict)  # the gate's own figures (ratios, deltas)
+
+    def __bool__(self) -> bool:
+        return self.accepted
+
+
+def _num(d: dict, key: str, who: str) -> float:
+    if key not in d or d[key] is None:
+        raise KeyError(f"accept: the {who} metrics have no {key!r}; evaluate it with compress.evaluate.evaluate_onnx")
+    v = float(d[key])
+    return v
+
+
+def accept(candidate: dict, baseline: dict, cfg: AcceptConfig) -> Verdict:
+    """Accept when every configured tolerance holds; a NaN or infinite metric always fails."""
+    reasons: list[str] = []
+    m: dict[str, float] = {}
+    c_ppl, b_ppl = _num(candidate, "perplexity", "candidate"), _num(baseline, "perplexity", "baseline")
+    ratio = c_ppl / b_ppl if b_ppl > 0 else math.inf
+    m["gate_perplexity_ratio"] = ratio
+    m["gate_perplexity_delta"] = c_ppl - b_ppl
+    if not math.isfinite(c_ppl) or not ratio <= cfg.max_perplexity_ratio:
+        reasons.append(f"perplexity {c_ppl:.4g} is {ratio:.4f}x the baseline {b_ppl:.4g} > max_perplexity_ratio {cfg.max_perplexity_ratio}")
+    if cfg.max_perplexity_delta is not None and not (c_ppl - b_ppl) <= cfg.max_perplexity_delta:
+        reasons.append(f"perplexity {c_ppl:.4g} is {c_ppl - b_ppl:+.4g} over the baseline {b_ppl:.4g} > max_perplexity_delta {cfg.max_perplexity_delta}")
+    agr = float(candidate.get("top1_agreement", float("nan")))
+    m["gate_top1_agreement"] = agr
+    if not agr >= cfg.min_top1_agreement:
+        reasons.append(f"top-1 agreement {agr:.4f} < min_top1_agreement {cfg.min_top1_agreement}"
+                       + (" (not measured: evaluate with reference_artifact)" if math.isnan(agr) else ""))
+    if cfg.min_throughput_ratio is not None:
+        c_tps = _num(candidate, "decode_tokens_per_s", "candidate")
+        b_tps = _num(baseline, "decode_tokens_per_s", "baseline")
+        tr = c_tps / b_tps if b_tps > 0 else 0.0
+        m["gate_throughput_ratio"] = tr
+        if not tr >= cfg.min_throughput_ratio:
+            reasons.append(f"decode throughput {c_tps:.1f} tok/s is {tr:.3f}x the baseline {b_tps:.1f} < min_throughput_ratio {cfg.min_throughput_ratio}")
+    if cfg.max_size_ratio is not None:
+        sr = _num(candidate, "size_bytes", "candidate") / _num(baseline, "size_bytes", "baseline")
+        m["gate_size_ratio"] = sr
+        if not sr <= cfg.max_size_ratio:
+            reasons.append(f"size {candidate['size_bytes'] / 2**20:.1f} MiB is {sr:.3f}x the baseline > max_size_ratio {cfg.max_size_ratio}")
+    return Verdict(not reasons, reasons, m)
+
+
+@dataclass
+class AcceptanceResult:
+    verdict: Verdict
+    artifact: Path  # the last trial's artifact (the accepted one when verdict.accepted)
+    report: object  # compress.quantize.QuantReport of that trial
+    metrics: dict[str, float]  # evaluate_onnx of that trial
+    baseline: dict[str, float]
+    trials: list[dict]  # per trial: trial, float_groups, metrics, accepted, reasons
+
+
+def quantize_with_acceptance(
+    src_artifact: str | Path,
+    out_dir: str | Path,
+    calib_blocks: np.ndarray,
+    eval_blocks: np.ndarray,
+    qcfg: QuantizeConfig,
+    acfg: AcceptConfig,
+    baseline: dict | None = None,
+    threads: int | None = None,
+    on_trial: Callable[[int, dict], None] | None = None,
+    eval_kwargs: dict | None = None,
+) -> AcceptanceResult:
+    """Quantize `src_artifact` (the fp32 baseline, also the agreement reference) into out_dir until the gate accepts.
+
+    Trial 0 uses qcfg as is; each later trial keeps `relax_groups_per_trial` more groups in float, most
+    sensitive first (sensitivity scan results when qcfg.sensitivity_trials > 0, else the activation-range
+    proxy). Calibration runs once, on calib_blocks only; eval_blocks are used only for the gate.
+    on_trial(i, record) is called after every trial (for MLflow child runs).
+    """
+    from compress.evaluate import evaluate_onnx
+    from compress.quantize import Quantizer
+
+    src = Path(src_artifact)
+    out_dir = Path(out_dir)
+    ekw = dict(eval_kwargs or {})
+    if threads:
+        ekw.setdefault("threads", threads)
+    if baseline is None:
+        baseline = evaluate_onnx(src, eval_blocks, reference_artifact=src, **ekw)
+    q = Quantizer(src, calib_blocks, qcfg, threads=threads)
+    extra: list[str] = []
+    trials: list[dict] = []
+    for i in range(acfg.relax_trials + 1):
+        report = q.write(out_dir, extra)
+        metrics = evaluate_onnx(out_dir, eval_blocks, reference_artifact=src, **ekw)
+        verdict = accept(metrics, baseline, acfg)
+        rec = {"trial": i, "float_groups": list(report.float_linears), "extra_float_groups": list(extra),
+               "metrics": {**metrics, **report.metrics(), **verdict.metrics}, "accepted": verdict.accepted, "reasons": list(verdict.reasons)}
+        trials.append(rec)
+        if on_trial:
+            on_trial(i, rec)
+        if verdict.accepted or i == acfg.relax_trials:
+            break
+        already = set(extra)
+        quantized = {g for g in q.groups() if not any(l.group == g for l in q.selected(extra)[1])}
+        nxt = [g for g in q.float_groups_by_sensitivity() if g not in already and g in quantized][: acfg.relax_groups_per_trial]
+        if not nxt:
+            break  # nothing left to relax
+        extra += nxt
+    if not verdict.accepted:
+        verdict.reasons.append(f"rejected after {len(trials)} trial(s) of the accuracy-aware loop (accept.relax_trials={acfg.relax_trials})")
+    return AcceptanceResult(verdict, out_dir, report, metrics, baseline, trials)

@@ -1,0 +1,534 @@
+"""INT8 quantization of an exported decoder artifact: static W8A8 (QDQ), dynamic INT8, weight-only INT8.
+
+Entry point: `quantize_artifact(src_artifact, out_dir, calib_blocks, cfg) -> QuantReport`.
+`Quantizer` keeps the calibration statistics so the sensitivity scan and the
+accuracy-aware loop (compress/accept.py) can re-quantize without recalibrating.
+
+What is quantized: the linear MatMuls (B is a float initializer) found by
+compress.calibration.find_linears. Attention MatMuls (activation x activation)
+and the lm_head never get activation quantization; with quantize_embedding the
+tied embedding/lm_head table is stored once as 8-bit blocks and read by both a
+GatherBlockQuantized and a MatMulNBits (weight-only, float activations).
+
+Static W8A8 writes its own QDQ pairs (uint8 asymmetric per-tensor activations,
+int8 symmetric per-output-channel weights) from our own calibration, which is
+the graph ORT's quantizer would emit with nodes_to_quantize +
+OpTypesToExcludeOutputQuantization=['MatMul'], minus its calibrator's memory
+problem and its QDQ quirks (FACTS.md); ORT fuses DQ->MatMul into integer kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from compress.artifact import read_manifest, write_manifest
+from compress.calibration import ActStats, Linear, collect_stats, entropy_range, find_linears, percentile_range, prefill_feed
+from compress.config import QuantizeConfig
+from compress.smoothquant import apply_smoothquant, refresh_linears
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.onnx"
+_MS_DOMAIN = "com.microsoft"
+
+
+class QuantizeError(ValueError):
+    """A quantization request that cannot be carried out, phrased for the user."""
+
+
+# ---------------------------------------------------------------- CPU capability
+
+def has_vnni(cpuinfo: str | None = None) -> bool:
+    """True when the CPU has an 8-bit dot-product instruction (x86 VNNI, ARM dotprod).
+
+    Without it ORT's u8 x s8 kernels add pairs of products in int16 and saturate
+    (FACTS.md: perplexity 35k-2.1M instead of 17); 7-bit weights avoid that.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = set(re.findall(r"[a-z0-9_]+", " ".join(l for l in cpuinfo.splitlines() if l.lower().startswith(("flags", "features")))))
+    return bool(flags & {"avx512_vnni", "avx_vnni", "avxvnni", "amx_int8", "asimddp", "dotprod"})
+
+
+def resolve_reduce_range(cfg: QuantizeConfig) -> bool:
+    return (not has_vnni()) if cfg.reduce_range is None else bool(cfg.reduce_range)
+
+
+# ---------------------------------------------------------------- report
+
+@dataclass
+class QuantReport:
+    method: str
+    settings: dict
+    out_dir: str
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+    calib_seconds: float = 0.0
+    calib_blocks: int = 0
+    calib_sha256: str = ""
+    quantized_linears: int = 0
+    float_linears: list[str] = field(default_factory=list)  # modules kept in float
+    smoothed_tensors: int = 0
+    sensitivity: list[tuple[str, float]] = field(default_factory=list)  # (group, KL on calib blocks), most sensitive first
+    peak_rss_mb: float = 0.0
+
+    @property
+    def size_ratio(self) -> float:
+        return self.bytes_after / max(self.bytes_before, 1)
+
+    def metrics(self) -> dict[str, float]:
+        """Flat numbers for MLflow."""
+        return {
+            "quant_bytes_before": float(self.bytes_before),
+            "quant_bytes_after": float(self.bytes_after),
+            "quant_size_ratio": round(self.size_ratio, 4),
+            "quant_seconds": round(self.seconds, 2),
+            "quant_calib_seconds": round(self.calib_seconds, 2),
+            "quant_calib_blocks": float(self.calib_blocks),
+            "quant_linears_int8": float(self.quantized_linears),
+            "quant_linears_float": float(len(self.float_linears)),
+            "quant_smoothed_tensors": float(self.smoothed_tensors),
+            "quant_peak_rss_mb": round(self.peak_rss_mb, 1),
+        }
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["size_ratio"] = self.size_ratio
+        return d
+
+
+def _peak_rss_mb() -> float:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    except Exception:  # not on every platform
+        return 0.0
+
+
+def artifact_onnx_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).glob("model.onnx*"))
+
+
+# ---------------------------------------------------------------- graph edits
+
+def _weight_qdq(w: np.ndarray, per_channel: bool, reduce_range: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 weights [K, N], one scale per output channel N (or one for the tensor)."""
+    qmax = 64.0 if reduce_range else 127.0  # ORT's reduced int8 range is [-64, 64]
+    amax = np.abs(w).max(axis=0) if per_channel else np.array(np.abs(w).max())
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    q = np.clip(np.round(w / scale), -qmax, qmax).astype(np.int8)
+    return q, scale
+
+
+def _act_params(lo: float, hi: float) -> tuple[np.float32, np.uint8]:
+    """uint8 asymmetric: [lo, hi] (containing 0) onto [0, 255]."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if hi - lo < 1e-8:
+        hi = lo + 1e-8
+    scale = (hi - lo) / 255.0
+    zp = int(np.clip(round(-lo / scale), 0, 255))
+    return np.float32(scale), np.uint8(zp)
+
+
+def insert_qdq(model: onnx.ModelProto, linears: list[Linear], ranges: dict[str, tuple[float, float]],
+               per_channel: bool, reduce_range: bool) -> None:
+    """In place: Q/DQ on each linear's activation (shared by the linears that read it) and DQ on its int8 weight."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    todo = {l.node: l for l in linears}
+    act_done: dict[str, str] = {}
+    new_nodes = []
+    drop_inits: set[str] = set()
+    for n in g.node:
+        l = todo.get(n.name)
+        if l is not None:
+            a = n.input[0]
+            if a not in act_done:
+                if a not in ranges:
+                    raise QuantizeError(f"no calibration range for {a!r} (input of {l.module}); calibrate with the same model")
+                scale, zp = _act_params(*ranges[a])
+                s_name, z_name = f"{a}_scale", f"{a}_zero_point"
+                g.initializer.extend([numpy_helper.from_array(np.array(scale), s_name), numpy_helper.from_array(np.array(zp), z_name)])
+                new_nodes.append(helper.make_node("QuantizeLinear", [a, s_name, z_name], [f"{a}_quantized"], name=f"{a}_QuantizeLinear"))
+                new_nodes.append(helper.make_node("DequantizeLinear", [f"{a}_quantized", s_name, z_name], [f"{a}_dequantized"], name=f"{a}_DequantizeLinear"))
+                act_done[a] = f"{a}_dequantized"
+            w_name = n.input[1]
+            w = numpy_helper.to_array(inits[w_name])
+            q, scale = _weight_qdq(w, per_channel, reduce_range)
+            q_name, s_name, z_name = f"{w_name}_quantized", f"{w_name}_scale", f"{w_name}_zero_point"
+            g.initializer.extend([
+                numpy_helper.from_array(q, q_name),
+                numpy_helper.from_array(scale, s_name),
+                numpy_helper.from_array(np.zeros(scale.shape, np.int8), z_name),
+            ])
+            attrs = {"axis": 1} if per_channel else {}
+            new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [f"{w_name}_dequantized"], name=f"{w_name}_DequantizeLinear", **attrs))
+            n.input[0] = act_done[a]
+            n.input[1] = f"{w_name}_dequantized"
+            drop_inits.add(w_name)
+        new_nodes.append(n)
+    still = {i for n in new_nodes for i in n.input}
+    keep = [t for t in g.initializer if t.name not in drop_inits or t.name in still]
+    g.ClearField("initializer")
+    g.initializer.extend(keep)
+    g.ClearField("node")
+    g.node.extend(new_nodes)
+
+
+def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accuracy_level: int = 4) -> bool:
+    """Store the embedding table once as 8-bit blocks, shared by the token Gather and a tied lm_head.
+
+    Gather(E, ids)            -> GatherBlockQuantized(Eq[V, K/b, b]) -> Reshape [.., K]
+    MatMul(x, Transpose(E))   -> MatMulNBits(x, Eq) (weight-only, bits=8)
+    Returns False (model untouched) when the graph has no such pattern.
+    """
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    gather = next((n for n in g.node if n.op_type == "Gather" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2), None)
+    if gather is None:
+        return False
+    e_name = gather.input[0]
+    V, K = inits[e_name].dims
+    if K % block_size:
+        return False
+    consumers = [n for n in g.node if e_name in n.input]
+    transposes = [n for n in consumers if n.op_type == "Transpose"]
+    if len(consumers) != 1 + len(transposes):
+        return False
+    lm_heads = []
+    for t in transposes:
+        users = [n for n in g.node if t.output[0] in n.input]
+        if not all(u.op_type == "MatMul" and u.input[1] == t.output[0] for u in users):
+            return False
+        lm_heads += users
+    E = numpy_helper.to_array(inits[e_name]).astype(np.float32)
+    kb = K // block_size
+    Eb = E.reshape(V, kb, block_size)
+    scale = (np.abs(Eb).max(-1) / 127.0).astype(np.float32)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = (np.clip(np.round(Eb / scale[..., None]), -127, 127) + 128).astype(np.uint8)
+    qn = f"{e_name}_q8"
+    g.initializer.extend([
+        numpy_helper.from_array(q, qn),
+        numpy_helper.from_array(scale.reshape(V, kb, 1), f"{qn}_gather_scales"),
+        numpy_helper.from_array(np.full((V, kb, 1), 128, np.uint8), f"{qn}_gather_zero_points"),
+        numpy_helper.from_array(scale.reshape(-1), f"{qn}_matmul_scales"),
+        numpy_helper.from_array(np.array([0, 0, K], np.int64), f"{qn}_shape"),
+    ])
+    new_nodes = []
+    for n in g.node:
+        if n is gather:
+            out = n.output[0]
+            new_nodes.append(helper.make_node("GatherBlockQuantized", [qn, n.input[1], f"{qn}_gather_scales", f"{qn}_gather_zero_points"],
+                                              [f"{out}_blocks"], name=f"{n.name}_q8", domain=_MS_DOMAIN,
+                                              gather_axis=0, quantize_axis=2, block_size=block_size, bits=8))
+            new_nodes.append(helper.make_node("Reshape", [f"{out}_blocks", f"{qn}_shape"], [out], name=f"{n.name}_q8_reshape"))
+        elif n in transposes:
+            continue
+        elif n in lm_heads:
+            new_nodes.append(helper.make_node("MatMulNBits", [n.input[0], qn, f"{qn}_matmul_scales"], list(n.output), name=f"{n.name}_q8",
+                                              domain=_MS_DOMAIN, K=K, N=V, bits=8, block_size=block_size, accuracy_level=accuracy_level))
+        else:
+            new_nodes.append(n)
+    g.ClearField("node")
+    g.node.extend(new_nodes)
+    keep = [t for t in g.initializer if t.name != e_name]
+    g.ClearField("initializer")
+    g.initializer.extend(keep)
+    _ensure_ms_opset(model)
+    return True
+
+
+def _ensure_ms_opset(model: onnx.ModelProto) -> None:
+    if not any(o.domain == _MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(_MS_DOMAIN, 1))
+
+
+def _weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, accuracy_level: int) -> onnx.ModelProto:
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    if block_size & (block_size - 1):
+        raise QuantizeError(f"quantize.block_size must be a power of two >= 16 for weight_only, got {block_size}")
+    chosen = {l.node for l in linears}
+    # The quantizer takes every MatMul of the listed op types; exclude the rest by name.
+    exclude = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in chosen]
+    q = MatMulNBitsQuantizer(model, bits=8, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
+                             nodes_to_exclude=exclude, op_types_to_quantize=("MatMul",))
+    q.process()
+    return q.model.model
+
+
+def _dynamic(model: onnx.ModelProto, linears: list[Linear], per_channel: bool, reduce_range: bool) -> onnx.ModelProto:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory(prefix="quant_dyn_") as tmp:
+        src, dst = Path(tmp) / "in.onnx", Path(tmp) / "out.onnx"
+        _save(model, src)
+        quantize_dynamic(src, dst, op_types_to_quantize=["MatMul"], per_channel=per_channel, reduce_range=reduce_range,
+                         weight_type=QuantType.QInt8, nodes_to_quantize=[l.node for l in linears],
+                         extra_options={"MatMulConstBOnly": True})
+        return onnx.load(str(dst))
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # protobuf cannot serialize 2 GB; bigger models keep their weights in model.onnx.data
+    external = model.ByteSize() > 1_800_000_000
+    onnx.save_model(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
+                    location=path.name + ".data" if external else None)
+
+
+# ---------------------------------------------------------------- the quantizer
+
+def _matches(l: Linear, patterns: list[str]) -> bool:
+    return any(p and (p in l.module or p == l.node or p == l.group) for p in patterns)
+
+
+class Quantizer:
+    """Loads an fp32 artifact once, calibrates once, then builds quantized variants on demand."""
+
+    def __init__(self, src_artifact: str | Path, calib_blocks: np.ndarray | None, cfg: QuantizeConfig,
+                 threads: int | None = None, on_event: Callable[[str, dict], None] | None = None):
+        self.src = Path(src_artifact)
+        self.cfg = cfg
+        self.threads = threads
+        self.on_event = on_event or (lambda name, data: None)
+        self.manifest = read_manifest(self.src, verify=True)
+        self.onnx_path = self.src / self.manifest.get("onnx_file", MODEL_FILE)
+        self.model = onnx.load(str(self.onnx_path))
+        self.linears = find_linears(self.model)
+        if not self.linears:
+            raise QuantizeError(f"{self.onnx_path}: no MatMul with a constant 2-D weight; nothing to quantize")
+        self.reduce_range = resolve_reduce_range(cfg)
+        self.calib = None if calib_blocks is None else np.asarray(calib_blocks)[: cfg.calib_samples]
+        self.stats: dict[str, ActStats] = {}
+        self.inv_scales: dict[str, np.ndarray] = {}
+        self.smoothed = 0
+        self.ranges: dict[str, tuple[float, float]] = {}
+        self.calib_seconds = 0.0
+        self.calib_sha256 = ""
+        self.calib_fed = 0
+        self.sensitivity: list[tuple[str, float]] = []
+        self._prepared = False
+        needs_calib = cfg.method == "static" or cfg.smoothquant_alpha is not None
+        if needs_calib and (self.calib is None or len(self.calib) == 0):
+            raise QuantizeError(
+                f"quantize.method={cfg.method!r} with smoothquant_alpha={cfg.smoothquant_alpha} needs calibration blocks "
+                f"(the calib split); pass calib_blocks or set quantize.smoothquant_alpha: null for dynamic/weight_only"
+            )
+
+    # -- calibration + smoothing (once)
+    def prepare(self) -> None:
+        if self._prepared:
+            return
+        cfg = self.cfg
+        if self.calib is not None and (cfg.method == "static" or cfg.smoothquant_alpha is not None):
+            tensors = list(dict.fromkeys(l.input for l in self.linears))
+            hist = cfg.method == "static" and cfg.calibration in ("entropy", "percentile")
+            alpha = cfg.smoothquant_alpha
+            model = self.model
+            linears = self.linears
+
+            def smooth(stats: dict[str, ActStats]) -> dict[str, np.ndarray]:
+                if alpha is None:
+                    return {}
+                inv, rep = apply_smoothquant(model, linears, stats, alpha)
+                self.smoothed = len(rep)
+                self.on_event("smoothquant", {"tensors": len(rep), "max_before": max((r.max_before for r in rep), default=0.0),
+                                              "max_after": max((r.max_after for r in rep), default=0.0)})
+                return inv
+
+            kv_heads, head_dim = int(self.manifest["num_kv_heads"]), int(self.manifest["head_dim"])
+            res = collect_stats(self.model, tensors, self.calib, kv_heads, head_dim, histogram=hist,
+                                inv_scales=smooth, batch_size=cfg.calib_batch_size, threads=self.threads)
+            if not hist:
+                self.inv_scales = smooth(res.stats)
+            else:
+                self.inv_scales = {t: st.inv_scale for t, st in res.stats.items() if st.inv_scale is not None}
+            self.stats = res.stats
+            self.linears = refresh_linears(self.model, self.linears)
+            self.calib_seconds, self.calib_sha256, self.calib_fed = res.seconds, res.sha256, res.blocks
+            for t, st in self.stats.items():
+                if cfg.calibration == "percentile" and st.hist is not None:
+                    self.ranges[t] = percentile_range(st, cfg.percentile)
+                elif cfg.calibration == "entropy" and st.hist is not None:
+                    self.ranges[t] = entropy_range(st)
+                else:
+                    self.ranges[t] = st.range_after(self.inv_scales.get(t))
+            self.on_event("calibration", {"blocks": res.blocks, "seconds": res.seconds, "tensors": len(tensors)})
+        self._prepared = True
+
+    def groups(self) -> list[str]:
+        return list(dict.fromkeys(l.group for l in self.linears))
+
+    def selected(self, extra_float_groups: list[str] | tuple[str, ...] = ()) -> tuple[list[Linear], list[Linear]]:
+        """(linears to quantize, linears kept in float) under keep_float + the given groups."""
+        q, f = [], []
+        for l in self.linears:
+            (f if _matches(l, self.cfg.keep_float) or l.group in extra_float_groups else q).append(l)
+        return q, f
+
+    def build(self, linears: list[Linear], embedding: bool | None = None) -> onnx.ModelProto:
+        """A quantized copy of the (smoothed) model with exactly `linears` quantized."""
+        self.prepare()
+        cfg = self.cfg
+        model = copy.deepcopy(self.model)
+        if cfg.method == "static":
+            insert_qdq(model, linears, self.ranges, cfg.per_channel, self.reduce_range)
+        elif cfg.method == "dynamic":
+            model = _dynamic(model, linears, cfg.per_channel, self.reduce_range)
+        else:
+            model = _weight_only(model, linears, cfg.block_size, cfg.accuracy_level)
+        if cfg.quantize_embedding if embedding is None else embedding:
+            quantize_tied_embedding(model, cfg.block_size if cfg.block_size & (cfg.block_size - 1) == 0 else 32, cfg.accuracy_level)
+        return model
+
+    # -- sensitivity scan
+    def candidate_ranking(self) -> list[str]:
+        """Groups ordered by how badly per-tensor 8-bit fits their input: max channel range over the median one."""
+        self.prepare()
+        score: dict[str, float] = {}
+        q, _ = self.selected()
+        for l in q:
+            st = self.stats.get(l.input)
+            if st is None:
+                score[l.group] = 0.0
+                continue
+            am = st.absmax * (self.inv_scales.get(l.input, 1.0))
+            score[l.group] = max(score.get(l.group, 0.0), float(am.max() / max(np.median(am), 1e-12)))
+        return sorted(score, key=lambda g: -score[g])
+
+    def sensitivity_scan(self, trials: int | None = None, blocks: int | None = None) -> list[tuple[str, float]]:
+        """Quantize one group at a time; score = mean KL(float || group-quantized) on calib blocks. Most sensitive first."""
+        from compress.evaluate import _logits_batches, make_session
+
+        self.prepare()
+        trials = self.cfg.sensitivity_trials if trials is None else trials
+        if trials <= 0 or self.calib is None:
+            return []
+        data = self.calib[: blocks or self.cfg.sensitivity_blocks]
+        kv = (int(self.manifest["num_kv_heads"]), int(self.manifest["head_dim"]))
+        ref_sess = make_session(self.model, self.threads)
+        ref = [_log_softmax(x) for x in _logits_batches(ref_sess, data, *kv)]
+        del ref_sess
+        q, _ = self.selected()
+        by_group: dict[str, list[Linear]] = {}
+        for l in q:
+            by_group.setdefault(l.group, []).append(l)
+        results = []
+        for g in self.candidate_ranking()[:trials]:
+            t0 = time.perf_counter()
+            sess = make_session(self.build(by_group[g], embedding=False), self.threads)
+            kl, n = 0.0, 0
+            for r, x in zip(ref, _logits_batches(sess, data, *kv)):
+                lp = _log_softmax(x)
+                kl += float((np.exp(r) * (r - lp)).sum())
+                n += r.shape[0] * r.shape[1]
+            del sess
+            results.append((g, kl / max(n, 1)))
+            self.on_event("sensitivity", {"group": g, "kl": kl / max(n, 1), "seconds": time.perf_counter() - t0})
+        results.sort(key=lambda x: -x[1])
+        self.sensitivity = results
+        return results
+
+    def float_groups_by_sensitivity(self) -> list[str]:
+        """Every quantizable group, most sensitive first: scanned ones by KL, then the rest by the range proxy."""
+        scanned = [g for g, _ in self.sensitivity]
+        return scanned + [g for g in self.candidate_ranking() if g not in scanned]
+
+    # -- write an artifact
+    def write(self, out_dir: str | Path, extra_float_groups: list[str] | tuple[str, ...] = ()) -> QuantReport:
+        t0 = time.perf_counter()
+        self.prepare()
+        cfg = self.cfg
+        if cfg.sensitivity_trials and not self.sensitivity:
+            self.sensitivity_scan()
+        extra = list(extra_float_groups) + [g for g, _ in self.sensitivity[: cfg.sensitivity_keep]]
+        q, f = self.selected(extra)
+        model = self.build(q)
+        out_dir = Path(out_dir)
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        onnx_file = self.manifest.get("onnx_file", MODEL_FILE)
+        for p in self.src.iterdir():
+            if p.is_file() and p.name != "manifest.json" and not p.name.startswith(Path(onnx_file).name):
+                shutil.copy2(p, tmp / p.name)
+        _save(model, tmp / onnx_file)
+        del model
+        settings = self.settings(extra)
+        fields = {k: v for k, v in self.manifest.items() if k not in ("files", "manifest_version")}
+        fields["quantization"] = settings
+        fields["source_artifact_sha256"] = self.manifest.get("files", {}).get(onnx_file, {}).get("sha256")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+        write_manifest(out_dir, fields)
+        report = QuantReport(
+            method=cfg.method, settings=settings, out_dir=str(out_dir),
+            bytes_before=artifact_onnx_bytes(self.src), bytes_after=artifact_onnx_bytes(out_dir),
+            seconds=time.perf_counter() - t0 + self.calib_seconds, calib_seconds=self.calib_seconds,
+            calib_blocks=self.calib_fed, calib_sha256=self.calib_sha256, quantized_linears=len(q),
+            float_linears=[l.module for l in f], smoothed_tensors=self.smoothed, sensitivity=list(self.sensitivity),
+            peak_rss_mb=_peak_rss_mb(),
+        )
+        return report
+
+    def settings(self, extra_float_groups: list[str] | tuple[str, ...] = ()) -> dict:
+        cfg = self.cfg
+        s = {
+            "method": cfg.method,
+            "weights": "int8 symmetric " + ("per-channel" if cfg.per_channel else "per-tensor") if cfg.method != "weight_only"
+            else f"int8 block-wise (block {cfg.block_size}, MatMulNBits accuracy_level {cfg.accuracy_level})",
+            "reduce_range": self.reduce_range,
+            "cpu_vnni": has_vnni(),
+            "smoothquant_alpha": cfg.smoothquant_alpha,
+            "keep_float": list(cfg.keep_float),
+            "float_groups": list(extra_float_groups),
+            "embedding": "int8 block-wise, shared by Gather and lm_head" if cfg.quantize_embedding else "float",
+            "calib_blocks": self.calib_fed,
+            "calib_sha256": self.calib_sha256,
+        }
+        if cfg.method == "static":
+            s["activations"] = "uint8 asymmetric per-tensor (static)"
+            s["calibration"] = cfg.calibration
+            if cfg.calibration == "percentile":
+                s["percentile"] = cfg.percentile
+        elif cfg.method == "dynamic":
+            s["activations"] = "uint8 per-tensor, range per call (dynamic)"
+        return s
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float32)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def quantize_artifact(src_artifact: str | Path, out_dir: str | Path, calib_blocks: np.ndarray | None, cfg: QuantizeConfig,
+                      threads: int | None = None, on_event: Callable[[str, dict], None] | None = None) -> QuantReport:
+    """Quantize the fp32 artifact in `src_artifact` into a complete new artifact folder `out_dir`.
+
+    calib_blocks: the calib split ([n, block] int64); only its first cfg.calib_samples blocks are used.
+    on_event(name, data): progress for the caller's logging (calibration, smoothquant, sensitivity).
+    """
+    return Quantizer(src_artifact, calib_blocks, cfg, threads=threads, on_event=on_event).write(out_dir)
