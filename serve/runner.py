@@ -1,0 +1,289 @@
+"""One forward step of a scheduled batch on an ONNX Runtime session, over the paged KV pool.
+
+Attention layout ``standard`` (any exported graph: ``past_key_values.N.key/value`` in,
+``present.N.key/value`` out). The graph wants one dense past tensor per layer, so each
+call *gathers* every row's blocks into right-padded past tensors, runs, and *scatters*
+the new K/V back into the blocks.
+
+Storage
+  ``pool``: one array ``[2 x layers, num_blocks, kv_heads, block_size, head_dim]``;
+  ``pool[2l]`` is layer l's K and ``pool[2l+1]`` its V, each ``[num_blocks, kv_heads, block_size, head_dim]``.
+
+Batching
+  Rows of one call must have the same number of new tokens (the graph has one ``seq``
+  axis). Decode rows (1 token) all go in one call; prefill chunks are grouped by length
+  and equal-length chunks share a call (usually each chunk runs alone). Padding prefill
+  chunks to one length would waste compute on pad tokens and, worse, make every decode
+  row in a mixed batch pay for the longest chunk, so we do not.
+
+Past tensors (per call group, reused across steps)
+  One buffer ``[2 x layers, B_cap, kv_heads, P, head_dim]``; the call passes
+  ``buf[j, :B]``, a contiguous view, as layer j's past. ``P`` is the longest row's past
+  rounded up to a whole block. Row r holds its sequence's positions ``[0, len_r)`` then
+  stale padding up to ``P``; ``attention_mask`` is 1 for ``[0, len_r)`` and for the new
+  tokens (which the graph appends after slot ``P``), 0 for the padding, and
+  ``position_ids`` are the true positions ``len_r + i``, so RoPE and the causal mask see
+  the same thing as an unpadded batch-1 run.
+  Rows remember which sequence (and admission epoch) they hold and how much of it is
+  valid: a sequence that keeps its row from one step to the next only needs the new
+  token written (which the scatter does), not a fresh gather. A full re-gather happens
+  when the buffer's shape changes (every ``block_size`` steps of the longest row, or
+  when the batch grows), so the gather cost is amortised over a block.
+  The buffer memory is a flat array that only grows; views of it are re-shaped in
+  place, so steady state allocates nothing (fresh arrays per step cost ~50x the page
+  faults on this project's CPU, FACTS.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class RunnerError(RuntimeError):
+    pass
+
+
+@dataclass
+class RunRow:
+    """One sequence's share of a step."""
+
+    key: Hashable  # identifies the sequence's K/V content (request id + admission epoch)
+    block_table: Sequence[int]
+    start: int  # tokens already in the cache = first new position
+    token_ids: Sequence[int]  # the new tokens, positions start .. start+n-1
+    want_logits: bool = True
+
+
+def choose_providers(requested: Sequence[str]) -> list[str]:
+    """Requested providers this onnxruntime build has; CPU always last as the fallback."""
+    import onnxruntime as ort
+
+    available = set(ort.get_available_providers())
+    chosen = [p for p in requested if p in available and p != CPU]
+    missing = [p for p in requested if p not in available]
+    if missing:
+        log.info("execution providers not in this onnxruntime build, skipped: %s", ", ".join(missing))
+    return [*chosen, CPU]
+
+
+def make_session(model_path: str | Path, providers: Sequence[str], intra_op_threads: int = 0):
+    """An InferenceSession on the first requested provider that actually works, else CPU.
+
+    onnxruntime-gpu lists CUDA as available even without a GPU or CUDA libraries, then
+    falls back to CPU at session creation; we check which provider the session really got.
+    """
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if intra_op_threads > 0:
+        opts.intra_op_num_threads = intra_op_threads
+    chosen = choose_providers(providers)
+    sess = None
+    if chosen != [CPU]:
+        prev = ort.get_default_logger_severity() if hasattr(ort, "get_default_logger_severity") else 2
+        ort.set_default_logger_severity(4)  # the failed CUDA load would log errors; we log our own line
+        try:
+            sess = ort.InferenceSession(str(model_path), sess_options=opts, providers=chosen)
+        except Exception as e:  # noqa: BLE001 - any provider failure means: fall back
+            log.warning("session with %s failed (%s: %s); falling back to CPU", chosen, type(e).__name__, e)
+            sess = None
+        finally:
+            ort.set_default_logger_severity(prev)
+        if sess is not None and sess.get_providers()[0] == CPU:
+            log.warning("%s requested but unusable here (no GPU or CUDA/cuDNN libraries); running on CPU",
+                        ", ".join(chosen[:-1]))
+    if sess is None:
+        sess = ort.InferenceSession(str(model_path), sess_options=opts, providers=[CPU])
+    log.info("onnxruntime session on %s (onnxruntime %s)", sess.get_providers()[0], ort.__version__)
+    return sess
+
+
+class _PastBuffer:
+    """Reusable right-padded past tensors for one call group, with per-row content tracking."""
+
+    def __init__(self, n_kv: int, heads: int, head_dim: int, block_size: int, dtype):
+        self.n_kv, self.heads, self.head_dim, self.bs, self.dtype = n_kv, heads, head_dim, block_size, dtype
+        self.flat = np.zeros(0, dtype=dtype)
+        self.view: np.ndarray | None = None
+        self.shape_key: tuple[int, int] = (0, -1)  # (B_cap, P)
+        self.rows: list[tuple[Hashable, int]] = []  # per row: (key, valid positions)
+        self.gathered_tokens = 0  # counter: positions copied from the pool (cost indicator)
+        self.reshapes = 0
+
+    def prepare(self, rows: Sequence[RunRow], pool: np.ndarray) -> tuple[list[int], int]:
+        """Place rows into buffer slots and make their pasts valid. Returns (slot per row, P)."""
+        bs = self.bs
+        max_past = max(r.start for r in rows)
+        P = -(-max_past // bs) * bs
+        B = len(rows)
+        b_cap = max(B, self.shape_key[0])
+        if (b_cap, P) != self.shape_key:
+            need = self.n_kv * b_cap * self.heads * P * self.head_dim
+            if need > self.flat.size:
+                self.flat = np.zeros(max(need, int(self.flat.size * 1.25)), dtype=self.dtype)
+            self.view = self.flat[:need].reshape(self.n_kv, b_cap, self.heads, P, self.head_dim)
+            self.shape_key = (b_cap, P)
+            self.rows = [(None, 0)] * b_cap
+            self.reshapes += 1
+        # Keep a sequence in the slot it had if that slot is in [0, B); others take the remaining slots.
+        prev = {key: (slot, valid) for slot, (key, valid) in enumerate(self.rows) if key is not None and slot < B}
+        slots: list[int | None] = [None] * B
+        taken = set()
+        for i, r in enumerate(rows):
+            hit = prev.get(r.key)
+            if hit is not None:
+                slots[i] = hit[0]
+                taken.add(hit[0])
+        free = iter(s for s in range(B) if s not in taken)
+        for i in range(B):
+            if slots[i] is None:
+                slots[i] = next(free)
+        view = self.view
+        for i, r in enumerate(rows):
+            slot = slots[i]
+            key, valid = self.rows[slot]
+            if key != r.key:
+                valid = 0
+            valid = min(valid, r.start)
+            if valid < r.start:
+                j0, j1 = valid // bs, -(-r.start // bs)
+                blocks = np.asarray(r.block_table[j0:j1], dtype=np.intp)
+                g = pool[:, blocks]  # [n_kv, nb, H, bs, D]
+                dst = view[:, slot, :, j0 * bs:j1 * bs, :].reshape(self.n_kv, self.heads, j1 - j0, bs, self.head_dim)
+                assert np.may_share_memory(dst, view), "splitting one axis must give a view"
+                np.copyto(dst, g.transpose(0, 2, 1, 3, 4))
+                self.gathered_tokens += r.start - valid
+            self.rows[slot] = (r.key, r.start)
+        return slots, P  # type: ignore[return-value]
+
+
+class Runner:
+    """Owns the ORT session and the KV pool; ``execute`` runs one scheduled step."""
+
+    def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
+                 providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0):
+        layout = manifest.get("attention_layout", "standard")
+        if layout != "standard":
+            raise RunnerError(f"attention layout {layout!r} is not supported by this runner (only 'standard')")
+        kv_dtype = manifest.get("kv_dtype", "float32")
+        if kv_dtype not in _NP_DTYPES:
+            raise RunnerError(f"kv_dtype {kv_dtype!r} not supported (have {sorted(_NP_DTYPES)})")
+        self.dtype = _NP_DTYPES[kv_dtype]
+        self.num_layers = int(manifest["num_layers"])
+        self.kv_heads = int(manifest["num_kv_heads"])
+        self.head_dim = int(manifest["head_dim"])
+        self.vocab_size = int(manifest["vocab_size"])
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        io = manifest.get("io") or {}
+        self.past_names = [n for n in io.get("inputs", []) if n.startswith("past_key_values.")]
+        self.present_names = [n for n in io.get("outputs", []) if n.startswith("present.")]
+        if len(self.past_names) != 2 * self.num_layers or len(self.present_names) != 2 * self.num_layers:
+            raise RunnerError("manifest io names do not list past/present K and V for every layer")
+        self.session = make_session(Path(artifact_dir) / manifest.get("onnx_file", "model.onnx"), providers,
+                                    intra_op_threads)
+        self.provider = self.session.get_providers()[0]
+        self.output_names = ["logits", *self.present_names]
+        n_kv = 2 * self.num_layers
+        self.pool = np.zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), dtype=self.dtype)
+        self._decode_buf = _PastBuffer(n_kv, self.kv_heads, self.head_dim, block_size, self.dtype)
+        self._prefill_buf = _PastBuffer(n_kv, self.kv_heads, self.head_dim, block_size, self.dtype)
+        self.calls = 0
+        self.run_seconds = 0.0  # inside session.run
+        self.step_seconds = 0.0  # whole execute (gather + run + scatter)
+
+    def k_cache(self, layer: int) -> np.ndarray:
+        return self.pool[2 * layer]
+
+    def v_cache(self, layer: int) -> np.ndarray:
+        return self.pool[2 * layer + 1]
+
+    @property
+    def gathered_tokens(self) -> int:
+        return self._decode_buf.gathered_tokens + self._prefill_buf.gathered_tokens
+
+    def execute(self, rows: Sequence[RunRow]) -> list[np.ndarray | None]:
+        """Compute the rows' new tokens, write their K/V to the pool; last-position logits per row."""
+        t0 = time.perf_counter()
+        out: list[np.ndarray | None] = [None] * len(rows)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            if len(r.token_ids) < 1:
+                raise RunnerError("a scheduled row has no tokens")
+            groups.setdefault(len(r.token_ids), []).append(i)
+        for n, idx in sorted(groups.items()):
+            buf = self._decode_buf if n == 1 else self._prefill_buf
+            logits = self._run_group([rows[i] for i in idx], n, buf)
+            for k, i in enumerate(idx):
+                out[i] = logits[k] if rows[i].want_logits else None
+        self.step_seconds += time.perf_counter() - t0
+        return out
+
+    def _run_group(self, rows: list[RunRow], n: int, buf: _PastBuffer) -> list[np.ndarray]:
+        bs = self.block_size
+        slots, P = buf.prepare(rows, self.pool)
+        B = len(rows)
+        order = sorted(range(B), key=lambda i: slots[i])  # rows by slot, so slot k is batch row k
+        starts = np.array([rows[i].start for i in order], dtype=np.int64)
+        input_ids = np.array([list(rows[i].token_ids) for i in order], dtype=np.int64).reshape(B, n)
+        position_ids = starts[:, None] + np.arange(n, dtype=np.int64)[None, :]
+        mask = np.zeros((B, P + n), dtype=np.int64)
+        mask[:, :P] = np.arange(P)[None, :] < starts[:, None]
+        mask[:, P:] = 1
+        feeds = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
+        view = buf.view
+        for j, name in enumerate(self.past_names):
+            feeds[name] = view[j, :B]
+        t = time.perf_counter()
+        outputs = self.session.run(self.output_names, feeds)
+        self.run_seconds += time.perf_counter() - t
+        self.calls += 1
+        logits, presents = outputs[0], outputs[1:]
+        # Scatter the new K/V ([B, H, n, D] at slots P..P+n of each present) into the pool and the buffer rows.
+        new = np.stack([p[:, :, P:P + n, :] for p in presents])  # [n_kv, B, H, n, D]
+        if n == 1:
+            tables = [rows[i].block_table for i in order]
+            blk = np.array([tables[k][starts[k] // bs] for k in range(B)], dtype=np.intp)
+            off = (starts % bs).astype(np.intp)
+            vals = new[:, :, :, 0, :].transpose(1, 0, 2, 3)  # [B, n_kv, H, D]
+            self.pool[:, blk, :, off, :] = vals
+            inside = starts < P
+            if inside.any():
+                k = np.nonzero(inside)[0]
+                view[:, k, :, starts[k], :] = vals[k]
+        else:
+            for k in range(B):
+                r = rows[order[k]]
+                s = int(starts[k])
+                pos = s
+                while pos < s + n:
+                    b = r.block_table[pos // bs]
+                    o = pos % bs
+                    m = min(bs - o, s + n - pos)
+                    self.pool[:, b, :, o:o + m, :] = new[:, k, :, pos - s:pos - s + m, :]
+                    pos += m
+                m = min(P, s + n) - s
+                if m > 0:
+                    view[:, k, :, s:s + m, :] = new[:, k, :, :m, :]
+        for k in range(B):
+            key, _ = buf.rows[k]
+            buf.rows[k] = (key, min(int(starts[k]) + n, P))
+        last = logits[:, -1, :]
+        result: list[np.ndarray] = [None] * B  # type: ignore[list-item]
+        for k in range(B):
+            result[order[k]] = last[k]
+        return result

@@ -1,0 +1,246 @@
+"""Scheduler policy without a model: a fake step commits the scheduled tokens and 'samples' a token."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve.kv_cache import BlockManager
+from serve.sampling import SamplingParams
+from serve.scheduler import (
+    AdmissionError,
+    QueueFullError,
+    RequestTooLargeError,
+    Scheduler,
+    Sequence,
+    SeqStatus,
+)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(num_blocks=64, block_size=4, **kw):
+    clock = Clock()
+    bm = BlockManager(num_blocks, block_size)
+    kw.setdefault("max_model_len", 4096)
+    return Scheduler(bm, clock=clock, **kw), clock
+
+
+def seq(rid, n_prompt, max_tokens=4, arrival=0.0, first=1):
+    return Sequence(rid, list(range(first, first + n_prompt)), SamplingParams.greedy(max_tokens), arrival=arrival)
+
+
+def fake_step(s: Scheduler, out, finished: list | None = None):
+    """Commit every row; rows that reach the end of their tokens get a new token; finish at max_tokens."""
+    for row in out.scheduled:
+        s.commit(row)
+        q = row.seq
+        if row.samples:
+            q.token_ids.append(1000 + q.num_output)
+            if q.num_output >= q.params.max_tokens:
+                s.finish(q, "length")
+                if finished is not None:
+                    finished.append(q)
+
+
+def run_all(s: Scheduler, max_steps=10_000, check=None):
+    outs = []
+    for _ in range(max_steps):
+        if not s.has_work():
+            return outs
+        out = s.schedule()
+        assert not out.empty, "work left but nothing scheduled"
+        if check:
+            check(out)
+        fake_step(s, out)
+        s.bm.check_invariants()
+        outs.append(out)
+    raise AssertionError("did not finish")
+
+
+def test_budget_and_batch_size_are_respected():
+    s, _ = make(max_num_batched_tokens=16, max_batch_size=3)
+    for i in range(6):
+        s.add(seq(f"r{i}", 7 + i, max_tokens=5, arrival=i))
+
+    def check(out):
+        assert out.num_tokens <= 16
+        assert len(out.scheduled) <= 3
+        assert len({id(r.seq) for r in out.scheduled}) == len(out.scheduled)
+
+    run_all(s, check=check)
+    assert s.bm.num_used == 0
+
+
+def test_decodes_first_then_chunked_prefill_of_a_long_prompt():
+    s, clock = make(num_blocks=128, max_num_batched_tokens=8, max_batch_size=8)
+    for i in range(3):
+        s.add(seq(f"short{i}", 2, max_tokens=30, arrival=i))
+    out = s.schedule()
+    fake_step(s, out)
+    assert all(s.running[i].num_uncomputed == 1 for i in range(3))  # all three in decode now
+    clock.t = 10
+    s.add(seq("long", 40, max_tokens=2, arrival=10))
+    chunks = []
+    while any(q.request_id == "long" for q in s.waiting) or any(
+            q.request_id == "long" and q.is_prefill for q in s.running):
+        out = s.schedule()
+        ids = [r.seq.request_id for r in out.scheduled]
+        # every running decode is scheduled, ahead of the prefill chunk
+        assert ids[:3] == ["short0", "short1", "short2"]
+        assert all(r.num_tokens == 1 for r in out.scheduled[:3])
+        long_rows = [r for r in out.scheduled if r.seq.request_id == "long"]
+        assert len(long_rows) == 1 and long_rows[0].num_tokens == 5  # 8 - 3 decodes
+        chunks.append(long_rows[0].num_tokens)
+        fake_step(s, out)
+    assert sum(chunks) == 40 and len(chunks) == 8
+    run_all(s)
+
+
+def test_preemption_frees_youngest_and_everything_completes():
+    # 10 blocks of 4 tokens = 40 token slots; 4 requests of 8 + 12 tokens need 20 each.
+    s, _ = make(num_blocks=10, block_size=4, max_num_batched_tokens=64, max_batch_size=8)
+    for i in range(4):
+        s.add(seq(f"r{i}", 8, max_tokens=12, arrival=i, first=10 * i + 1))
+    preempted = []
+    finished = []
+    for _ in range(1000):
+        if not s.has_work():
+            break
+        out = s.schedule()
+        for v in out.preempted:
+            # the victim is the youngest running (latest arrival) at that moment
+            assert all(q.arrival <= v.arrival for q in s.running)
+            preempted.append(v.request_id)
+        fake_step(s, out, finished)
+        s.bm.check_invariants()
+    assert not s.has_work()
+    assert preempted, "a pool this small must preempt"
+    assert s.num_preemptions == len(preempted)
+    assert sorted(q.request_id for q in finished) == ["r0", "r1", "r2", "r3"]
+    for q in finished:
+        assert q.output_ids == [1000 + k for k in range(12)]
+    assert s.bm.num_used == 0
+    # the oldest request is never preempted
+    assert "r0" not in preempted
+
+
+def test_no_admission_in_a_step_that_preempted():
+    s, _ = make(num_blocks=5, block_size=2, max_num_batched_tokens=64, max_batch_size=8)
+    s.add(seq("a", 4, max_tokens=5, arrival=0))
+    s.add(seq("b", 4, max_tokens=5, arrival=1, first=50))
+    out = s.schedule()
+    fake_step(s, out)  # a and b hold 2 blocks each, 1 free
+    assert s.bm.num_free == 1
+    out = s.schedule()  # a takes the last block; b needs one -> b (youngest) is preempted and not re-admitted
+    assert [v.request_id for v in out.preempted] == ["b"]
+    assert [r.seq.request_id for r in out.scheduled] == ["a"]
+    assert s.waiting[0].request_id == "b" and s.waiting[0].num_computed == 0
+
+
+def test_preempted_sequence_is_recomputed_from_prefix_cache():
+    s, _ = make(num_blocks=6, block_size=2, max_num_batched_tokens=64, max_batch_size=8)
+    s.add(seq("a", 4, max_tokens=6, arrival=0))
+    s.add(seq("b", 4, max_tokens=6, arrival=1, first=50))
+    hits0 = s.bm.prefix_hits
+    run_all(s)
+    assert s.num_preemptions >= 1
+    assert s.bm.prefix_hits > hits0  # the victim's blocks were still cached when it came back
+
+
+def test_max_wait_aging_blocks_bypass():
+    """A request that does not fit yet may be passed by smaller ones only until it has waited max_wait_s."""
+
+    def scenario(t_last):
+        s, clock = make(num_blocks=8, block_size=4, max_num_batched_tokens=64, max_batch_size=8, max_wait_s=5.0,
+                        watermark=0.0)
+        s.add(seq("hog", 20, max_tokens=3, arrival=0))  # 5 blocks, 6 with its outputs
+        fake_step(s, s.schedule())
+        s.add(seq("big", 16, max_tokens=4, arrival=1, first=100))  # needs 4 blocks: never fits next to hog
+        s.add(seq("small", 2, max_tokens=2, arrival=2, first=40))  # needs 1
+        clock.t = 3  # big is young: small passes it
+        out = s.schedule()
+        assert [r.seq.request_id for r in out.scheduled] == ["hog", "small"]
+        fake_step(s, out)
+        s.add(seq("small2", 2, max_tokens=2, arrival=3, first=60))
+        assert s.bm.num_free == 1  # room for small2, not for big
+        clock.t = t_last
+        out = s.schedule()
+        run_all(s)
+        return [r.seq.request_id for r in out.scheduled]
+
+    assert "small2" in scenario(t_last=4)  # big waited 3 s < 5 s: small2 passes it
+    assert "small2" not in scenario(t_last=7)  # big waited 6 s: nothing passes it
+
+
+def test_shortest_first_policy_and_aged_first():
+    s, clock = make(max_num_batched_tokens=12, max_batch_size=1, policy="shortest_first", max_wait_s=5.0)
+    s.add(seq("long", 10, arrival=0))
+    s.add(seq("short", 3, arrival=1))
+    clock.t = 2
+    assert s.schedule().scheduled[0].seq.request_id == "short"
+
+    s, clock = make(max_num_batched_tokens=12, max_batch_size=1, policy="shortest_first", max_wait_s=5.0)
+    s.add(seq("long", 10, arrival=0))
+    s.add(seq("short", 3, arrival=1))
+    clock.t = 6  # long has aged: it goes first
+    assert s.schedule().scheduled[0].seq.request_id == "long"
+
+    s, clock = make(max_num_batched_tokens=12, max_batch_size=1, policy="fcfs")
+    s.add(seq("long", 10, arrival=0))
+    s.add(seq("short", 3, arrival=1))
+    assert s.schedule().scheduled[0].seq.request_id == "long"
+    with pytest.raises(ValueError, match="policy"):
+        make(policy="random")
+
+
+def test_admission_errors():
+    s, _ = make(num_blocks=8, block_size=4, max_waiting=2, max_model_len=64)
+    with pytest.raises(RequestTooLargeError, match="context of 64"):
+        s.add(seq("ctx", 60, max_tokens=10))
+    with pytest.raises(RequestTooLargeError, match="KV cache of 32 tokens"):
+        s.add(seq("pool", 30, max_tokens=10))
+    with pytest.raises(RequestTooLargeError, match="empty"):
+        s.add(Sequence("e", [], SamplingParams.greedy(2), arrival=0))
+    s.add(seq("a", 4))
+    s.add(seq("b", 4))
+    with pytest.raises(QueueFullError, match="waiting queue is full") as ei:
+        s.add(seq("c", 4))
+    assert ei.value.http_status == 429 and ei.value.retry_after_s > 0
+    assert RequestTooLargeError("x").http_status == 400
+    assert issubclass(QueueFullError, AdmissionError) and issubclass(RequestTooLargeError, AdmissionError)
+    # exactly fitting the pool is fine: 28 + 4 = 32 tokens = 8 blocks
+    s2, _ = make(num_blocks=8, block_size=4, max_model_len=64)
+    s2.add(seq("fit", 28, max_tokens=4))
+    run_all(s2)
+
+
+def test_finish_while_waiting_and_running_returns_blocks():
+    s, _ = make(num_blocks=16, max_num_batched_tokens=4, max_batch_size=4)
+    a, b = seq("a", 10, arrival=0), seq("b", 3, arrival=1)
+    s.add(a)
+    s.add(b)
+    fake_step(s, s.schedule())  # a takes the whole budget; b waits
+    assert a.status is SeqStatus.RUNNING and b.status is SeqStatus.WAITING
+    assert s.bm.num_used > 0
+    s.finish(a, "cancelled")
+    s.finish(b, "cancelled")
+    assert not s.has_work() and s.bm.num_used == 0
+    s.bm.check_invariants()
+
+
+def test_prefix_hit_skips_computed_tokens_but_keeps_one():
+    s, _ = make(num_blocks=32, block_size=4, max_num_batched_tokens=64)
+    s.add(seq("a", 12, max_tokens=1, arrival=0))
+    run_all(s)
+    s.add(seq("b", 12, max_tokens=1, arrival=1))  # identical prompt: 3 full blocks cached
+    out = s.schedule()
+    row = out.scheduled[0]
+    # 12 tokens = 3 full blocks, but the last token must be computed for its logits -> 2 blocks reused
+    assert row.start == 8 and row.num_tokens == 4 and row.samples
+    assert row.seq.num_cached_prompt_tokens == 8
