@@ -87,6 +87,13 @@ def greedy(sess, prompt: Sequence[int], steps: int, num_kv_heads: int, head_dim:
     return tokens, times
 
 
+def prefill_logits(artifact_dir: str | Path, blocks: np.ndarray, batch_size: int = 4, threads: int | None = None) -> np.ndarray:
+    """Logits [n, block, vocab] of an artifact over token blocks (past = 0)."""
+    path, man = _artifact(artifact_dir)
+    sess = make_session(path, threads)
+    return np.concatenate(list(_logits_batches(sess, np.asarray(blocks, np.int64), int(man["num_kv_heads"]), int(man["head_dim"]), batch_size)))
+
+
 def _golden_pairs(golden) -> list[tuple[list[int], list[int]]]:
     pairs = []
     for g in golden:

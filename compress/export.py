@@ -9,6 +9,7 @@ Why dynamo is the default exporter: docs/export.md.
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import shutil
@@ -143,9 +144,63 @@ def export_onnx(model: nn.Module, out_dir: str | Path, exporter: str = "dynamo",
         raise
     except Exception as e:
         raise ExportError(f"{exporter} export of {info['architecture']} failed: {type(e).__name__}: {e}") from e
+    if exporter == "dynamo":
+        name_linear_nodes(path)
     seconds = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in out_dir.glob("model.onnx*"))
     return ExportResult(out_dir, path, seconds, size, exporter)
+
+
+def _module_path(node) -> str | None:
+    """The torch module a node came from (dynamo records it in the name_scopes metadata)."""
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            scopes = ast.literal_eval(prop.value)
+            if len(scopes) >= 2:
+                path = scopes[-2]
+                return path[len("model."):] if path.startswith("model.") else path
+    return None
+
+
+def name_linear_nodes(onnx_path: Path) -> int:
+    """Give every Linear's MatMul and weight its module name (dynamo's optimizer leaves val_N / node_linear_N).
+
+    Pruning checks, quantization exclusions ("down_proj") and sensitivity scans select by these names.
+    Weights are stored transposed ([in, out]) for MatMul, hence the ``.weight_t`` suffix.
+    """
+    import onnx
+
+    model = onnx.load(str(onnx_path))
+    inits = {i.name: i for i in model.graph.initializer}
+    users: dict[str, int] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            users[i] = users.get(i, 0) + 1
+    renamed = {}
+    for n in model.graph.node:
+        if n.op_type not in ("MatMul", "Gemm"):
+            continue
+        path = _module_path(n)
+        if not path or not path.split(".")[-1].endswith(("proj", "lm_head", "fc1", "fc2", "dense")):
+            continue
+        n.name = f"/{path.replace('.', '/')}/{n.op_type}"
+        w = n.input[1]
+        if w in inits and users.get(w) == 1 and w not in renamed:
+            renamed[w] = f"{path}.weight_t"
+    for old, new in renamed.items():
+        inits[old].name = new
+    for n in model.graph.node:
+        for k, i in enumerate(n.input):
+            if i in renamed:
+                n.input[k] = renamed[i]
+    external = any(i.data_location == onnx.TensorProto.EXTERNAL for i in model.graph.initializer) or \
+        model.ByteSize() > 1800 * 2**20
+    if external:
+        onnx.save(model, str(onnx_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=onnx_path.name + ".data")
+    else:
+        onnx.save(model, str(onnx_path))
+    return len(renamed)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

@@ -88,6 +88,10 @@ def _tiny_folder(source: str, cache_root: Path) -> Path:
 def resolve_source(source: str, gguf_file: str | None, cache_dir: str | Path) -> str:
     """Turn model.source into something from_pretrained takes without network: a folder or a hub id."""
     cache_root = Path(cache_dir)
+    if not cache_root.is_absolute():
+        from compress.config import project_root
+
+        cache_root = project_root() / cache_root
     if source.startswith("tiny"):
         return str(_tiny_folder(source, cache_root))
     if source == "embedded":

@@ -41,8 +41,10 @@ def configure(tracking_uri: str | None = None, experiment: str | None = None) ->
         exp = mlflow.get_experiment_by_name(experiment)
         if exp is None:
             location = None
-            if uri.startswith("sqlite:"):
-                location = (project_root() / "mlruns" / "artifacts" / experiment).as_uri()
+            if uri.startswith("sqlite:///"):
+                # Artifacts beside the database (absolute), not in whatever the cwd happens to be.
+                db = Path(uri[len("sqlite:///"):])
+                location = (db.parent / "artifacts" / experiment).as_uri()
             mlflow.create_experiment(experiment, artifact_location=location)
         mlflow.set_experiment(experiment)
     return uri

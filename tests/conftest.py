@@ -60,3 +60,40 @@ def tiny_splits(tiny_tokenizer):
     from compress.data import make_splits
 
     return make_splits(tiny_tokenizer, "embedded", block_size=32, train_blocks=64, calib_blocks=8, eval_blocks=8, seed=0)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect server for the whole session (~20 s to start)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="session")
+def mlflow_store(tmp_path_factory):
+    """A fresh sqlite MLflow store for the session; sets MLFLOW_TRACKING_URI."""
+    import mlflow
+
+    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    mlflow.set_tracking_uri(uri)
+    yield uri
+    if old is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_flow_run(prefect_harness, mlflow_store, tmp_path_factory):
+    """The compression flow run once on configs/tiny.yaml; later tests inspect what it left."""
+    from flows.compress import compress_flow
+
+    work = tmp_path_factory.mktemp("work")
+    overrides = [f"workdir={work}"]
+    out = compress_flow(config="configs/tiny.yaml", overrides=overrides)
+    return {"out": out, "workdir": work, "overrides": overrides}

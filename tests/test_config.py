@@ -1,0 +1,52 @@
+"""Config: defaults load, overrides apply, bad keys and values name the key and what is allowed."""
+
+import pytest
+
+from compress.config import ConfigError, load_config
+
+
+def test_default_and_tiny_configs_are_valid():
+    d = load_config("configs/default.yaml")
+    t = load_config("configs/tiny.yaml")
+    assert d.model.source == "embedded" and t.model.source == "tiny"
+    assert d.section_hash("export") == t.section_hash("export")  # same export section -> same cache key part
+    assert d.section_hash("model") != t.section_hash("model")
+
+
+def test_overrides_are_typed():
+    cfg = load_config("configs/tiny.yaml", ["distill.steps=10", "golden.prompts=[a, b]", "quantize.reduce_range=null"])
+    assert cfg.distill.steps == 10
+    assert cfg.golden.prompts == ["a", "b"]
+    assert cfg.quantize.reduce_range is None
+
+
+def test_unknown_key_is_named(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("export:\n  exportr: dynamo\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "export.exportr" in str(e.value) and "unknown key" in str(e.value)
+
+
+def test_bad_value_names_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["export.exporter=onnxmlir"])
+    msg = str(e.value)
+    assert "export.exporter" in msg and "'dynamo'" in msg and "'torchscript'" in msg and "onnxmlir" in msg
+
+
+def test_bad_number_and_missing_file():
+    with pytest.raises(ConfigError, match=r"data\.block_size"):
+        load_config(None, ["data.block_size=-3"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("configs/nope.yaml")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(None, ["distill.steps"])
+
+
+def test_cli_reports_config_errors_without_traceback(capsys):
+    from flows.cli import main
+
+    rc = main(["config", "check", "--config", "configs/tiny.yaml", "--set", "serve.port=99999"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "serve.port" in err and "Traceback" not in err

@@ -1,0 +1,102 @@
+"""ONNX evaluation numbers on the tiny artifact and the acceptance gate / accuracy-aware loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compress.accept import Verdict, accept, quantize_with_acceptance
+from compress.config import AcceptConfig, QuantizeConfig
+from compress.evaluate import evaluate_onnx
+from compress.quantize import Quantizer
+from compress.torch_eval import perplexity
+
+BASE = {"perplexity": 20.0, "top1_agreement": 1.0, "decode_tokens_per_s": 40.0, "size_bytes": 500e6}
+
+
+@pytest.fixture(scope="module")
+def fp32_eval(tiny_artifact, tiny_splits):
+    return evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_artifact=tiny_artifact, decode_steps=12)
+
+
+def test_fp32_onnx_perplexity_equals_torch(fp32_eval, tiny_model, tiny_splits, tiny_artifact):
+    ref = perplexity(tiny_model, tiny_splits.eval)
+    assert fp32_eval["perplexity"] == pytest.approx(ref, rel=1e-3)
+    assert fp32_eval["top1_agreement"] == 1.0 and fp32_eval["kl_to_reference"] < 1e-9
+    assert fp32_eval["eval_tokens"] == tiny_splits.eval.shape[0] * (tiny_splits.eval.shape[1] - 1)
+    assert fp32_eval["size_bytes"] == (tiny_artifact / "model.onnx").stat().st_size
+    assert 0 < fp32_eval["decode_ms_per_token"] < 1000
+    assert fp32_eval["decode_tokens_per_s"] == pytest.approx(1000 / fp32_eval["decode_ms_per_token"])
+
+
+def test_golden_prefix_match(tiny_model, tiny_tokenizer, tiny_artifact, tiny_splits):
+    golden = []
+    for text in ["The capital of France is", "def fibonacci(n):"]:
+        ids = tiny_tokenizer(text)["input_ids"]
+        with torch.no_grad():
+            out = tiny_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        golden.append((ids, out[0, len(ids):].tolist()))
+    ok = evaluate_onnx(tiny_artifact, tiny_splits.eval[:2], golden=golden, latency=False)
+    assert ok["golden_prefix_match"] == 1.0
+    broken = [(p, g[:4] + [(g[4] + 1) % 512] + g[5:]) for p, g in golden]  # first mismatch at token 4 of 8
+    bad = evaluate_onnx(tiny_artifact, tiny_splits.eval[:2], golden=[{"prompt_ids": p, "greedy_ids": g} for p, g in broken], latency=False)
+    assert bad["golden_prefix_match"] == pytest.approx(0.5)
+
+
+def test_accept_within_tolerance():
+    cfg = AcceptConfig(max_perplexity_ratio=1.05, min_top1_agreement=0.9, min_throughput_ratio=1.2, max_size_ratio=0.5)
+    v = accept({"perplexity": 20.5, "top1_agreement": 0.93, "decode_tokens_per_s": 60.0, "size_bytes": 200e6}, BASE, cfg)
+    assert isinstance(v, Verdict) and v.accepted and v.reasons == []
+    assert v.metrics["gate_perplexity_ratio"] == pytest.approx(1.025)
+    assert v.metrics["gate_throughput_ratio"] == pytest.approx(1.5)
+
+
+def test_accept_rejects_naming_each_failed_tolerance():
+    cfg = AcceptConfig(max_perplexity_ratio=1.05, max_perplexity_delta=0.5, min_top1_agreement=0.9, min_throughput_ratio=1.2, max_size_ratio=0.3)
+    v = accept({"perplexity": 22.0, "top1_agreement": 0.85, "decode_tokens_per_s": 44.0, "size_bytes": 200e6}, BASE, cfg)
+    assert not v.accepted and len(v.reasons) == 5
+    text = "\n".join(v.reasons)
+    for needle in ["max_perplexity_ratio 1.05", "1.1000x", "max_perplexity_delta 0.5", "+2", "min_top1_agreement 0.9", "0.8500",
+                   "min_throughput_ratio 1.2", "1.100x", "max_size_ratio 0.3", "0.400x"]:
+        assert needle in text, needle
+    # only the failing one is named
+    v2 = accept({"perplexity": 20.1, "top1_agreement": 0.5}, BASE, AcceptConfig())
+    assert not v2.accepted and len(v2.reasons) == 1 and "min_top1_agreement" in v2.reasons[0]
+    # NaN perplexity (a broken model) can never pass
+    assert not accept({"perplexity": float("nan"), "top1_agreement": 1.0}, BASE, AcceptConfig()).accepted
+
+
+def test_broken_quantization_is_rejected(tiny_artifact, tiny_splits, fp32_eval, tmp_path):
+    """An absurd calibration range (every activation collapses to a couple of levels) must not pass the gate."""
+    q = Quantizer(tiny_artifact, tiny_splits.calib, QuantizeConfig(method="static", keep_float=[], quantize_embedding=False))
+    q.prepare()
+    q.ranges = {t: (-1e6, 1e6) for t in q.ranges}
+    q.write(tmp_path / "broken")
+    m = evaluate_onnx(tmp_path / "broken", tiny_splits.eval, reference_artifact=tiny_artifact, latency=False)
+    v = accept(m, fp32_eval, AcceptConfig())
+    assert not v.accepted
+    assert any("max_perplexity_ratio" in r for r in v.reasons) and any("min_top1_agreement" in r for r in v.reasons)
+
+
+def test_accuracy_aware_loop_relaxes_until_accepted(tiny_artifact, tiny_splits, fp32_eval, tmp_path):
+    qcfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=False)
+    acfg = AcceptConfig(max_perplexity_ratio=1.05, min_top1_agreement=0.99, relax_trials=2, relax_groups_per_trial=4)
+    seen = []
+    res = quantize_with_acceptance(tiny_artifact, tmp_path / "cand", tiny_splits.calib, tiny_splits.eval, qcfg, acfg,
+                                   baseline=fp32_eval, on_trial=lambda i, rec: seen.append(rec),
+                                   eval_kwargs={"latency": False})
+    assert [r["trial"] for r in seen] == list(range(len(seen))) and len(seen) >= 2
+    assert not seen[0]["accepted"] and "min_top1_agreement" in seen[0]["reasons"][0]
+    assert len(seen[1]["extra_float_groups"]) == 4  # relaxed by relax_groups_per_trial
+    assert res.verdict.accepted and res.metrics["top1_agreement"] >= 0.99
+    assert res.trials[-1]["accepted"] and res.artifact == tmp_path / "cand"
+
+
+def test_accuracy_aware_loop_rejects_after_the_last_trial(tiny_artifact, tiny_splits, fp32_eval, tmp_path):
+    qcfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=True)
+    acfg = AcceptConfig(max_perplexity_ratio=1.0, min_top1_agreement=1.0, relax_trials=1, relax_groups_per_trial=1)
+    res = quantize_with_acceptance(tiny_artifact, tmp_path / "cand", tiny_splits.calib, tiny_splits.eval, qcfg, acfg,
+                                   baseline=fp32_eval, eval_kwargs={"latency": False})
+    assert not res.verdict.accepted and len(res.trials) == 2
+    assert "accept.relax_trials=1" in res.verdict.reasons[-1]

@@ -1,0 +1,199 @@
+"""INT8 quantization of the tiny artifact: static (3 calibrations), dynamic, weight-only, SmoothQuant, sensitivity."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from compress.artifact import read_manifest
+from compress.calibration import find_linears
+from compress.config import QuantizeConfig
+from compress.evaluate import _logits_batches, make_session, prefill_logits
+from compress.quantize import QuantizeError, Quantizer, has_vnni, quantize_artifact, resolve_reduce_range
+from compress.smoothquant import apply_smoothquant
+
+
+def _ops(folder: Path) -> dict[str, int]:
+    m = onnx.load(str(folder / "model.onnx"))
+    out: dict[str, int] = {}
+    for n in m.graph.node:
+        out[n.op_type] = out.get(n.op_type, 0) + 1
+    return out
+
+
+def _agreement(a: np.ndarray, b: np.ndarray) -> float:
+    return float((a.argmax(-1) == b.argmax(-1)).mean())
+
+
+def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).mean() / np.abs(b).mean())
+
+
+@pytest.fixture(scope="module")
+def fp32_logits(tiny_artifact, tiny_splits):
+    return prefill_logits(tiny_artifact, tiny_splits.eval)
+
+
+@pytest.fixture(scope="module")
+def static_artifacts(tiny_artifact, tiny_splits, tmp_path_factory):
+    out = {}
+    root = tmp_path_factory.mktemp("quant_static")
+    for calib in ("minmax", "entropy", "percentile"):
+        cfg = QuantizeConfig(method="static", calibration=calib, keep_float=["down_proj"], quantize_embedding=False)
+        rep = quantize_artifact(tiny_artifact, root / calib, tiny_splits.calib, cfg)
+        out[calib] = (root / calib, rep)
+    return out
+
+
+@pytest.mark.parametrize("calib", ["minmax", "entropy", "percentile"])
+def test_static_artifact_is_valid_int8_and_close_to_fp32(static_artifacts, fp32_logits, tiny_splits, tiny_artifact, calib):
+    folder, rep = static_artifacts[calib]
+    man = read_manifest(folder, verify=True)  # every file hashed and intact
+    assert man["quantization"]["method"] == "static" and man["quantization"]["calibration"] == calib
+    assert man["num_layers"] == read_manifest(tiny_artifact)["num_layers"]
+    assert (folder / "tokenizer.json").is_file() and (folder / "generation_config.json").is_file()
+    ops = _ops(folder)
+    assert ops.get("QuantizeLinear", 0) >= 4 and ops.get("DequantizeLinear", 0) >= 10
+    # int8 weights with one scale per output channel
+    m = onnx.load(str(folder / "model.onnx"))
+    inits = {i.name: i for i in m.graph.initializer}
+    w_dq = [n for n in m.graph.node if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) is not None
+            and inits[n.input[0]].data_type == onnx.TensorProto.INT8]
+    assert len(w_dq) == rep.quantized_linears == 12  # 2 layers x (q,k,v,o,gate,up); down_proj kept float
+    for n in w_dq:
+        q, s = inits[n.input[0]], numpy_helper.to_array(inits[n.input[1]])
+        assert s.shape == (q.dims[1],) and (s > 0).all()
+    assert rep.bytes_after < rep.bytes_before
+    logits = prefill_logits(folder, tiny_splits.eval)
+    assert np.isfinite(logits).all()
+    assert _rel_err(logits, fp32_logits) < 0.05
+    assert _agreement(logits, fp32_logits) > 0.9
+
+
+def test_excluded_nodes_stay_float(static_artifacts, tiny_artifact):
+    folder, rep = static_artifacts["minmax"]
+    m = onnx.load(str(folder / "model.onnx"))
+    producer = {o: n for n in m.graph.node for o in n.output}
+    inits = {i.name for i in m.graph.initializer}
+    matmuls = [n for n in m.graph.node if n.op_type == "MatMul"]
+    quantized = [n for n in matmuls if any(producer.get(i) is not None and producer[i].op_type == "DequantizeLinear" for i in n.input)]
+    float_mm = [n for n in matmuls if n not in quantized]
+    # 2 layers x 2 attention MatMuls (activation x activation), lm_head, 2 down_proj stay float
+    assert len(float_mm) == 4 + 1 + 2
+    assert any("logits" in n.output for n in float_mm)
+    down = [n for n in float_mm if n.input[1] in inits]
+    assert len(down) == 2 and all("down_proj" in f for f in rep.float_linears)
+    src_linears = find_linears(onnx.load(str(tiny_artifact / "model.onnx")))
+    assert sorted(rep.float_linears) == sorted(l.module for l in src_linears if l.role == "down_proj")
+
+
+def test_calibration_reads_only_calib_blocks(static_artifacts, tiny_splits, tiny_artifact, tmp_path):
+    _, rep = static_artifacts["minmax"]
+    assert rep.calib_blocks == len(tiny_splits.calib)
+    assert rep.calib_sha256 == hashlib.sha256(np.ascontiguousarray(tiny_splits.calib).tobytes()).hexdigest()
+    assert rep.calib_sha256 != hashlib.sha256(np.ascontiguousarray(tiny_splits.eval).tobytes()).hexdigest()
+    # the activation scales follow the data they were calibrated on
+    cfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=False, smoothquant_alpha=None)
+    a = Quantizer(tiny_artifact, tiny_splits.calib, cfg)
+    b = Quantizer(tiny_artifact, tiny_splits.train[:8], cfg)
+    a.prepare(), b.prepare()
+    assert a.ranges.keys() == b.ranges.keys() and a.ranges != b.ranges
+    # calib_samples bounds what is read
+    c = Quantizer(tiny_artifact, tiny_splits.calib, cfg.model_copy(update={"calib_samples": 3}))
+    c.prepare()
+    assert c.calib_fed == 3
+
+
+def test_weight_only_uses_matmulnbits_and_shrinks(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
+    cfg = QuantizeConfig(method="weight_only", keep_float=[], smoothquant_alpha=None, quantize_embedding=False)
+    rep = quantize_artifact(tiny_artifact, tmp_path / "wo", None, cfg)
+    m = onnx.load(str(tmp_path / "wo" / "model.onnx"))
+    nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 14
+    attrs = {a.name: a.i for a in nbits[0].attribute}
+    assert attrs["bits"] == 8 and attrs["accuracy_level"] == 4 and attrs["block_size"] == 32
+    assert rep.bytes_after < 0.75 * rep.bytes_before
+    logits = prefill_logits(tmp_path / "wo", tiny_splits.eval)
+    assert _rel_err(logits, fp32_logits) < 0.03 and _agreement(logits, fp32_logits) > 0.93
+    read_manifest(tmp_path / "wo", verify=True)
+
+
+def test_dynamic_int8(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
+    cfg = QuantizeConfig(method="dynamic", keep_float=[], quantize_embedding=False)
+    rep = quantize_artifact(tiny_artifact, tmp_path / "dyn", tiny_splits.calib, cfg)
+    ops = _ops(tmp_path / "dyn")
+    assert ops.get("DynamicQuantizeLinear", 0) >= 1 and ops.get("MatMulInteger", 0) == 14
+    logits = prefill_logits(tmp_path / "dyn", tiny_splits.eval)
+    assert _rel_err(logits, fp32_logits) < 0.05 and _agreement(logits, fp32_logits) > 0.9
+    assert rep.smoothed_tensors == 6  # 2 layers x (attention norm, mlp norm, down_proj input)
+
+
+def test_tied_embedding_is_stored_once_in_8_bit(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
+    cfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=True)
+    rep = quantize_artifact(tiny_artifact, tmp_path / "emb", tiny_splits.calib, cfg)
+    m = onnx.load(str(tmp_path / "emb" / "model.onnx"))
+    ops = [n.op_type for n in m.graph.node]
+    assert "GatherBlockQuantized" in ops and "MatMulNBits" in ops and "Gather" not in ops
+    big_float = [i for i in m.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and np.prod(i.dims) >= 512 * 64]
+    assert not big_float  # the fp32 table is gone
+    gbq = next(n for n in m.graph.node if n.op_type == "GatherBlockQuantized")
+    nbits = next(n for n in m.graph.node if n.op_type == "MatMulNBits")
+    assert gbq.input[0] == nbits.input[1]  # one shared uint8 table
+    logits = prefill_logits(tmp_path / "emb", tiny_splits.eval)
+    # every linear and the embedding quantized: a little looser than the down_proj-in-float variants
+    assert _rel_err(logits, fp32_logits) < 0.08 and _agreement(logits, fp32_logits) > 0.9
+    no_emb = quantize_artifact(tiny_artifact, tmp_path / "no_emb", tiny_splits.calib, cfg.model_copy(update={"quantize_embedding": False}))
+    table = 512 * 64
+    # fp32 table (4 B/weight) -> uint8 (1 B) + two fp32 scale copies and uint8 zero points per block of 32
+    assert no_emb.bytes_after - rep.bytes_after > 4 * table - table - 9 * table // 32 - 1024
+
+
+def test_smoothquant_is_exact_in_float_and_flattens_outliers(tiny_artifact, tiny_splits, fp32_logits):
+    cfg = QuantizeConfig(method="static", smoothquant_alpha=0.5)
+    q = Quantizer(tiny_artifact, tiny_splits.calib, cfg)
+    q.prepare()
+    assert q.smoothed == 6 and q.inv_scales
+    smoothed = np.concatenate(list(_logits_batches(make_session(q.model), tiny_splits.eval, 2, 16)))
+    np.testing.assert_allclose(smoothed, fp32_logits, rtol=1e-4, atol=1e-3)
+    for t, inv in q.inv_scales.items():
+        st = q.stats[t]
+        ratio_before = st.absmax.max() / np.median(st.absmax)
+        after = st.absmax * inv
+        assert after.max() / np.median(after) <= ratio_before + 1e-6
+    with pytest.raises(ValueError, match="smoothquant_alpha"):
+        apply_smoothquant(onnx.load(str(tiny_artifact / "model.onnx")), q.linears, q.stats, 1.5)
+
+
+def test_sensitivity_scan_keeps_most_sensitive_groups_float(tiny_artifact, tiny_splits, tmp_path):
+    cfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=False, sensitivity_trials=4, sensitivity_keep=2)
+    events = []
+    q = Quantizer(tiny_artifact, tiny_splits.calib, cfg, on_event=lambda n, d: events.append(n))
+    rep = q.write(tmp_path / "sens")
+    assert len(rep.sensitivity) == 4 and events.count("sensitivity") == 4
+    scores = [s for _, s in rep.sensitivity]
+    assert scores == sorted(scores, reverse=True) and scores[0] > 0
+    kept = {g for g, _ in rep.sensitivity[:2]}
+    assert {l.group for l in q.linears if l.module in rep.float_linears} == kept
+    assert rep.quantized_linears == 14 - len(rep.float_linears)
+    assert read_manifest(tmp_path / "sens")["quantization"]["float_groups"] == [g for g, _ in rep.sensitivity[:2]]
+
+
+def test_vnni_detection_and_reduce_range():
+    assert has_vnni("flags\t: fpu sse avx2 avx512f avx512_vnni\n")
+    assert has_vnni("flags\t: fpu avx2 avx_vnni\n")
+    assert has_vnni("Features\t: fp asimd asimddp\n")
+    assert not has_vnni("flags\t: fpu sse avx2 fma\n")
+    assert resolve_reduce_range(QuantizeConfig(reduce_range=True)) is True
+    assert resolve_reduce_range(QuantizeConfig(reduce_range=None)) is (not has_vnni())
+
+
+def test_clear_errors(tiny_artifact, tmp_path):
+    with pytest.raises(QuantizeError, match="smoothquant_alpha"):
+        quantize_artifact(tiny_artifact, tmp_path / "x", None, QuantizeConfig(method="static"))
+    with pytest.raises(Exception, match="manifest"):
+        quantize_artifact(tmp_path, tmp_path / "y", None, QuantizeConfig(method="weight_only", smoothquant_alpha=None))
