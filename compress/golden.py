@@ -67,12 +67,12 @@ def record_golden(model, tokenizer, prompts: list[str], top_k: int = 8, new_toke
         ids = tokenizer(p, add_special_tokens=False)["input_ids"]
         if not ids:
             raise ValueError(f"golden.prompts: prompt {p!r} tokenizes to nothing; use a non-empty prompt")
-        seq = list(ids)
-        # Greedy without the KV cache: the reference path, independent of the cache code under test.
-        for _ in range(new_tokens):
-            logits = model(input_ids=torch.tensor([seq])).logits[0, -1]
-            seq.append(int(logits.argmax()))
-        cont = seq[len(ids):]
+        # HF's own cached greedy decode: a reference independent of the exported graph under test.
+        # min_new_tokens keeps EOS from ending it early, so every model is compared on N tokens.
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id or 0)
+        cont = [int(t) for t in out[0, len(ids):]]
         full = model(input_ids=torch.tensor([ids + cont[:-1]])).logits[0].float()
         v, ix = full.topk(top_k, dim=-1)
         prompt_ids.append(list(ids))
