@@ -485,6 +485,11 @@ class Engine:
                         reason = "stop"
             if reason is None and (seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len):
                 reason = "length"
+            if reason is not None and stop_at == -1:
+                before = len(detok.text)
+                detok.flush()
+                if seq.params.stop:
+                    stop_at = find_stop(detok.text, seq.params.stop, before)
             text = detok.text
             if stop_at != -1:
                 end = stop_at

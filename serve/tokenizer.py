@@ -52,3 +52,12 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+    def flush(self) -> str:
+        """At the end: emit whatever was held back (an incomplete character decodes as U+FFFD)."""
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

@@ -28,20 +28,64 @@ def random_prompts(n, lo, hi, seed=0, vocab=512):
     return [rng.integers(SPECIAL, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
+class LogitTap:
+    """Records the logits the engine samples from, keyed by the context (prompt + tokens so far).
+
+    The tiny random model soon repeats one token, so equal tokens alone would hide K/V
+    mistakes; equal logits at every step do not.
+    """
+
+    def __init__(self):
+        self.rows: dict[tuple, np.ndarray] = {}
+
+    def __enter__(self):
+        import serve.engine as mod
+
+        self._mod, self._orig = mod, mod.sample_token
+
+        def tapped(logits, params, rng, token_ids=()):
+            self.rows[tuple(token_ids)] = np.array(logits, dtype=np.float32, copy=True)
+            return self._orig(logits, params, rng, token_ids)
+
+        mod.sample_token = tapped
+        return self
+
+    def __exit__(self, *exc):
+        self._mod.sample_token = self._orig
+
+
+class Solo:
+    """Runs one request at a time (batch 1, no prefix cache): the reference for every batching test."""
+
+    def __init__(self, art):
+        self.eng = engine(art, enable_prefix_caching=False)
+        self.cache: dict = {}
+        self.logits: dict[tuple, np.ndarray] = {}
+
+    def __call__(self, prompt, params):
+        key = (tuple(prompt), repr(params))
+        if key not in self.cache:
+            assert not self.eng.has_work()
+            with LogitTap() as tap:
+                self.cache[key] = self.eng.generate(prompt, params)
+            self.logits.update(tap.rows)
+        return self.cache[key]
+
+    def assert_same_logits(self, tap: LogitTap, atol=1e-4):
+        assert tap.rows
+        worst = 0.0
+        for ctx, lg in tap.rows.items():
+            ref = self.logits.get(ctx)
+            assert ref is not None, "a context the batch-1 run never saw"
+            worst = max(worst, float(np.abs(lg - ref).max()))
+        print(f"max |logits - batch-1 logits| over {len(tap.rows)} steps: {worst:.2e}")
+        assert worst <= atol, f"logits differ from batch-1 by up to {worst}"
+        return worst
+
+
 @pytest.fixture(scope="module")
 def solo(tiny_artifact):
-    """Runs one request at a time (batch 1, no prefix cache): the reference for every batching test."""
-    eng = engine(tiny_artifact, enable_prefix_caching=False)
-    cache: dict = {}
-
-    def run(prompt, params):
-        key = (tuple(prompt), repr(params))
-        if key not in cache:
-            assert not eng.has_work()
-            cache[key] = eng.generate(prompt, params)
-        return cache[key]
-
-    return run
+    return Solo(tiny_artifact)
 
 
 def check_clean(eng: Engine):
@@ -60,13 +104,19 @@ def test_greedy_matches_a_plain_torch_loop(tiny, tiny_artifact):
     eng = engine(tiny_artifact, block_size=4, max_num_batched_tokens=8)  # small blocks and chunks: many gathers
     for prompt in random_prompts(3, 5, 21, seed=1):
         ids = list(prompt)
+        ref = {}
         with torch.no_grad():
             for _ in range(12):
                 logits = model(torch.tensor([ids])).logits[0, -1]
+                ref[tuple(ids)] = logits.numpy()
                 ids.append(int(torch.argmax(logits)))
         want = ids[len(prompt):]
-        got = eng.generate(prompt, SamplingParams.greedy(12, ignore_eos=True))
+        with LogitTap() as tap:
+            got = eng.generate(prompt, SamplingParams.greedy(12, ignore_eos=True))
         assert got == want
+        assert tap.rows.keys() == ref.keys()
+        for ctx, lg in tap.rows.items():
+            np.testing.assert_allclose(lg, ref[ctx], atol=2e-3, rtol=0)
     check_clean(eng)
 
 
@@ -79,15 +129,17 @@ def test_continuous_batching_equals_batch_one(tiny_artifact, solo):
     handles = []
     sizes = []
     waves = [(0, 5), (5, 9), (9, 14), (14, 20)]
-    for w, (a, b) in enumerate(waves):
-        handles += [eng.add_request(p, sp) for p, sp in zip(prompts[a:b], params[a:b])]
-        for _ in range(3 + 2 * w):
+    with LogitTap() as tap:
+        for w, (a, b) in enumerate(waves):
+            handles += [eng.add_request(p, sp) for p, sp in zip(prompts[a:b], params[a:b])]
+            for _ in range(3 + 2 * w):
+                sizes.append(eng.step())
+        while eng.has_work():
             sizes.append(eng.step())
-    while eng.has_work():
-        sizes.append(eng.step())
     outs = [h.result().output_ids for h in handles]
     for p, sp, got in zip(prompts, params, outs):
         assert got == solo(p, sp)
+    solo.assert_same_logits(tap)
     assert max(sizes) == 8, "the batch never filled"
     assert len({tuple(o) for o in outs if len(o) > 3}) > 10, "outputs are suspiciously alike"
     assert {h.finish_reason for h in handles} <= {"stop", "length"}
@@ -109,7 +161,8 @@ def test_background_thread_and_async_streams(tiny_artifact, solo):
         async def main():
             return await asyncio.gather(*(consume(p, sp) for p, sp in zip(prompts, params)))
 
-        results = asyncio.run(main())
+        with LogitTap() as tap:
+            results = asyncio.run(main())
         for (h, events), p, sp in zip(results, prompts, params):
             ids = [ev.token_id for ev in events]
             assert ids == solo(p, sp) == h.output_ids
@@ -118,6 +171,7 @@ def test_background_thread_and_async_streams(tiny_artifact, solo):
             assert "".join(ev.text for ev in events) == h.text
             assert h.text == eng.tokenizer.decode(h.output_ids, skip_special_tokens=True)
             assert h.ttft_s is not None and h.ttft_s >= 0
+        solo.assert_same_logits(tap)
         # blocking iteration from plain threads too
         out = {}
 
@@ -146,7 +200,10 @@ def test_shared_prefix_hits_the_cache_and_matches_a_cold_run(tiny_artifact, solo
     assert eng.generate(a, params) == solo(a, params)
     hits = eng.stats().prefix_hits
     hb = eng.add_request(b, params)
-    eng.run_until_done()
+    with LogitTap() as tap:
+        eng.run_until_done()
+    solo(b, params)
+    solo.assert_same_logits(tap)
     assert eng.stats().prefix_hits - hits == 48  # 3 full blocks reused
     assert hb.num_cached_prompt_tokens == 48
     assert hb.output_ids == solo(b, params)
@@ -173,17 +230,19 @@ def test_preemption_in_a_tiny_pool_gives_identical_outputs(tiny_artifact, solo):
     eng = engine(tiny_artifact, num_blocks=12, block_size=8, max_batch_size=16, max_num_batched_tokens=64)
     handles = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     steps = 0
-    while eng.has_work():
-        eng.step()
-        eng.block_manager.check_invariants()
-        steps += 1
-        assert steps < 5000
+    with LogitTap() as tap:
+        while eng.has_work():
+            eng.step()
+            eng.block_manager.check_invariants()
+            steps += 1
+            assert steps < 5000
     st = eng.stats()
     assert st.preemptions > 0
     assert sum(h.num_preemptions for h in handles) == st.preemptions
     for h, p, sp in zip(handles, prompts, params):
         assert h.finish_reason == "length"
         assert h.output_ids == solo(p, sp)
+    solo.assert_same_logits(tap)
     check_clean(eng)
 
 
