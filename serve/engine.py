@@ -245,6 +245,7 @@ class Engine:
 
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()  # one step at a time, whoever drives it
         self._reqs: dict[str, _Req] = {}
         self._aborts: set[str] = set()
         self._executing = False
@@ -356,6 +357,10 @@ class Engine:
 
     def step(self) -> int:
         """Schedule, run and sample one step. Returns how many sequences ran."""
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> int:
         events: list[tuple[RequestHandle, TokenEvent]] = []
         with self._lock:
             events += self._apply_aborts()
@@ -376,8 +381,12 @@ class Engine:
         with self._lock:
             self._executing = False
             if error is None:
-                events += self._process(out, logits)
-            else:
+                try:
+                    self._process(out, logits, events)
+                except Exception as e:  # noqa: BLE001 - e.g. a sampler failure: fail this step's requests
+                    log.exception("post-processing a step failed")
+                    error = f"{type(e).__name__}: {e}"
+            if error is not None:
                 for r in out.scheduled:
                     req = self._reqs.get(r.seq.request_id)
                     if req is not None:
@@ -445,8 +454,7 @@ class Engine:
         ev = TokenEvent(seq.request_id, token_id, text, seq.num_output, reason, error)
         return req.handle, ev
 
-    def _process(self, out: SchedulerOutput, logits: list[np.ndarray | None]) -> list:
-        events = []
+    def _process(self, out: SchedulerOutput, logits: list[np.ndarray | None], events: list) -> None:
         now = time.monotonic()
         for row, lg in zip(out.scheduled, logits):
             seq = row.seq
@@ -503,7 +511,6 @@ class Engine:
                 events.append(self._finish(req, reason, token_id=tok, text=delta))
             else:
                 events.append((req.handle, TokenEvent(seq.request_id, tok, delta, seq.num_output)))
-        return events
 
     @staticmethod
     def _emit(events) -> None:

@@ -382,3 +382,20 @@ def test_provider_choice_falls_back_to_cpu(tiny_artifact):
     eng = engine(tiny_artifact, providers=["CUDAExecutionProvider", CPU])
     assert eng.runner.provider in ort.get_available_providers()
     assert eng.runner.provider == eng.runner.session.get_providers()[0]
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_artifact):
+    eng = engine(tiny_artifact)
+    p1, p2 = random_prompts(2, 10, 20, seed=15)
+    h1 = eng.add_request(p1, SamplingParams.greedy(5))
+    real = eng.runner.execute
+
+    def boom(rows):
+        raise RuntimeError("device lost")
+
+    eng.runner.execute = boom
+    eng.step()
+    assert h1.finish_reason == "error" and "device lost" in h1.error
+    eng.runner.execute = real
+    assert len(eng.generate(p2, SamplingParams.greedy(5, ignore_eos=True))) == 5
+    check_clean(eng)
