@@ -182,7 +182,10 @@ class AcceptConfig(_Section):
 class RegistryConfig(_Section):
     model_name: str = "smollm2-135m"
     register_baseline: bool = True
+    # Accepted candidates become `champion` (via the deploy flow) when true.
     promote: bool = False
+    # Live server to smoke-test after promotion; None = promote without a smoke test.
+    server_url: str | None = None
 
 
 class MlflowConfig(_Section):

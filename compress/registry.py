@@ -165,3 +165,7 @@ def download(model_uri: str, dst: str | Path | None = None) -> Path:
     import mlflow
 
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dst) if dst else None))
+
+
+def delete_alias(model_name: str, alias: str) -> None:
+    _client().delete_registered_model_alias(model_name, alias)

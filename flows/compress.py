@@ -1,6 +1,7 @@
 """The compression DAG as a Prefect flow: one task per stage, one MLflow parent run per pipeline run.
 
-load -> export -> golden -> register (baseline); later stages plug in after golden.
+load -> export -> golden -> register baseline -> [prune] -> [distill] -> [export + golden student]
+-> [quantize] -> [accept] -> register candidate -> [deploy]. Bracketed stages switch on in config.
 Re-running with the same config resumes: finished stages come from cache.
 """
 
@@ -16,10 +17,15 @@ from prefect.artifacts import create_markdown_artifact
 
 from compress import registry
 from compress.config import PipelineConfig, load_config, project_root
+from flows.deploy import deploy_flow
+from tasks.accept import accept_task
 from tasks.common import stage_key, submit_stage
+from tasks.distill import distill_task
 from tasks.export import export_task
 from tasks.golden import golden_task
 from tasks.load import load_task
+from tasks.prune import prune_task
+from tasks.quantize import quantize_task
 from tasks.register import register_task
 from tasks.tracking import log_json, log_metrics, log_params
 
@@ -75,7 +81,56 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
         if cfg.registry.register_baseline:
             tags = {"role": "baseline", "config_hash": cfg.section_hash(), **gold["metrics"]}
-            registered.append(timer.run("register", lambda: register_task(cfg, pid, teacher["artifact"], ["baseline"], tags)))
+            registered.append(timer.run("register_baseline", lambda: register_task(
+                cfg, pid, teacher["artifact"], ["baseline"], tags, stage="register_baseline")))
+
+        student_dir, masks, key = loaded["model_dir"], None, k_load
+        if cfg.prune.enabled:
+            key = stage_key(cfg, "prune", ["prune"], key)
+            pruned = timer.run("prune", submit_stage, prune_task, cfg, "prune", key, parent_run_id=pid,
+                               model_dir=student_dir, splits=loaded["splits"])
+            student_dir, masks = pruned["model_dir"], pruned["masks"]
+        if cfg.distill.enabled:
+            key = stage_key(cfg, "distill", ["distill"], key)
+            distilled = timer.run("distill", submit_stage, distill_task, cfg, "distill", key, parent_run_id=pid,
+                                  teacher_dir=loaded["model_dir"], student_dir=student_dir, splits=loaded["splits"],
+                                  masks=masks)
+            student_dir = distilled["model_dir"]
+        candidate, cand_key = teacher["artifact"], k_exp
+        if student_dir != loaded["model_dir"]:
+            cand_key = stage_key(cfg, "export_student", ["export"], key)
+            student = timer.run("export_student", submit_stage, export_task, cfg, "export_student", cand_key,
+                                parent_run_id=pid, model_dir=student_dir)
+            k = stage_key(cfg, "golden_student", ["golden"], cand_key)
+            timer.run("golden_student", submit_stage, golden_task, cfg, "golden_student", k, parent_run_id=pid,
+                      model_dir=student_dir, artifact=student["artifact"], reference_golden=gold["golden"])
+            candidate = student["artifact"]
+        if cfg.quantize.enabled:
+            cand_key = stage_key(cfg, "quantize", ["quantize", "accept"], cand_key)
+            quant = timer.run("quantize", submit_stage, quantize_task, cfg, "quantize", cand_key, parent_run_id=pid,
+                              src_artifact=candidate, splits=loaded["splits"])
+            candidate = quant["artifact"]
+
+        verdict = None
+        if cfg.accept.enabled:
+            k = stage_key(cfg, "accept", ["accept"], cand_key, k_exp)
+            verdict = timer.run("accept", submit_stage, accept_task, cfg, "accept", k, parent_run_id=pid,
+                                candidate=candidate, baseline=teacher["artifact"], splits=loaded["splits"])
+            for reason in verdict["reasons"]:
+                log.warning("acceptance: %s", reason)
+        if candidate != teacher["artifact"]:
+            status = "unchecked" if verdict is None else ("accepted" if verdict["accepted"] else "rejected")
+            tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash(),
+                    "reasons": "; ".join(verdict["reasons"]) if verdict else "",
+                    **(verdict["metrics"] if verdict else {})}
+            reg = timer.run("register", lambda: register_task(cfg, pid, candidate, ["candidate"], tags))
+            registered.append(reg)
+            if status == "accepted" and cfg.registry.promote:
+                dep = deploy_flow(model_name=reg["name"], version=reg["version"], server_url=cfg.registry.server_url,
+                                  tracking_uri=tracking_uri)
+                reg["aliases"] = reg["aliases"] + ["champion"]
+                log.info("deployed: %s", dep)
+            mlflow.set_tag("verdict", status)
 
         for r in timer.rows:
             log_metrics({f"{r['stage']}_seconds": r["seconds"], **r["metrics"]})
@@ -84,7 +139,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     create_markdown_artifact(markdown=summary, key="compress-summary", description=f"compression run {cfg.name}")
     log.info("\n%s", summary)
     return {"run_id": pid, "tracking_uri": tracking_uri, "stages": timer.rows, "registered": registered,
-            "teacher_artifact": teacher["artifact"], "golden": gold["metrics"]}
+            "teacher_artifact": teacher["artifact"], "candidate_artifact": candidate, "golden": gold["metrics"],
+            "verdict": verdict}
 
 
 @flow(name="compress", log_prints=True)

@@ -61,3 +61,15 @@ def log_figure(fig, name: str) -> None:
 
     mlflow.log_figure(fig, name)
     plt.close(fig)
+
+
+def log_rows(rows: list[dict], name: str) -> None:
+    """A list of row dicts as an MLflow table (columns = keys of the rows)."""
+    cols: dict[str, list] = {}
+    for r in rows:
+        for k in r:
+            cols.setdefault(k, [])
+    for r in rows:
+        for k in cols:
+            cols[k].append(r.get(k))
+    mlflow.log_table(cols, artifact_file=name)

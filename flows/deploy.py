@@ -1,0 +1,89 @@
+"""Promote an accepted version to `champion`, smoke-test the live server, move the alias back on failure.
+
+The server follows the registry alias (it polls it), so promotion is the deploy;
+the smoke test waits until the server reports the new version, then sends the
+golden prompts through the OpenAI-compatible API.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from prefect import flow, get_run_logger
+
+from compress import registry
+from compress.config import GoldenConfig
+
+
+class SmokeTestFailed(RuntimeError):
+    pass
+
+
+def served_version(server_url: str, model_name: str) -> str | None:
+    r = httpx.get(f"{server_url.rstrip('/')}/v1/models", timeout=5)
+    r.raise_for_status()
+    for m in r.json().get("data", []):
+        if m.get("id") == model_name:
+            return str(m.get("version")) if m.get("version") is not None else None
+    return None
+
+
+def wait_for_version(server_url: str, model_name: str, version: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = served_version(server_url, model_name)
+            if last == str(version):
+                return
+        except httpx.HTTPError as e:
+            last = f"unreachable ({type(e).__name__})"
+        time.sleep(0.5)
+    raise SmokeTestFailed(f"server {server_url} still serves version {last} of {model_name} after {timeout_s:.0f} s, not {version}")
+
+
+def smoke_test(server_url: str, model_name: str, prompts: list[str], max_tokens: int = 8) -> list[str]:
+    """Every prompt must complete with 200 and non-empty text; returns the texts."""
+    texts = []
+    with httpx.Client(base_url=server_url.rstrip("/"), timeout=60) as client:
+        for p in prompts:
+            r = client.post("/v1/completions", json={"model": model_name, "prompt": p, "max_tokens": max_tokens,
+                                                     "temperature": 0})
+            if r.status_code != 200:
+                raise SmokeTestFailed(f"prompt {p!r}: HTTP {r.status_code}: {r.text[:200]}")
+            text = r.json()["choices"][0]["text"]
+            if not text:
+                raise SmokeTestFailed(f"prompt {p!r}: empty completion")
+            texts.append(text)
+    return texts
+
+
+@flow(name="deploy")
+def deploy_flow(model_name: str, version: str | None = None, server_url: str | None = "http://127.0.0.1:8000",
+                alias: str = "champion", wait_s: float = 120.0, prompts: list[str] | None = None,
+                tracking_uri: str | None = None) -> dict:
+    """version None = the current `candidate`. server_url None = promote without a live smoke test."""
+    log = get_run_logger()
+    registry.configure(tracking_uri)
+    if version is None:
+        cand = registry.version_for_alias(model_name, "candidate")
+        if cand is None:
+            raise registry.RegistryError(f"{model_name} has no 'candidate' alias; pass version=")
+        version = cand.version
+    previous = registry.promote(model_name, version, alias)
+    log.info("%s@%s: %s -> %s", model_name, alias, previous, version)
+    if server_url is None:
+        return {"version": str(version), "previous": previous, "smoke": "skipped"}
+    try:
+        wait_for_version(server_url, model_name, str(version), wait_s)
+        texts = smoke_test(server_url, model_name, prompts or GoldenConfig().prompts)
+    except Exception as e:
+        if previous is not None:
+            registry.set_alias(model_name, alias, previous)
+        else:
+            registry.delete_alias(model_name, alias)
+        log.error("smoke test failed (%s); %s@%s moved back to %s", e, model_name, alias, previous)
+        raise
+    log.info("smoke test passed: %s", texts)
+    return {"version": str(version), "previous": previous, "smoke": "passed", "texts": texts}

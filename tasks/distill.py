@@ -1,0 +1,39 @@
+"""Task: distil the student from the teacher; resumable from the checkpoints in its stage folder."""
+
+from __future__ import annotations
+
+from prefect import task
+from safetensors.torch import load_file
+
+from compress.config import PipelineConfig
+from compress.distill import distill
+from tasks.common import cache_key_fn, is_done, mark_done, read_done, stage_dir
+from tasks.load import load_model, load_splits
+from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
+
+
+@task(name="distill", cache_key_fn=cache_key_fn, persist_result=True)
+def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, teacher_dir: str,
+                 student_dir: str, splits: str, masks: str | None = None) -> dict:
+    folder = stage_dir(cfg, stage, key)
+    if is_done(folder):
+        return read_done(folder)
+    # No wipe: checkpoints under folder/ckpt let a killed run continue where it stopped.
+    folder.mkdir(parents=True, exist_ok=True)
+    data = load_splits(splits)
+    with child_run(parent_run_id, stage) as run:
+        log_params({"distill": cfg.distill.model_dump()})
+        teacher, tok = load_model(teacher_dir, cfg)
+        student, _ = load_model(student_dir, cfg)
+        keep = {k: v.bool() for k, v in load_file(masks).items()} if masks else None
+        report = distill(student, teacher, data, cfg.distill, folder / "ckpt", masks=keep,
+                         on_log=lambda step, m: log_metrics(m, step=step))
+        out = folder / "model"
+        student.save_pretrained(out)
+        tok.save_pretrained(out)
+        metrics = report.metrics()
+        log_metrics(metrics)
+        if run is not None:
+            log_figure(report.figure(), "distill_curves.png")
+            log_json({k: v for k, v in metrics.items()}, "distill_report.json")
+    return mark_done(folder, {"model_dir": str(out), "metrics": metrics})

@@ -1,0 +1,48 @@
+"""Task: sensitivity scan + pruning of a copy of the teacher -> student checkpoint folder (+ masks)."""
+
+from __future__ import annotations
+
+import mlflow
+import torch
+from prefect import task
+from safetensors.torch import save_file
+
+from compress.config import PipelineConfig
+from compress.prune import prune_model
+from compress.sensitivity import sensitivity_scan
+from compress.torch_eval import perplexity
+from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.load import load_model, load_splits
+from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params, log_rows
+
+
+@task(name="prune", cache_key_fn=cache_key_fn, persist_result=True)
+def prune_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str,
+               splits: str) -> dict:
+    folder = stage_dir(cfg, stage, key)
+    if is_done(folder):
+        return read_done(folder)
+    fresh(folder)
+    data = load_splits(splits)
+    with child_run(parent_run_id, stage) as run:
+        log_params({"prune": cfg.prune.model_dump()})
+        teacher, tok = load_model(model_dir, cfg)
+        sens = sensitivity_scan(teacher, data.calib, cfg.prune) if cfg.prune.sensitivity else None
+        student, report = prune_model(teacher, data.calib, cfg.prune, sens)
+        metrics = {**report.metrics(), "prune_eval_ppl_before": perplexity(teacher, data.eval),
+                   "prune_eval_ppl_after": perplexity(student, data.eval)}
+        out = folder / "model"
+        student.save_pretrained(out)
+        tok.save_pretrained(out)
+        masks_path = None
+        if report.masks:
+            masks_path = str(folder / "masks.safetensors")
+            save_file({k: v.to("cpu", torch.uint8).contiguous() for k, v in report.masks.items()},
+                      masks_path)
+        log_metrics(metrics)
+        if run is not None:
+            log_json(report.to_dict(), "prune_report.json")
+            if sens is not None:
+                log_rows(sens.table(), "sensitivity.json")
+                log_figure(sens.figure(), "sensitivity.png")
+    return mark_done(folder, {"model_dir": str(out), "masks": masks_path, "metrics": metrics})

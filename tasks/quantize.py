@@ -1,0 +1,43 @@
+"""Task: INT8-quantize a candidate artifact on the calib split (with the accuracy-aware loop when the gate is on)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+from prefect import task
+
+from compress.accept import quantize_with_acceptance
+from compress.config import PipelineConfig
+from compress.quantize import quantize_artifact
+from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.load import load_splits
+from tasks.tracking import child_run, log_json, log_metrics, log_params
+
+
+@task(name="quantize", cache_key_fn=cache_key_fn, persist_result=True)
+def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, src_artifact: str,
+                  splits: str) -> dict:
+    folder = stage_dir(cfg, stage, key)
+    if is_done(folder):
+        return read_done(folder)
+    fresh(folder)
+    data = load_splits(splits)
+    out = folder / "artifact"
+    with child_run(parent_run_id, stage) as run:
+        log_params({"quantize": cfg.quantize.model_dump()})
+        trials: list[dict] = []
+        if cfg.accept.enabled and cfg.accept.relax_trials > 0:
+            res = quantize_with_acceptance(src_artifact, out, data.calib, data.eval, cfg.quantize, cfg.accept,
+                                           on_trial=lambda i, m: (log_metrics(m, step=i), trials.append(m)))
+            report, artifact = res.report, Path(res.artifact)
+        else:
+            report = quantize_artifact(src_artifact, out, data.calib, cfg.quantize)
+            artifact = out
+        metrics = report.metrics()
+        log_metrics(metrics)
+        if run is not None:
+            log_json({"float_linears": report.float_linears, "sensitivity": report.sensitivity, "trials": trials},
+                     "quantize_report.json")
+            mlflow.log_artifact(str(artifact / "manifest.json"))
+    return mark_done(folder, {"artifact": str(artifact), "metrics": metrics})
