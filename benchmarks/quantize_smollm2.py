@@ -83,7 +83,14 @@ def run_variant(name: str) -> dict:
         row["quant_seconds"] = time.perf_counter() - t0
         row["quant_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         row["report"] = rep.to_dict()
-    row.update(evaluate_onnx(art, splits.eval, reference_artifact=FP32, threads=THREADS, decode_steps=40))
+    import numpy as np
+
+    top1_file = BENCH / "fp32_eval_top1.npy"
+    if not top1_file.is_file():
+        from compress.evaluate import prefill_logits
+
+        np.save(top1_file, prefill_logits(FP32, splits.eval, threads=THREADS).argmax(-1))
+    row.update(evaluate_onnx(art, splits.eval, reference_top1=np.load(top1_file), threads=THREADS, decode_steps=40))
     row["size_ratio"] = row["size_bytes"] / sum(p.stat().st_size for p in FP32.glob("model.onnx*"))
     return row
 

@@ -226,21 +226,32 @@ def collect_stats(
     inv_scales: Callable[[dict[str, ActStats]], dict[str, np.ndarray]] | None = None,
     batch_size: int = 4,
     threads: int | None = None,
+    first_pass: dict[str, ActStats] | None = None,
 ) -> CalibrationResult:
     """Run the pruned graph over `blocks` and reduce each tensor batch by batch.
 
     Pass 1: per-channel min/max. Pass 2 (histogram=True): a HIST_BINS histogram
     of x * inv_scale over the range known from pass 1, for entropy/percentile.
     `inv_scales(stats)` lets SmoothQuant set the per-channel 1/s between passes.
+    first_pass: pass-1 statistics of these same blocks from an earlier run (a calibration cache); pass 1 is skipped.
     """
     import time
 
     t0 = time.perf_counter()
+    if first_pass is not None and not histogram:
+        fp = {t: ActStats(first_pass[t].cmin.copy(), first_pass[t].cmax.copy()) for t in tensors}
+        sha = hashlib.sha256(np.ascontiguousarray(np.asarray(blocks, np.int64)).tobytes()).hexdigest()
+        return CalibrationResult(fp, len(blocks), sha, time.perf_counter() - t0, 0)
     calib = calibration_model(model, tensors)
     sess = _session(calib, threads)
     names = [i.name for i in sess.get_inputs()]
     reader = PrefillReader(blocks, names, num_kv_heads, head_dim, batch_size)
     stats: dict[str, ActStats] = {}
+    if first_pass is not None:
+        stats = {t: ActStats(first_pass[t].cmin.copy(), first_pass[t].cmax.copy()) for t in tensors}
+        reader._hash.update(np.ascontiguousarray(reader.blocks).tobytes())
+        reader.blocks_fed = len(reader.blocks)
+        reader._pos = len(reader.blocks)
     for feed in reader:
         outs = sess.run(tensors, feed)
         for t, x in zip(tensors, outs):
@@ -254,7 +265,7 @@ def collect_stats(
                 np.maximum(st.cmax, mx, out=st.cmax)
         del outs
     sha, fed = reader.sha256, reader.blocks_fed
-    passes = 1
+    passes = 1 if first_pass is None else 0
     if histogram:
         scales = inv_scales(stats) if inv_scales else {}
         for t, st in stats.items():
@@ -272,7 +283,7 @@ def collect_stats(
                 h, _ = np.histogram(v, bins=HIST_BINS, range=(st.lo, st.hi))
                 st.hist += h
             del outs
-        passes = 2
+        passes += 1
     return CalibrationResult(stats, fed, sha, time.perf_counter() - t0, passes)
 
 
@@ -324,3 +335,22 @@ def entropy_range(st: ActStats, num_quantized_bins: int = 128) -> tuple[float, f
         if kl < best_kl:
             best_kl, best_t = kl, (i / nb) * amax
     return max(st.lo, -best_t), min(st.hi, best_t)
+
+
+def save_first_pass(path, stats: dict[str, ActStats], sha256: str) -> None:
+    """Cache pass-1 statistics (per-channel min/max before smoothing) keyed by the calibration data's sha256."""
+    arrays = {f"min::{t}": st.cmin for t, st in stats.items()} | {f"max::{t}": st.cmax for t, st in stats.items()}
+    with open(path, "wb") as f:  # a file object: np.savez would append .npz to a bare path
+        np.savez(f, __sha256__=np.array(sha256), **arrays)
+
+
+def load_first_pass(path, sha256: str) -> dict[str, ActStats] | None:
+    """The cached statistics, or None when the file is missing or was made from other calibration data."""
+    try:
+        z = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    if str(z["__sha256__"]) != sha256:
+        return None
+    names = [k[5:] for k in z.files if k.startswith("min::")]
+    return {t: ActStats(z[f"min::{t}"].copy(), z[f"max::{t}"].copy()) for t in names}

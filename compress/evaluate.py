@@ -114,11 +114,14 @@ def evaluate_onnx(
     decode_prompt_len: int = 32,
     latency: bool = True,
     threads: int | None = None,
+    reference_top1: np.ndarray | None = None,
 ) -> dict[str, float]:
     """Perplexity, top-1 agreement and KL vs a reference artifact, golden greedy-prefix match, size, decode latency.
 
     golden: [(prompt_ids, expected greedy ids)] or [{"prompt_ids", "greedy_ids"}]; the score is the mean
     fraction of the expected continuation reproduced before the first mismatch.
+    reference_top1: the reference's argmax [n, block] over the same eval_blocks (from `prefill_logits(...).argmax(-1)`),
+    to measure agreement without running the reference again (then no KL).
     """
     eval_blocks = np.asarray(eval_blocks, dtype=np.int64)
     if eval_blocks.ndim != 2 or len(eval_blocks) == 0 or eval_blocks.shape[1] < 2:
@@ -137,11 +140,15 @@ def evaluate_onnx(
         ref_iter = _logits_batches(ref_sess, eval_blocks, int(rman["num_kv_heads"]), int(rman["head_dim"]), batch_size)
     nll, count, agree, kl = 0.0, 0, 0, 0.0
     t0 = time.perf_counter()
+    if reference_top1 is not None and np.shape(reference_top1) != eval_blocks.shape:
+        raise EvaluateError(f"reference_top1 has shape {np.shape(reference_top1)}, eval_blocks {eval_blocks.shape}")
     for i, logits in enumerate(_logits_batches(sess, eval_blocks, kv, hd, batch_size)):
         ids = eval_blocks[i * batch_size : i * batch_size + len(logits)]
         s, am = _nll_and_argmax(logits, ids)
         nll += s
         count += ids[:, 1:].size
+        if reference_top1 is not None and ref_iter is None:
+            agree += int((np.asarray(reference_top1)[i * batch_size : i * batch_size + len(logits)] == am).sum())
         if ref_iter is not None:
             ref = next(ref_iter)
             agree += int((ref.argmax(-1) == am).sum())
@@ -159,10 +166,10 @@ def evaluate_onnx(
         "load_seconds": load_s,
         "prefill_tokens_per_s": eval_blocks.size / max(prefill_s, 1e-9),
     }
+    if ref_iter is not None or reference_top1 is not None:
+        out["top1_agreement"] = agree / eval_blocks.size
     if ref_iter is not None:
-        n_pos = eval_blocks.size
-        out["top1_agreement"] = agree / n_pos
-        out["kl_to_reference"] = kl / n_pos
+        out["kl_to_reference"] = kl / eval_blocks.size
     if golden:
         scores = []
         for prompt, expected in _golden_pairs(golden):

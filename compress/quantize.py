@@ -20,6 +20,7 @@ problem and its QDQ quirks (FACTS.md); ORT fuses DQ->MatMul into integer kernels
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import re
@@ -35,7 +36,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from compress.artifact import read_manifest, write_manifest
-from compress.calibration import ActStats, Linear, collect_stats, entropy_range, find_linears, percentile_range, prefill_feed
+from compress.calibration import (ActStats, Linear, collect_stats, entropy_range, find_linears, load_first_pass, percentile_range,
+                                  save_first_pass)
 from compress.config import QuantizeConfig
 from compress.smoothquant import apply_smoothquant, refresh_linears
 
@@ -306,8 +308,10 @@ class Quantizer:
     """Loads an fp32 artifact once, calibrates once, then builds quantized variants on demand."""
 
     def __init__(self, src_artifact: str | Path, calib_blocks: np.ndarray | None, cfg: QuantizeConfig,
-                 threads: int | None = None, on_event: Callable[[str, dict], None] | None = None):
+                 threads: int | None = None, on_event: Callable[[str, dict], None] | None = None,
+                 calibration_cache: str | Path | None = None):
         self.src = Path(src_artifact)
+        self.calibration_cache = Path(calibration_cache) if calibration_cache else None
         self.cfg = cfg
         self.threads = threads
         self.on_event = on_event or (lambda name, data: None)
@@ -357,8 +361,17 @@ class Quantizer:
                 return inv
 
             kv_heads, head_dim = int(self.manifest["num_kv_heads"]), int(self.manifest["head_dim"])
-            res = collect_stats(self.model, tensors, self.calib, kv_heads, head_dim, histogram=hist,
-                                inv_scales=smooth, batch_size=cfg.calib_batch_size, threads=self.threads)
+            first = None
+            if self.calibration_cache is not None:
+                sha = hashlib.sha256(np.ascontiguousarray(self.calib.astype(np.int64)).tobytes()).hexdigest()
+                first = load_first_pass(self.calibration_cache, sha)
+                if first is not None and not set(tensors) <= set(first):
+                    first = None
+            # stats keep the raw (unsmoothed) per-channel ranges; smoothing only sets inv_scale beside them
+            res = collect_stats(self.model, tensors, self.calib, kv_heads, head_dim, histogram=hist, inv_scales=smooth,
+                                batch_size=cfg.calib_batch_size, threads=self.threads, first_pass=first)
+            if self.calibration_cache is not None and first is None:
+                save_first_pass(self.calibration_cache, res.stats, res.sha256)
             if not hist:
                 self.inv_scales = smooth(res.stats)
             else:
@@ -525,10 +538,14 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_artifact(src_artifact: str | Path, out_dir: str | Path, calib_blocks: np.ndarray | None, cfg: QuantizeConfig,
-                      threads: int | None = None, on_event: Callable[[str, dict], None] | None = None) -> QuantReport:
+                      threads: int | None = None, on_event: Callable[[str, dict], None] | None = None,
+                      calibration_cache: str | Path | None = None) -> QuantReport:
     """Quantize the fp32 artifact in `src_artifact` into a complete new artifact folder `out_dir`.
 
     calib_blocks: the calib split ([n, block] int64); only its first cfg.calib_samples blocks are used.
     on_event(name, data): progress for the caller's logging (calibration, smoothquant, sensitivity).
+    calibration_cache: an .npz of the first calibration pass (per-channel ranges, keyed by the calib data's
+    sha256); reused when it matches, written when it does not, so re-quantizing skips the model run.
     """
-    return Quantizer(src_artifact, calib_blocks, cfg, threads=threads, on_event=on_event).write(out_dir)
+    return Quantizer(src_artifact, calib_blocks, cfg, threads=threads, on_event=on_event,
+                     calibration_cache=calibration_cache).write(out_dir)

@@ -100,3 +100,14 @@ def test_accuracy_aware_loop_rejects_after_the_last_trial(tiny_artifact, tiny_sp
                                    baseline=fp32_eval, eval_kwargs={"latency": False})
     assert not res.verdict.accepted and len(res.trials) == 2
     assert "accept.relax_trials=1" in res.verdict.reasons[-1]
+
+
+def test_agreement_from_cached_reference_top1(tiny_artifact, tiny_splits, fp32_eval):
+    from compress.evaluate import prefill_logits
+
+    top1 = prefill_logits(tiny_artifact, tiny_splits.eval).argmax(-1)
+    m = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=top1, latency=False)
+    assert m["top1_agreement"] == 1.0 and "kl_to_reference" not in m
+    shifted = np.roll(top1, 1, axis=1)
+    m2 = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=shifted, latency=False)
+    assert m2["top1_agreement"] == pytest.approx(float((shifted == top1).mean()))

@@ -109,6 +109,21 @@ def test_calibration_reads_only_calib_blocks(static_artifacts, tiny_splits, tiny
     assert c.calib_fed == 3
 
 
+def test_calibration_cache_reuses_first_pass(tiny_artifact, tiny_splits, tmp_path):
+    cfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=False)
+    cache = tmp_path / "calib.npz"
+    a = Quantizer(tiny_artifact, tiny_splits.calib, cfg, calibration_cache=cache)
+    a.prepare()
+    assert cache.is_file()
+    b = Quantizer(tiny_artifact, tiny_splits.calib, cfg, calibration_cache=cache)
+    b.prepare()
+    assert b.ranges == a.ranges and b.calib_sha256 == a.calib_sha256 and b.calib_fed == a.calib_fed
+    # other calibration data does not hit the cache
+    c = Quantizer(tiny_artifact, tiny_splits.train[:8], cfg, calibration_cache=cache)
+    c.prepare()
+    assert c.ranges != a.ranges
+
+
 def test_weight_only_uses_matmulnbits_and_shrinks(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
     cfg = QuantizeConfig(method="weight_only", keep_float=[], smoothquant_alpha=None, quantize_embedding=False)
     rep = quantize_artifact(tiny_artifact, tmp_path / "wo", None, cfg)
