@@ -75,7 +75,11 @@ class RequestOutput:
 
 
 class RequestHandle:
-    """What ``add_request`` returns: iterate it (sync or async) for token events; cancel it."""
+    """What ``add_request`` returns: iterate it (sync or async) for token events; cancel it.
+
+    Leaving an ``async for`` over the handle before the last event (a disconnected client,
+    a cancelled task, a ``break``) cancels the request, so its blocks go back at once.
+    """
 
     def __init__(self, engine: Engine, request_id: str, prompt_ids: list[int], params: SamplingParams):
         self._engine = engine
@@ -133,19 +137,24 @@ class RequestHandle:
             self._aevent = asyncio.Event()
             self._loop = asyncio.get_running_loop()
         aev = self._aevent
-        while True:
-            try:
-                ev = self._q.get_nowait()
-            except queue.Empty:
-                aev.clear()
+        try:
+            while True:
                 try:
-                    ev = self._q.get_nowait()  # re-check: a push may have landed before clear()
+                    ev = self._q.get_nowait()
                 except queue.Empty:
-                    await aev.wait()
-                    continue
-            yield ev
-            if ev.finished:
-                return
+                    aev.clear()
+                    try:
+                        ev = self._q.get_nowait()  # re-check: a push may have landed before clear()
+                    except queue.Empty:
+                        await aev.wait()
+                        continue
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            # The consumer went away (client disconnected, task cancelled, loop broken): free the blocks.
+            if not self._done.is_set():
+                self.cancel()
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._aiter()

@@ -399,3 +399,29 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_artifact):
     eng.runner.execute = real
     assert len(eng.generate(p2, SamplingParams.greedy(5, ignore_eos=True))) == 5
     check_clean(eng)
+
+
+def test_leaving_an_async_stream_early_cancels_the_request(tiny_artifact):
+    with engine(tiny_artifact, start=True) as eng:
+        p = random_prompts(1, 20, 20, seed=16)[0]
+
+        async def client():
+            h = eng.add_request(p, SamplingParams.greedy(400, ignore_eos=True))
+            n = 0
+            async for _ in h:
+                n += 1
+                if n == 2:
+                    break  # the client disconnects
+            return h
+
+        async def main():
+            h = await client()
+            for _ in range(200):
+                if h.finished:
+                    break
+                await asyncio.sleep(0.01)
+            return h
+
+        h = asyncio.run(main())
+        assert h.finish_reason == "cancelled" and len(h.output_ids) < 400
+        assert eng.block_manager.num_used == 0
