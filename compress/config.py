@@ -220,6 +220,12 @@ class ServeConfig(_Section):
     verify_artifact: bool = True
     # How many recent TTFT / inter-token latency samples the stats snapshot keeps.
     latency_window: int = Field(2048, ge=1)
+    # HTTP server (serve/api.py): largest accepted request body; bigger ones get 413.
+    max_request_bytes: int = Field(1_048_576, ge=1024)
+    # After a live swap, how long in-flight requests may keep the old model before it is shut down anyway.
+    drain_timeout_s: float = Field(300.0, gt=0)
+    # Environment variable holding the bearer token for /admin/*; unset or empty = admin endpoints off.
+    admin_token_env: str = "COMPRESSOR_ADMIN_TOKEN"
 
 
 class PipelineConfig(_Section):

@@ -1,0 +1,70 @@
+"""`python -m serve`: run the OpenAI-compatible server on a registry alias or a local artifact folder.
+
+    python -m serve --model models:/smollm2-135m@champion          # follows the alias
+    python -m serve --model artifacts/export/<hash>/artifact --port 8001
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The serve options, for embedding as a subcommand of another CLI."""
+    p.add_argument("--model", "-m", required=True,
+                   help="models:/NAME@ALIAS (followed live), models:/NAME/VERSION, or an artifact folder")
+    p.add_argument("--config", "-c", default=None, help="YAML config; its serve and mlflow sections are used")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set serve.max_waiting=8 (repeatable)")
+    p.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
+    p.add_argument("--tracking-uri", default=None,
+                   help="MLflow tracking URI (default: mlflow.tracking_uri, $MLFLOW_TRACKING_URI, or mlruns/)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model (fail fast with a clear message), then serve until interrupted."""
+    import uvicorn
+
+    from compress.config import ConfigError, PipelineConfig, load_config
+    from serve.api import create_app
+    from serve.model_source import ModelManager, ModelSourceError
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.set) if (args.config or args.set) else PipelineConfig()
+        serve_cfg = cfg.serve
+        if args.host:
+            serve_cfg.host = args.host
+        if args.port:
+            serve_cfg.port = args.port
+        manager = ModelManager(args.model, serve_cfg, tracking_uri=args.tracking_uri or cfg.mlflow.tracking_uri)
+        lm = manager.load_initial()
+    except (ConfigError, ModelSourceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    log = logging.getLogger("serve")
+    log.info("serving %s version %s from %s on http://%s:%d", lm.name, lm.version, lm.path, serve_cfg.host,
+             serve_cfg.port)
+    if serve_cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: the API has no authentication (only /admin/* has a token)", serve_cfg.host)
+    app = create_app(manager, serve_cfg)
+    uvicorn.run(app, host=serve_cfg.host, port=serve_cfg.port, log_level=args.log_level)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
