@@ -10,7 +10,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION ?= false
 
-.PHONY: setup demo test lint ui prefect-server clean
+.PHONY: setup demo test ui prefect-server deployments worker clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,3 +40,15 @@ prefect-server: setup
 
 clean:
 	rm -rf artifacts .pytest_cache
+
+# --- Prefect deployments (see README "Scheduling and running on demand") ---
+COMPRESSOR_POOL ?= compress-local
+export COMPRESSOR_POOL
+deployments worker prefect-server: export PREFECT_API_URL ?= http://127.0.0.1:4200/api
+
+deployments: setup
+	$(BIN)/prefect work-pool inspect $(COMPRESSOR_POOL) >/dev/null 2>&1 || $(BIN)/prefect work-pool create $(COMPRESSOR_POOL) --type process
+	$(BIN)/prefect --no-prompt deploy --all
+
+worker: setup
+	$(BIN)/prefect worker start --pool $(COMPRESSOR_POOL)
