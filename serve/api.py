@@ -58,9 +58,25 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def _validation_error(e: ValidationError) -> ApiError:
+def _field_path(loc: tuple, data: Any, missing: bool) -> str | None:
+    """The error's location as the client wrote it: pydantic adds union member names ("stop.str")."""
+    parts, node = [], data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            if missing and isinstance(node, dict):
+                parts.append(str(part))
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
+
+
+def _validation_error(e: ValidationError, data: Any) -> ApiError:
     err = e.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
+    param = _field_path(err["loc"], data, err["type"] == "missing")
     got = err.get("input")
     got_s = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
@@ -334,7 +350,7 @@ def create_app(model: str | ModelManager, config: ServeConfig | None = None, *, 
         try:
             return schema.model_validate(data)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise _validation_error(e, data) from None
 
     def lease() -> LoadedModel:
         try:
