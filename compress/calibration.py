@@ -183,6 +183,7 @@ class ActStats:
     lo: float = 0.0  # histogram range, set before the histogram pass
     hi: float = 0.0
     inv_scale: np.ndarray | None = None  # SmoothQuant divides the channel by s; histograms see x / s
+    sample: np.ndarray | None = None  # a few hundred rows (tokens) spread over the calibration data, for alpha search
 
     @property
     def absmax(self) -> np.ndarray:
@@ -227,6 +228,7 @@ def collect_stats(
     batch_size: int = 4,
     threads: int | None = None,
     first_pass: dict[str, ActStats] | None = None,
+    sample_rows: int = 0,
 ) -> CalibrationResult:
     """Run the pruned graph over `blocks` and reduce each tensor batch by batch.
 
@@ -234,12 +236,15 @@ def collect_stats(
     of x * inv_scale over the range known from pass 1, for entropy/percentile.
     `inv_scales(stats)` lets SmoothQuant set the per-channel 1/s between passes.
     first_pass: pass-1 statistics of these same blocks from an earlier run (a calibration cache); pass 1 is skipped.
+    sample_rows: keep about this many token rows of every tensor, evenly strided over all blocks.
     """
     import time
 
     t0 = time.perf_counter()
+    blocks = np.asarray(blocks)
+    stride = max(1, blocks.size // sample_rows) if sample_rows else 0
     if first_pass is not None and not histogram:
-        fp = {t: ActStats(first_pass[t].cmin.copy(), first_pass[t].cmax.copy()) for t in tensors}
+        fp = {t: ActStats(first_pass[t].cmin.copy(), first_pass[t].cmax.copy(), sample=first_pass[t].sample) for t in tensors}
         sha = hashlib.sha256(np.ascontiguousarray(np.asarray(blocks, np.int64)).tobytes()).hexdigest()
         return CalibrationResult(fp, len(blocks), sha, time.perf_counter() - t0, 0)
     calib = calibration_model(model, tensors)
@@ -248,10 +253,11 @@ def collect_stats(
     reader = PrefillReader(blocks, names, num_kv_heads, head_dim, batch_size)
     stats: dict[str, ActStats] = {}
     if first_pass is not None:
-        stats = {t: ActStats(first_pass[t].cmin.copy(), first_pass[t].cmax.copy()) for t in tensors}
+        stats = {t: ActStats(first_pass[t].cmin.copy(), first_pass[t].cmax.copy(), sample=first_pass[t].sample) for t in tensors}
         reader._hash.update(np.ascontiguousarray(reader.blocks).tobytes())
         reader.blocks_fed = len(reader.blocks)
         reader._pos = len(reader.blocks)
+    row0 = 0  # global index of the batch's first row, so sampling strides across batches
     for feed in reader:
         outs = sess.run(tensors, feed)
         for t, x in zip(tensors, outs):
@@ -259,10 +265,14 @@ def collect_stats(
             mn, mx = x2.min(0), x2.max(0)
             st = stats.get(t)
             if st is None:
-                stats[t] = ActStats(mn, mx)
+                st = stats[t] = ActStats(mn, mx)
             else:
                 np.minimum(st.cmin, mn, out=st.cmin)
                 np.maximum(st.cmax, mx, out=st.cmax)
+            if stride:
+                rows = x2[(-row0) % stride :: stride].astype(np.float32)
+                st.sample = rows.copy() if st.sample is None else np.concatenate([st.sample, rows])
+        row0 += outs[0].reshape(-1, outs[0].shape[-1]).shape[0] if outs else 0
         del outs
     sha, fed = reader.sha256, reader.blocks_fed
     passes = 1 if first_pass is None else 0
@@ -340,6 +350,7 @@ def entropy_range(st: ActStats, num_quantized_bins: int = 128) -> tuple[float, f
 def save_first_pass(path, stats: dict[str, ActStats], sha256: str) -> None:
     """Cache pass-1 statistics (per-channel min/max before smoothing) keyed by the calibration data's sha256."""
     arrays = {f"min::{t}": st.cmin for t, st in stats.items()} | {f"max::{t}": st.cmax for t, st in stats.items()}
+    arrays |= {f"smp::{t}": st.sample for t, st in stats.items() if st.sample is not None}
     with open(path, "wb") as f:  # a file object: np.savez would append .npz to a bare path
         np.savez(f, __sha256__=np.array(sha256), **arrays)
 
@@ -353,4 +364,5 @@ def load_first_pass(path, sha256: str) -> dict[str, ActStats] | None:
     if str(z["__sha256__"]) != sha256:
         return None
     names = [k[5:] for k in z.files if k.startswith("min::")]
-    return {t: ActStats(z[f"min::{t}"].copy(), z[f"max::{t}"].copy()) for t in names}
+    return {t: ActStats(z[f"min::{t}"].copy(), z[f"max::{t}"].copy(), sample=z[f"smp::{t}"].copy() if f"smp::{t}" in z.files else None)
+            for t in names}

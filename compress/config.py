@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -140,14 +140,21 @@ class QuantizeConfig(_Section):
     # weight_only = MatMulNBits 8-bit block-wise weights, float activations. Figures: docs/quantization.md.
     method: Literal["static", "dynamic", "weight_only"] = "static"
     calibration: Literal["minmax", "entropy", "percentile"] = "minmax"
+    # dynamic only: "tensor" = ORT's DynamicQuantizeLinear (one range per call); "token" = one range per row.
+    activation_granularity: Literal["tensor", "token"] = "tensor"
     percentile: float = Field(99.999, gt=90, le=100)
     per_channel: bool = True
     # None = detect from the CPU (no VNNI -> 7-bit weights, else u8 x s8 saturates)
     reduce_range: bool | None = None
-    # SmoothQuant migration strength (0 = none, 1 = all onto the weights); null disables smoothing.
-    smoothquant_alpha: float | None = Field(0.5, ge=0, le=1)
+    # SmoothQuant migration strength (0 = none, 1 = all onto the weights); "auto" = per tensor, the alpha
+    # (0.3-0.95, or none) with the smallest W8A8 output error on calib samples; null disables smoothing.
+    smoothquant_alpha: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] | None = "auto"
+    smoothquant_samples: int = Field(256, ge=16)
     # Linears whose module path (e.g. model.layers.3.mlp.down_proj), node name or group contains one of these stay float.
     keep_float: list[str] = Field(default_factory=lambda: ["down_proj"])
+    # What "kept in float" means for keep_float / sensitivity / relaxed groups: fp32 weights, or 8-bit
+    # block-wise weights with float activations (MatMulNBits; keeps the size down, small accuracy cost).
+    keep_float_as: Literal["float", "weight_only"] = "weight_only"
     # Sensitivity scan: quantize one group (a layer's qkv / o / gate_up / down) at a time, this many
     # candidates (ranked by their activation's quantization error), on calib data; 0 = no scan.
     sensitivity_trials: int = Field(0, ge=0)

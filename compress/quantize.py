@@ -195,6 +195,76 @@ def insert_qdq(model: onnx.ModelProto, linears: list[Linear], ranges: dict[str, 
     g.node.extend(new_nodes)
 
 
+def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_channel: bool, reduce_range: bool) -> None:
+    """In place: W8A8 with int8 activations quantized per token (row) at run time, symmetric.
+
+    ORT's dynamic quantization (DynamicQuantizeLinear) uses one range per call, i.e. per tensor over the
+    whole batch x sequence; per-token ranges keep a token with outliers from crushing its neighbours
+    (FACTS.md: torch fake-quant 17.2 per-token vs 26.3 per-tensor). Per group sharing an input:
+      x2 = Reshape(x, [-1, K]); s = max|x2|_row / 127; xq = Cast<int8>(Round(x2 / s))
+      per linear: y = Reshape(Cast<float>(MatMulInteger(xq, Wq)) * s * w_scale, [..., N])
+    """
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    todo = {l.node: l for l in linears}
+    done: dict[str, tuple[str, str, str]] = {}
+    new_nodes = []
+    drop: set[str] = set()
+    consts_added: set[str] = set()
+
+    def const(name: str, arr: np.ndarray) -> str:
+        if name not in consts_added:
+            g.initializer.append(numpy_helper.from_array(arr, name))
+            consts_added.add(name)
+        return name
+
+    for n in g.node:
+        l = todo.get(n.name)
+        if l is None:
+            new_nodes.append(n)
+            continue
+        a = n.input[0]
+        w_name = n.input[1]
+        w = numpy_helper.to_array(inits[w_name])
+        K, N = w.shape
+        if a not in done:
+            p = f"{a}_ptq"
+            new_nodes += [
+                helper.make_node("Shape", [a], [f"{p}_shape"], name=f"{p}_Shape"),
+                helper.make_node("Reshape", [a, const(f"ptq_rows_{K}", np.array([-1, K], np.int64))], [f"{p}_2d"], name=f"{p}_Reshape"),
+                helper.make_node("Abs", [f"{p}_2d"], [f"{p}_abs"], name=f"{p}_Abs"),
+                helper.make_node("ReduceMax", [f"{p}_abs", const("ptq_axis_1", np.array([1], np.int64))], [f"{p}_amax"], keepdims=1, name=f"{p}_ReduceMax"),
+                helper.make_node("Max", [f"{p}_amax", const("ptq_eps", np.array(1e-8, np.float32))], [f"{p}_amax_pos"], name=f"{p}_Max"),
+                helper.make_node("Div", [f"{p}_amax_pos", const("ptq_127", np.array(127.0, np.float32))], [f"{p}_scale"], name=f"{p}_Scale"),
+                helper.make_node("Div", [f"{p}_2d", f"{p}_scale"], [f"{p}_scaled"], name=f"{p}_Div"),
+                helper.make_node("Round", [f"{p}_scaled"], [f"{p}_round"], name=f"{p}_Round"),
+                helper.make_node("Cast", [f"{p}_round"], [f"{p}_q"], to=TensorProto.INT8, name=f"{p}_Cast"),
+                helper.make_node("Slice", [f"{p}_shape", const("ptq_zero", np.array([0], np.int64)), const("ptq_minus1", np.array([-1], np.int64))],
+                                 [f"{p}_lead"], name=f"{p}_Lead"),
+            ]
+            done[a] = (f"{p}_q", f"{p}_scale", f"{p}_lead")
+        xq, xs, lead = done[a]
+        q, scale = _weight_qdq(w, per_channel, reduce_range)
+        o = n.output[0]
+        qn, sn = f"{w_name}_quantized", f"{w_name}_scale"
+        g.initializer.extend([numpy_helper.from_array(q, qn), numpy_helper.from_array(scale.reshape(-1).astype(np.float32), sn)])
+        new_nodes += [
+            helper.make_node("MatMulInteger", [xq, qn], [f"{o}_i32"], name=f"{n.name}_MatMulInteger"),
+            helper.make_node("Cast", [f"{o}_i32"], [f"{o}_f"], to=TensorProto.FLOAT, name=f"{n.name}_Cast"),
+            helper.make_node("Mul", [f"{o}_f", sn], [f"{o}_w"], name=f"{n.name}_MulW"),
+            helper.make_node("Mul", [f"{o}_w", xs], [f"{o}_2d"], name=f"{n.name}_MulX"),
+            helper.make_node("Concat", [lead, const(f"ptq_cols_{N}", np.array([N], np.int64))], [f"{o}_shape"], axis=0, name=f"{n.name}_OutShape"),
+            helper.make_node("Reshape", [f"{o}_2d", f"{o}_shape"], [o], name=f"{n.name}_Reshape"),
+        ]
+        drop.add(w_name)
+    still = {i for n in new_nodes for i in n.input}
+    keep = [t for t in g.initializer if t.name not in drop or t.name in still]
+    g.ClearField("initializer")
+    g.initializer.extend(keep)
+    g.ClearField("node")
+    g.node.extend(new_nodes)
+
+
 def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accuracy_level: int = 4) -> bool:
     """Store the embedding table once as 8-bit blocks, shared by the token Gather and a tied lm_head.
 
@@ -300,6 +370,10 @@ def _save(model: onnx.ModelProto, path: Path) -> None:
 
 # ---------------------------------------------------------------- the quantizer
 
+def _pow2_block(n: int) -> int:
+    return n if n >= 16 and n & (n - 1) == 0 else 32
+
+
 def _matches(l: Linear, patterns: list[str]) -> bool:
     return any(p and (p in l.module or p == l.node or p == l.group) for p in patterns)
 
@@ -326,6 +400,7 @@ class Quantizer:
         self.stats: dict[str, ActStats] = {}
         self.inv_scales: dict[str, np.ndarray] = {}
         self.smoothed = 0
+        self.smooth_report: list = []
         self.ranges: dict[str, tuple[float, float]] = {}
         self.calib_seconds = 0.0
         self.calib_sha256 = ""
@@ -354,7 +429,8 @@ class Quantizer:
             def smooth(stats: dict[str, ActStats]) -> dict[str, np.ndarray]:
                 if alpha is None:
                     return {}
-                inv, rep = apply_smoothquant(model, linears, stats, alpha)
+                inv, rep = apply_smoothquant(model, linears, stats, alpha, reduce_range=self.reduce_range)
+                self.smooth_report = rep
                 self.smoothed = len(rep)
                 self.on_event("smoothquant", {"tensors": len(rep), "max_before": max((r.max_before for r in rep), default=0.0),
                                               "max_after": max((r.max_after for r in rep), default=0.0)})
@@ -365,11 +441,13 @@ class Quantizer:
             if self.calibration_cache is not None:
                 sha = hashlib.sha256(np.ascontiguousarray(self.calib.astype(np.int64)).tobytes()).hexdigest()
                 first = load_first_pass(self.calibration_cache, sha)
-                if first is not None and not set(tensors) <= set(first):
+                if first is not None and (not set(tensors) <= set(first) or
+                                          (alpha == "auto" and any(first[t].sample is None for t in tensors))):
                     first = None
             # stats keep the raw (unsmoothed) per-channel ranges; smoothing only sets inv_scale beside them
             res = collect_stats(self.model, tensors, self.calib, kv_heads, head_dim, histogram=hist, inv_scales=smooth,
-                                batch_size=cfg.calib_batch_size, threads=self.threads, first_pass=first)
+                                batch_size=cfg.calib_batch_size, threads=self.threads, first_pass=first,
+                                sample_rows=cfg.smoothquant_samples if alpha == "auto" else 0)
             if self.calibration_cache is not None and first is None:
                 save_first_pass(self.calibration_cache, res.stats, res.sha256)
             if not hist:
@@ -399,19 +477,28 @@ class Quantizer:
             (f if _matches(l, self.cfg.keep_float) or l.group in extra_float_groups else q).append(l)
         return q, f
 
-    def build(self, linears: list[Linear], embedding: bool | None = None) -> onnx.ModelProto:
-        """A quantized copy of the (smoothed) model with exactly `linears` quantized."""
+    def build(self, linears: list[Linear], embedding: bool | None = None, fallback: bool = True) -> onnx.ModelProto:
+        """A quantized copy of the (smoothed) model with exactly `linears` quantized by cfg.method.
+
+        fallback: the other linears get 8-bit weight-only when cfg.keep_float_as == "weight_only".
+        """
         self.prepare()
         cfg = self.cfg
         model = copy.deepcopy(self.model)
+        chosen = {l.node for l in linears}
+        rest = [l for l in self.linears if l.node not in chosen]
         if cfg.method == "static":
             insert_qdq(model, linears, self.ranges, cfg.per_channel, self.reduce_range)
+        elif cfg.method == "dynamic" and cfg.activation_granularity == "token":
+            insert_dynamic_per_token(model, linears, cfg.per_channel, self.reduce_range)
         elif cfg.method == "dynamic":
             model = _dynamic(model, linears, cfg.per_channel, self.reduce_range)
         else:
             model = _weight_only(model, linears, cfg.block_size, cfg.accuracy_level)
+        if fallback and rest and cfg.keep_float_as == "weight_only" and cfg.method != "weight_only":
+            model = _weight_only(model, rest, _pow2_block(cfg.block_size), cfg.accuracy_level)
         if cfg.quantize_embedding if embedding is None else embedding:
-            quantize_tied_embedding(model, cfg.block_size if cfg.block_size & (cfg.block_size - 1) == 0 else 32, cfg.accuracy_level)
+            quantize_tied_embedding(model, _pow2_block(cfg.block_size), cfg.accuracy_level)
         return model
 
     # -- sensitivity scan
@@ -449,7 +536,7 @@ class Quantizer:
         results = []
         for g in self.candidate_ranking()[:trials]:
             t0 = time.perf_counter()
-            sess = make_session(self.build(by_group[g], embedding=False), self.threads)
+            sess = make_session(self.build(by_group[g], embedding=False, fallback=False), self.threads)
             kl, n = 0.0, 0
             for r, x in zip(ref, _logits_batches(sess, data, *kv)):
                 lp = _log_softmax(x)
@@ -516,6 +603,7 @@ class Quantizer:
             "cpu_vnni": has_vnni(),
             "smoothquant_alpha": cfg.smoothquant_alpha,
             "keep_float": list(cfg.keep_float),
+            "keep_float_as": cfg.keep_float_as if cfg.method != "weight_only" else "float",
             "float_groups": list(extra_float_groups),
             "embedding": "int8 block-wise, shared by Gather and lm_head" if cfg.quantize_embedding else "float",
             "calib_blocks": self.calib_fed,
@@ -526,6 +614,8 @@ class Quantizer:
             s["calibration"] = cfg.calibration
             if cfg.calibration == "percentile":
                 s["percentile"] = cfg.percentile
+        elif cfg.method == "dynamic" and cfg.activation_granularity == "token":
+            s["activations"] = "int8 symmetric per-token, range per call (dynamic)"
         elif cfg.method == "dynamic":
             s["activations"] = "uint8 per-tensor, range per call (dynamic)"
         return s

@@ -44,7 +44,8 @@ def static_artifacts(tiny_artifact, tiny_splits, tmp_path_factory):
     out = {}
     root = tmp_path_factory.mktemp("quant_static")
     for calib in ("minmax", "entropy", "percentile"):
-        cfg = QuantizeConfig(method="static", calibration=calib, keep_float=["down_proj"], quantize_embedding=False)
+        cfg = QuantizeConfig(method="static", calibration=calib, keep_float=["down_proj"], keep_float_as="float", quantize_embedding=False,
+                             smoothquant_alpha=0.5)
         rep = quantize_artifact(tiny_artifact, root / calib, tiny_splits.calib, cfg)
         out[calib] = (root / calib, rep)
     return out
@@ -90,6 +91,20 @@ def test_excluded_nodes_stay_float(static_artifacts, tiny_artifact):
     assert len(down) == 2 and all("down_proj" in f for f in rep.float_linears)
     src_linears = find_linears(onnx.load(str(tiny_artifact / "model.onnx")))
     assert sorted(rep.float_linears) == sorted(l.module for l in src_linears if l.role == "down_proj")
+
+
+def test_kept_groups_fall_back_to_weight_only_int8(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
+    cfg = QuantizeConfig(method="static", keep_float=["down_proj"], keep_float_as="weight_only", quantize_embedding=False,
+                         smoothquant_alpha=0.5)
+    rep = quantize_artifact(tiny_artifact, tmp_path / "fb", tiny_splits.calib, cfg)
+    m = onnx.load(str(tmp_path / "fb" / "model.onnx"))
+    nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 2 and all("down_proj" in n.name for n in nbits)
+    assert rep.quantized_linears == 12 and len(rep.float_linears) == 2
+    float_inits = [i for i in m.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2 and min(i.dims) >= 64]
+    assert [i.name for i in float_inits] == ["model.lm_head.weight"]  # only the (unquantized) embedding table
+    logits = prefill_logits(tmp_path / "fb", tiny_splits.eval)
+    assert _rel_err(logits, fp32_logits) < 0.05 and _agreement(logits, fp32_logits) > 0.9
 
 
 def test_calibration_reads_only_calib_blocks(static_artifacts, tiny_splits, tiny_artifact, tmp_path):
@@ -139,7 +154,7 @@ def test_weight_only_uses_matmulnbits_and_shrinks(tiny_artifact, tiny_splits, fp
 
 
 def test_dynamic_int8(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
-    cfg = QuantizeConfig(method="dynamic", keep_float=[], quantize_embedding=False)
+    cfg = QuantizeConfig(method="dynamic", keep_float=[], quantize_embedding=False, smoothquant_alpha=0.5)
     rep = quantize_artifact(tiny_artifact, tmp_path / "dyn", tiny_splits.calib, cfg)
     ops = _ops(tmp_path / "dyn")
     assert ops.get("DynamicQuantizeLinear", 0) >= 1 and ops.get("MatMulInteger", 0) == 14
@@ -148,8 +163,27 @@ def test_dynamic_int8(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
     assert rep.smoothed_tensors == 6  # 2 layers x (attention norm, mlp norm, down_proj input)
 
 
+def test_dynamic_per_token_int8(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
+    cfg = QuantizeConfig(method="dynamic", activation_granularity="token", keep_float=[], quantize_embedding=False, smoothquant_alpha=None)
+    rep = quantize_artifact(tiny_artifact, tmp_path / "tok", None, cfg)
+    ops = _ops(tmp_path / "tok")
+    assert ops.get("MatMulInteger", 0) == 14 and ops.get("DynamicQuantizeLinear", 0) == 0
+    assert rep.calib_blocks == 0 and rep.settings["activations"].startswith("int8 symmetric per-token")
+    logits = prefill_logits(tmp_path / "tok", tiny_splits.eval)
+    # one range per token: closer to fp32 than one range per batch
+    tensor = quantize_artifact(tiny_artifact, tmp_path / "ten", None, cfg.model_copy(update={"activation_granularity": "tensor"}))
+    per_tensor = prefill_logits(tmp_path / "ten", tiny_splits.eval)
+    assert _rel_err(logits, fp32_logits) < 0.03 and _agreement(logits, fp32_logits) > 0.95
+    assert _rel_err(logits, fp32_logits) < _rel_err(per_tensor, fp32_logits)
+    # batch-1 decode on the rewritten graph (ranks 3 -> 2 -> 3 reshapes) matches prefill
+    from compress.evaluate import greedy
+    sess = make_session(tmp_path / "tok" / "model.onnx")
+    toks, _ = greedy(sess, tiny_splits.eval[0][:8].tolist(), 4, 2, 16, 2)
+    assert len(toks) == 4 and toks[0] == int(logits[0, 7].argmax())
+
+
 def test_tied_embedding_is_stored_once_in_8_bit(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
-    cfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=True)
+    cfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=True, smoothquant_alpha=0.5)
     rep = quantize_artifact(tiny_artifact, tmp_path / "emb", tiny_splits.calib, cfg)
     m = onnx.load(str(tmp_path / "emb" / "model.onnx"))
     ops = [n.op_type for n in m.graph.node]
