@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compress.gqa_lm import GqaLM, load_lm
 from compress.onnx_lm import OnnxLM
 
 
@@ -147,12 +148,12 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return n
 
 
-def compare_onnx(lm: OnnxLM | str | Path, golden: GoldenSet, max_abs_error: float = 1e-2, off_threshold: float = 1e-2,
+def compare_onnx(lm: OnnxLM | GqaLM | str | Path, golden: GoldenSet, max_abs_error: float = 1e-2, off_threshold: float = 1e-2,
                  max_off_count: int = 0, min_top1_agreement: float = 1.0, min_prefix_match: float = 1.0,
                  check_batched: bool = True, pad_id: int = 0) -> GoldenReport:
     """Check an ONNX artifact against golden outputs; report.failures names prompt and position."""
-    if not isinstance(lm, OnnxLM):
-        lm = OnnxLM(lm)
+    if isinstance(lm, (str, Path)):
+        lm = load_lm(lm)  # OnnxLM or GqaLM, from the manifest's attention_layout
     thresholds = dict(max_abs_error=max_abs_error, off_threshold=off_threshold, max_off_count=max_off_count,
                       min_top1_agreement=min_top1_agreement, min_prefix_match=min_prefix_match)
     rows: list[PromptResult] = []

@@ -1,0 +1,294 @@
+"""Build an ONNX decoder with ``com.microsoft.GroupQueryAttention`` straight from HF Llama-family weights.
+
+No exporter emits GroupQueryAttention, so, like onnxruntime-genai's model builder, we write the
+graph node by node from the torch weights (seconds instead of minutes of dynamo tracing).
+
+Graph contract (attention layout ``gqa``):
+  inputs  input_ids [batch, seq] int64
+          seqlens_k [batch] int32           per row: tokens in the cache after this call, minus 1
+          total_sequence_length [] int32    max over rows of seqlens_k + 1
+          past_key_values.N.key/value [batch, kv_heads, max_len, head_dim] float32 (BNSH)
+  outputs logits [batch, seq, vocab]
+          present.N.key/value [batch, kv_heads, max_len, head_dim]
+Feed the same preallocated buffer as past and bind it as present (IOBinding): GQA then writes the
+new K/V in place at position ``seqlens_k - seq + 1`` and never copies the past. Rotary is applied
+inside the op from cos/sin caches computed by the model's own rotary module (so rope_theta and the
+static rope scalings match HF exactly). Positions come from seqlens_k: row b's new tokens are at
+``seqlens_k[b] + 1 - seq .. seqlens_k[b]``; rows of a multi-token call with a past must be batch 1
+(an ORT restriction), and a batch of first prompts is right-padded with per-row seqlens_k.
+
+Names follow the exported graph's so quantization selects the same nodes: MatMul nodes are
+``/model/layers/N/self_attn/q_proj/MatMul`` with weights ``model.layers.N.self_attn.q_proj.weight_t``
+([in, out]), and each carries the ``pkg.torch.onnx.name_scopes`` metadata compress.calibration reads.
+A tied lm_head is ``MatMul(x, Transpose(embedding))`` so the table is stored once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from compress.artifact import write_manifest
+from compress.models import model_info
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.onnx"
+OPSET = 17
+MS_DOMAIN = "com.microsoft"
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
+# Rope types whose frequencies do not depend on the sequence length, so one cos/sin table is exact.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class GqaBuildError(ValueError):
+    """A model this builder cannot express as a GroupQueryAttention graph, phrased for the user."""
+
+
+def gqa_io_names(num_layers: int) -> dict[str, list[str]]:
+    past = [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+    present = [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+    return {"inputs": ["input_ids", "seqlens_k", "total_sequence_length", *past], "outputs": ["logits", *present]}
+
+
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(params.get("rope_type") or params.get("type") or "default")
+
+
+def check_supported(model) -> None:
+    """Refuse architectures and options the graph would silently get wrong."""
+    c = model.config
+    if c.model_type not in SUPPORTED_FAMILIES:
+        raise GqaBuildError(f"model_type {c.model_type!r}: the GQA builder supports {', '.join(SUPPORTED_FAMILIES)} "
+                            "(Llama-style decoders); use the standard export for other architectures")
+    rope = _rope_type(c)
+    if rope not in STATIC_ROPE_TYPES:
+        raise GqaBuildError(f"rope type {rope!r} (config.rope_scaling / rope_parameters): the GQA builder supports "
+                            f"{', '.join(STATIC_ROPE_TYPES)}; dynamic or length-dependent scalings need the standard export")
+    prf = getattr(c, "partial_rotary_factor", 1.0) or 1.0
+    if prf != 1.0:
+        raise GqaBuildError(f"partial_rotary_factor {prf}: only full-head rotary is supported")
+    act = getattr(c, "hidden_act", "silu")
+    if act != "silu":
+        raise GqaBuildError(f"hidden_act {act!r}: only SwiGLU (silu) MLPs are supported")
+    if getattr(c, "mlp_bias", False):
+        raise GqaBuildError("mlp_bias=True is not supported")
+    layer0 = model.model.layers[0]
+    if getattr(layer0.self_attn.o_proj, "bias", None) is not None:
+        raise GqaBuildError("o_proj with a bias is not supported")
+    for n in ("q_norm", "k_norm"):
+        if hasattr(layer0.self_attn, n):
+            raise GqaBuildError(f"self_attn.{n} (Qwen3-style QK norm) is not supported on the CPU EP")
+
+
+def _window(config) -> int:
+    """local_window_size for GQA: -1 unless a sliding window shorter than the context is configured."""
+    w = getattr(config, "sliding_window", None)
+    use = getattr(config, "use_sliding_window", True)
+    if not w or not use or w >= getattr(config, "max_position_embeddings", 0):
+        return -1
+    if getattr(config, "max_window_layers", None) not in (None, 0) and config.model_type == "qwen2":
+        raise GqaBuildError("qwen2 with max_window_layers (sliding window on some layers only) is not supported")
+    return int(w)
+
+
+@torch.no_grad()
+def rope_tables(model, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, head_dim/2] from the model's own rotary module (includes attention_scaling)."""
+    rot = model.model.rotary_emb
+    pos = torch.arange(max_positions, dtype=torch.int64)[None]
+    x = torch.zeros(1, dtype=torch.float32)
+    cos, sin = rot(x, pos)
+    half = head_dim // 2
+    # HF builds cat(freqs, freqs): the first half is the table GQA wants (non-interleaved rotation).
+    return cos[0, :, :half].float().numpy().copy(), sin[0, :, :half].float().numpy().copy()
+
+
+class _Graph:
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+
+    def init(self, name: str, arr: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: list[str], name: str, module: str | None = None,
+             domain: str = "", **attrs) -> list[str]:
+        n = helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs)
+        if module:
+            # The scope list the dynamo exporter records; compress.calibration reads parts[-2] minus one "model.".
+            e = n.metadata_props.add()
+            e.key = "pkg.torch.onnx.name_scopes"
+            e.value = repr(["", f"model.{module}", op.lower()])
+        self.nodes.append(n)
+        return outputs
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).cpu().numpy()
+
+
+def _linear(g: _Graph, x: str, lin, module: str) -> str:
+    """MatMul(x, W^T) [+ bias], named like the exported graph."""
+    w = g.init(f"{module}.weight_t", _np(lin.weight).T)
+    path = "/" + module.replace(".", "/")
+    (y,) = g.node("MatMul", [x, w], [f"{path}/MatMul_output_0"], f"{path}/MatMul", module=module)
+    if getattr(lin, "bias", None) is not None:
+        b = g.init(f"{module}.bias", _np(lin.bias))
+        (y,) = g.node("Add", [y, b], [f"{path}/Add_output_0"], f"{path}/Add")
+    return y
+
+
+def _rmsnorm(g: _Graph, x: str, norm, module: str, eps: float) -> str:
+    w = g.init(f"{module}.weight", _np(norm.weight))
+    path = "/" + module.replace(".", "/")
+    (y,) = g.node("SimplifiedLayerNormalization", [x, w], [f"{path}/output_0"], f"{path}/SimplifiedLayerNormalization",
+                  axis=-1, epsilon=float(eps), stash_type=1)
+    return y
+
+
+def build_gqa_model(model, max_positions: int | None = None) -> onnx.ModelProto:
+    """The decoder as an in-memory ONNX model (weights fp32 inside)."""
+    check_supported(model)
+    model = model.float().eval()
+    c = model.config
+    info = model_info(model)
+    L, H, KV, D = info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]
+    vocab, hidden = info["vocab_size"], info["hidden_size"]
+    max_positions = int(max_positions or info["max_positions"])
+    eps = float(getattr(c, "rms_norm_eps", 1e-6))
+    window = _window(c)
+    scale = float(getattr(model.model.layers[0].self_attn, "scaling", D ** -0.5))
+    g = _Graph()
+    names = gqa_io_names(L)
+
+    cos, sin = rope_tables(model, max_positions, D)
+    g.init("cos_cache", cos)
+    g.init("sin_cache", sin)
+    emb = g.init("model.embed_tokens.weight", _np(model.model.embed_tokens.weight))
+    (x,) = g.node("Gather", [emb, "input_ids"], ["/model/embed_tokens/Gather_output_0"], "/model/embed_tokens/Gather",
+                  module="model.embed_tokens")
+    for i, layer in enumerate(model.model.layers):
+        pre = f"model.layers.{i}"
+        a = layer.self_attn
+        h = _rmsnorm(g, x, layer.input_layernorm, f"{pre}.input_layernorm", eps)
+        q = _linear(g, h, a.q_proj, f"{pre}.self_attn.q_proj")
+        k = _linear(g, h, a.k_proj, f"{pre}.self_attn.k_proj")
+        v = _linear(g, h, a.v_proj, f"{pre}.self_attn.v_proj")
+        path = f"/model/layers/{i}/self_attn"
+        attn, _, _ = g.node(
+            "GroupQueryAttention",
+            [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k", "total_sequence_length",
+             "cos_cache", "sin_cache"],
+            [f"{path}/GroupQueryAttention_output_0", f"present.{i}.key", f"present.{i}.value"],
+            f"{path}/GroupQueryAttention", domain=MS_DOMAIN,
+            num_heads=H, kv_num_heads=KV, do_rotary=1, rotary_interleaved=0, scale=scale, local_window_size=window)
+        o = _linear(g, attn, a.o_proj, f"{pre}.self_attn.o_proj")
+        (x,) = g.node("Add", [x, o], [f"/model/layers/{i}/attn_residual_output_0"], f"/model/layers/{i}/attn_residual")
+        h = _rmsnorm(g, x, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps)
+        mlp = layer.mlp
+        gate = _linear(g, h, mlp.gate_proj, f"{pre}.mlp.gate_proj")
+        up = _linear(g, h, mlp.up_proj, f"{pre}.mlp.up_proj")
+        mp = f"/model/layers/{i}/mlp"
+        (sg,) = g.node("Sigmoid", [gate], [f"{mp}/act_fn/Sigmoid_output_0"], f"{mp}/act_fn/Sigmoid")
+        (silu,) = g.node("Mul", [gate, sg], [f"{mp}/act_fn/Mul_output_0"], f"{mp}/act_fn/Mul")
+        (gu,) = g.node("Mul", [silu, up], [f"{mp}/Mul_output_0"], f"{mp}/Mul")
+        down = _linear(g, gu, mlp.down_proj, f"{pre}.mlp.down_proj")
+        (x,) = g.node("Add", [x, down], [f"/model/layers/{i}/mlp_residual_output_0"], f"/model/layers/{i}/mlp_residual")
+    h = _rmsnorm(g, x, model.model.norm, "model.norm", eps)
+    head = model.lm_head
+    if head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr():
+        # Tied: keep one table (quantize_tied_embedding recognises this exact pattern).
+        (wt,) = g.node("Transpose", [emb], ["/lm_head/Transpose_output_0"], "/lm_head/Transpose", perm=[1, 0])
+        g.node("MatMul", [h, wt], ["logits"], "/lm_head/MatMul", module="lm_head")
+    else:
+        w = g.init("lm_head.weight_t", _np(head.weight).T)
+        g.node("MatMul", [h, w], ["logits"], "/lm_head/MatMul", module="lm_head")
+        if getattr(head, "bias", None) is not None:
+            raise GqaBuildError("lm_head with a bias is not supported")
+
+    f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
+              helper.make_tensor_value_info("seqlens_k", i32, ["batch"]),
+              helper.make_tensor_value_info("total_sequence_length", i32, [])]
+    inputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "max_len", D]) for n in names["inputs"][3:]]
+    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "seq", vocab])]
+    outputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "present_len", D]) for n in names["outputs"][1:]]
+    graph = helper.make_graph(g.nodes, "gqa_decoder", inputs, outputs, g.inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+                          producer_name="compress.gqa_builder")
+    m.ir_version = 8
+    return m
+
+
+@dataclass
+class GqaBuildResult:
+    folder: Path
+    onnx_path: Path
+    seconds: float
+    onnx_bytes: int
+    num_nodes: int
+
+
+def save_model(m: onnx.ModelProto, path: Path, external_data_threshold_mb: int = 1800) -> None:
+    size = sum(t.ByteSize() for t in m.graph.initializer)
+    if size > external_data_threshold_mb * 2**20:
+        onnx.save(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data")
+    else:
+        onnx.save(m, str(path))
+
+
+def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int | None = None,
+                       extra: dict | None = None) -> tuple[GqaBuildResult, dict]:
+    """Graph + tokenizer + generation_config + manifest.json (attention_layout 'gqa'): a servable folder."""
+    from compress.export import _eos_ids
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        m = build_gqa_model(model, max_positions)
+    path = out_dir / MODEL_FILE
+    save_model(m, path)
+    seconds = time.perf_counter() - t0
+    tokenizer.save_pretrained(out_dir)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(out_dir)
+    else:
+        (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": _eos_ids(model, tokenizer)}))
+    info = model_info(model)
+    if max_positions:
+        info["max_positions"] = int(max_positions)
+    fields = {
+        **info,
+        "kv_dtype": "float32",
+        "attention_layout": "gqa",
+        "io": gqa_io_names(info["num_layers"]),
+        "eos_token_ids": _eos_ids(model, tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "onnx_file": MODEL_FILE,
+        "exporter": "gqa_builder",
+        "opset": OPSET,
+        "export_seconds": round(seconds, 2),
+        **(extra or {}),
+    }
+    manifest = write_manifest(out_dir, fields)
+    size = sum(p.stat().st_size for p in out_dir.glob("model.onnx*"))
+    log.info("GQA graph: %d nodes, %.1f MiB, built in %.1f s", len(m.graph.node), size / 2**20, seconds)
+    return GqaBuildResult(out_dir, path, seconds, size, len(m.graph.node)), manifest

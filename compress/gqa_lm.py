@@ -1,0 +1,123 @@
+"""A minimal numpy driver for a GroupQueryAttention decoder graph (layout ``gqa``).
+
+Same interface as compress.onnx_lm.OnnxLM (logits, logits_left_padded, greedy), so golden
+validation and evaluation can run either layout. The KV cache is one preallocated buffer per
+layer [batch, kv_heads, max_len, head_dim] bound through IOBinding as both past and present:
+ORT writes the new K/V in place at seqlens_k and nothing is copied between steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from compress.artifact import read_manifest
+from compress.onnx_lm import make_session
+
+
+class GqaCache:
+    """Per-layer K and V buffers [batch, kv_heads, max_len, head_dim] (zeros; contents beyond each row's length are stale)."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype=np.float32):
+        self.arrays = [np.zeros((batch, kv_heads, max_len, head_dim), dtype) for _ in range(2 * num_layers)]
+        self.max_len = max_len
+
+    @property
+    def batch(self) -> int:
+        return self.arrays[0].shape[0]
+
+
+def bind_step(binding: ort.IOBinding, past_names: list[str], present_names: list[str], kv: list[np.ndarray],
+              input_ids: np.ndarray, seqlens_k: np.ndarray, total: int, logits: np.ndarray) -> None:
+    """Bind one call: inputs, the K/V buffers as both past and present (in place), logits into ``logits``."""
+    binding.clear_binding_inputs()
+    binding.clear_binding_outputs()
+    binding.bind_cpu_input("input_ids", input_ids)
+    binding.bind_cpu_input("seqlens_k", seqlens_k)
+    binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
+    for name_in, name_out, buf in zip(past_names, present_names, kv):
+        # Same pointer for past and present is what makes GQA share the buffer (and skip the copy).
+        binding.bind_input(name_in, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+        binding.bind_output(name_out, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+    binding.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
+
+
+class GqaLM:
+    def __init__(self, artifact_dir: str | Path, threads: int | None = None, verify: bool = True):
+        self.folder = Path(artifact_dir)
+        self.manifest = read_manifest(self.folder, verify=verify)
+        if self.manifest.get("attention_layout") != "gqa":
+            raise ValueError(f"{self.folder}: attention_layout is {self.manifest.get('attention_layout')!r}; "
+                             "GqaLM drives 'gqa' artifacts (use compress.onnx_lm.OnnxLM for 'standard')")
+        self.session = make_session(self.folder / self.manifest.get("onnx_file", "model.onnx"), threads)
+        self.num_layers = self.manifest["num_layers"]
+        self.kv_heads = self.manifest["num_kv_heads"]
+        self.head_dim = self.manifest["head_dim"]
+        self.vocab = self.manifest["vocab_size"]
+        self.past_names = self.manifest["io"]["inputs"][3:]
+        self.present_names = self.manifest["io"]["outputs"][1:]
+
+    def new_cache(self, batch: int, max_len: int) -> GqaCache:
+        return GqaCache(self.num_layers, batch, self.kv_heads, max_len, self.head_dim)
+
+    def forward(self, input_ids: np.ndarray, seqlens_k: np.ndarray, cache: GqaCache) -> np.ndarray:
+        """Run new tokens [batch, seq]; row b's cache ends at seqlens_k[b] (inclusive) afterwards. Returns logits."""
+        input_ids = np.ascontiguousarray(input_ids, np.int64)
+        seqlens_k = np.ascontiguousarray(seqlens_k, np.int32)
+        total = int(seqlens_k.max()) + 1
+        if total > cache.max_len:
+            raise ValueError(f"sequence length {total} exceeds the cache's max_len {cache.max_len}")
+        logits = np.empty((*input_ids.shape, self.vocab), np.float32)
+        binding = self.session.io_binding()
+        bind_step(binding, self.past_names, self.present_names, cache.arrays, input_ids, seqlens_k, total, logits)
+        self.session.run_with_iobinding(binding)
+        return logits
+
+    def logits(self, ids: list[int] | np.ndarray) -> np.ndarray:
+        """Prefill logits [seq, vocab] for one sequence."""
+        ids = np.asarray(ids, np.int64)[None]
+        cache = self.new_cache(1, ids.shape[1])
+        return self.forward(ids, np.array([ids.shape[1] - 1]), cache)[0]
+
+    def logits_left_padded(self, seqs: list[list[int]], pad_id: int = 0) -> list[np.ndarray]:
+        """One batch of several prompts (the golden batched check); returns each row's logits at its real positions.
+
+        GQA takes ragged rows through seqlens_k, so the batch is right-padded: no position shift, no mask.
+        """
+        n = max(len(s) for s in seqs)
+        ids = np.full((len(seqs), n), pad_id, np.int64)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = s
+        cache = self.new_cache(len(seqs), n)
+        logits = self.forward(ids, np.array([len(s) - 1 for s in seqs]), cache)
+        return [logits[i, :len(s)] for i, s in enumerate(seqs)]
+
+    def greedy(self, prompt: list[int], new_tokens: int, eos_ids: list[int] | None = None) -> list[int]:
+        """Greedy continuation: prefill once, then one token per step, in place in one buffer."""
+        ids = np.asarray(prompt, np.int64)[None]
+        n = ids.shape[1]
+        cache = self.new_cache(1, n + new_tokens)
+        logits = self.forward(ids, np.array([n - 1]), cache)
+        out: list[int] = []
+        for _ in range(new_tokens):
+            tok = int(np.argmax(logits[0, -1]))
+            out.append(tok)
+            if eos_ids and tok in eos_ids:
+                break
+            n += 1
+            logits = self.forward(np.array([[tok]]), np.array([n - 1]), cache)
+        return out
+
+
+def load_lm(artifact_dir: str | Path, threads: int | None = None, verify: bool = True):
+    """The driver matching the artifact's attention layout (OnnxLM for 'standard', GqaLM for 'gqa')."""
+    from compress.onnx_lm import OnnxLM
+
+    layout = read_manifest(artifact_dir, verify=False).get("attention_layout", "standard")
+    if layout == "gqa":
+        return GqaLM(artifact_dir, threads, verify)
+    if layout == "standard":
+        return OnnxLM(artifact_dir, threads, verify)
+    raise ValueError(f"{artifact_dir}: attention_layout {layout!r} has no offline driver (have 'standard', 'gqa')")
