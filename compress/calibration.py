@@ -168,6 +168,10 @@ def prefill_feed(ids: np.ndarray, names: list[str], num_kv_heads: int, head_dim:
             feed[n] = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()
         elif n.startswith("past_key_values."):
             feed[n] = np.zeros((b, num_kv_heads, 0, head_dim), np.float32)
+        elif n == "seqlens_k":  # attention layout 'gqa' (compress/gqa_builder.py): every row s tokens long
+            feed[n] = np.full(b, s - 1, np.int32)
+        elif n == "total_sequence_length":
+            feed[n] = np.array(s, np.int32)
         else:
             raise ValueError(f"calibration: the graph input {n!r} is not part of the decoder contract")
     return feed
