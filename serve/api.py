@@ -451,7 +451,8 @@ def create_app(model: str | ModelManager, config: ServeConfig | None = None, *, 
                     raise ApiError(503, "the request was cancelled (the server is shutting down or the model was "
                                    "unloaded)", "service_unavailable", code="cancelled")
                 result = CachedResult(out.text, tuple(out.output_ids), out.finish_reason, len(prompt_ids))
-                cache.put(key, result)
+                if not lm.retired:  # an answer from a swapped-out model would only occupy space
+                    cache.put(key, result)
             else:
                 result = hit
             metrics.e2e.labels(lm.name).observe(time.perf_counter() - t0)
@@ -473,7 +474,7 @@ def create_app(model: str | ModelManager, config: ServeConfig | None = None, *, 
             if handle is not None:
                 if not handle.finished:
                     handle.cancel()
-                elif ok:
+                elif ok and not lm.retired:
                     cache.put(key, CachedResult(handle.text, tuple(handle.output_ids), handle.finish_reason or "",
                                                 prompt_tokens))
             if ok:

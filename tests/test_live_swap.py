@@ -1,0 +1,245 @@
+"""Live model swaps: the server follows the MLflow alias, keeps serving through a corrupt version,
+lets an in-flight stream finish on the old model, rolls back, and drains old engines."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import time
+
+import httpx
+import pytest
+
+from compress.config import ServeConfig
+from serve.__main__ import BackgroundServer
+from serve.api import create_app
+from serve.engine import Engine
+from serve.model_source import ModelManager, ModelSourceError, parse_model_uri
+from serve.runner import CPU
+from serve.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(180)
+
+NAME = "tiny-serve-swap"
+POLL_S = 0.2
+
+
+def cfg(**kw) -> ServeConfig:
+    kw.setdefault("providers", [CPU])
+    kw.setdefault("kv_memory_mb", 8)
+    return ServeConfig(**kw)
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_for(cond, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return time.monotonic()
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def seed1_artifact(tmp_path_factory):
+    """A second, different model (seed 1). TorchScript export: ~1 s instead of ~20 s for dynamo."""
+    from compress.export import build_artifact
+    from compress.tiny import build_tiny_llama
+
+    model, tok = build_tiny_llama(seed=1)
+    out = tmp_path_factory.mktemp("swap") / "seed1"
+    build_artifact(model, tok, out, exporter="torchscript")
+    return out
+
+
+@pytest.fixture(scope="module")
+def versions(mlflow_store, tiny_artifact, seed1_artifact, tmp_path_factory):
+    """v1 = seed 0 (champion), v2 = seed 1, v3 = a corrupt copy of v1 (model.onnx altered after hashing)."""
+    import mlflow
+
+    from compress import registry
+
+    corrupt = tmp_path_factory.mktemp("swap") / "corrupt"
+    shutil.copytree(tiny_artifact, corrupt)
+    data = bytearray((corrupt / "model.onnx").read_bytes())
+    data[-100] ^= 0xFF  # same size, different sha256
+    (corrupt / "model.onnx").write_bytes(bytes(data))
+
+    root = tmp_path_factory.mktemp("swap_mlruns")
+    exp = mlflow.create_experiment(f"{NAME}-{time.time_ns()}", artifact_location=root.as_uri())
+    out = {}
+    for key, folder in (("v1", tiny_artifact), ("v2", seed1_artifact), ("v3", corrupt)):
+        with mlflow.start_run(experiment_id=exp) as run:  # one run per version: each logs its own "artifact/"
+            v = registry.register_folder(folder, NAME, run.info.run_id, {"role": key},
+                                         ["champion"] if key == "v1" else [])
+        out[key] = str(v.version)
+    assert [out["v1"], out["v2"], out["v3"]] == ["1", "2", "3"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_artifact, seed1_artifact):
+    engines = {"v1": Engine(tiny_artifact, cfg(), start=False), "v2": Engine(seed1_artifact, cfg(), start=False)}
+    yield engines
+    for e in engines.values():
+        e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(versions, mlflow_store):
+    app = create_app(f"models:/{NAME}@champion", cfg(poll_interval_s=POLL_S), tracking_uri=mlflow_store)
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def served(http) -> str | None:
+    [m] = http.get("/v1/models").json()["data"]
+    assert m["id"] == NAME
+    return m["version"]
+
+
+def greedy(http, prompt: str, n: int = 12) -> dict:
+    r = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                                           "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def expected(refs, key: str, prompt: str, n: int = 12) -> str:
+    return refs[key].add_request(prompt, SamplingParams.greedy(n, ignore_eos=True)).result(timeout=60).text
+
+
+def test_model_uri_parsing(tmp_path):
+    spec = parse_model_uri("models:/m@champion")
+    assert (spec.name, spec.alias, spec.version, spec.follows_alias) == ("m", "champion", None, True)
+    spec = parse_model_uri("models:/m/7")
+    assert (spec.name, spec.alias, spec.version, spec.follows_alias) == ("m", None, "7", False)
+    for bad in ("models:/", "models:/m", "models:/m@", "models:/m/x"):
+        with pytest.raises(ModelSourceError, match="models:/NAME@ALIAS"):
+            parse_model_uri(bad)
+    with pytest.raises(ModelSourceError, match="no manifest.json"):
+        parse_model_uri(str(tmp_path))
+
+
+def test_serves_the_champion(server, http, refs):
+    assert served(http) == "1"
+    [m] = http.get("/v1/models").json()["data"]
+    assert m["alias"] == "champion" and m["uri"] == f"models:/{NAME}@champion"
+    out = greedy(http, "swap me")
+    assert out["choices"][0]["text"] == expected(refs, "v1", "swap me")
+    assert out["system_fingerprint"] == f"{NAME}-v1"
+    assert metric(http.get("/metrics").text, "compressor:served_model_version") == 1
+
+
+def test_corrupt_version_is_refused_and_the_old_one_keeps_serving(server, http, refs, versions):
+    from compress import registry
+
+    registry.set_alias(NAME, "champion", versions["v3"])
+    wait_for(lambda: metric(http.get("/metrics").text, "compressor:model_load_failures_total") >= 1,
+             what="the corrupt version's load failure")
+    mgr = server.app.state.manager
+    assert "sha256" in mgr.last_error and "still serving version 1" in mgr.last_error
+    time.sleep(3 * POLL_S)  # several more polls: it is not retried, nothing changes
+    assert metric(http.get("/metrics").text, "compressor:model_load_failures_total") == 1
+    assert served(http) == "1" and http.get("/ready").status_code == 200
+    assert greedy(http, "still here")["choices"][0]["text"] == expected(refs, "v1", "still here")
+
+
+def test_alias_move_swaps_while_an_inflight_stream_finishes_on_the_old_model(server, http, refs, versions):
+    from compress import registry
+
+    n = 450
+    prompt = "a stream that spans the swap"
+    want_old = expected(refs, "v1", prompt, n)
+    greedy(http, "fill the cache")
+    assert metric(http.get("/metrics").text, "compressor:result_cache_entries") >= 1
+    # A small receive buffer: the server cannot push the whole stream into socket buffers, so the
+    # stream (and its lease on the old model) stays open until we read it.
+    transport = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
+    with httpx.Client(base_url=server.url, timeout=30, transport=transport) as slow:
+        body = {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with slow.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(lines)[6:])
+            assert first["system_fingerprint"] == f"{NAME}-v1"
+            t0 = time.monotonic()
+            registry.set_alias(NAME, "champion", versions["v2"])
+            t1 = wait_for(lambda: served(http) == "2", what="the new version in /v1/models")
+            assert t1 - t0 < POLL_S + 5.0  # a poll interval plus download, verify, load, warm-up
+            text = http.get("/metrics").text
+            assert metric(text, "compressor:served_model_version") == 2
+            assert metric(text, "compressor:models_draining") == 1  # the old model still serves our stream
+            assert metric(text, "compressor:result_cache_entries") == 0  # emptied by the swap
+            # New requests already go to the new model while the old stream is open.
+            assert greedy(http, "swap me")["choices"][0]["text"] == expected(refs, "v2", "swap me")
+            chunks = [first] + [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert all(c["system_fingerprint"] == f"{NAME}-v1" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want_old
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == n
+    wait_for(lambda: metric(http.get("/metrics").text, "compressor:models_draining") == 0, what="old model freed")
+    assert server.app.state.manager.wait_drained(5)
+    assert metric(http.get("/metrics").text, "compressor:model_swaps_total") == 1
+    assert expected(refs, "v2", "swap me") != expected(refs, "v1", "swap me")  # the two models do differ
+
+
+def test_rollback_follows_the_alias_back(server, http, refs, versions):
+    from compress import registry
+
+    gen_before = metric(http.get("/metrics").text, "vllm:generation_tokens_total")
+    registry.rollback(NAME, to_version=versions["v1"])
+    wait_for(lambda: served(http) == "1", what="rollback to version 1")
+    assert greedy(http, "swap me")["choices"][0]["text"] == expected(refs, "v1", "swap me")
+    # Counters survive swaps (Prometheus counters never go down).
+    assert metric(http.get("/metrics").text, "vllm:generation_tokens_total") >= gen_before + 12
+
+
+def test_old_engine_drains_then_shuts_down(tiny_artifact):
+    """No HTTP: a leased model outlives the swap and stops when its last lease is returned."""
+    mgr = ModelManager(str(tiny_artifact), cfg())
+    try:
+        old = mgr.load_initial()
+        lease = mgr.acquire()
+        assert lease is old
+        res = mgr.reload(force=True)  # a local folder: force reloads it as a new generation
+        assert res.changed and mgr.current is not old and mgr.current.generation == old.generation + 1
+        assert old.engine.running and len(mgr.live_models()) == 2
+        ids = old.engine.generate("still usable", SamplingParams.greedy(4))
+        assert len(ids) == 4
+        assert not mgr.wait_drained(0.3)  # still leased
+        mgr.release(lease)
+        assert mgr.wait_drained(5)
+        assert old.closed and not old.engine.running and mgr.live_models() == [mgr.current]
+    finally:
+        mgr.shutdown()
+
+
+def test_drain_timeout_shuts_down_a_model_that_is_never_released(tiny_artifact):
+    mgr = ModelManager(str(tiny_artifact), cfg(drain_timeout_s=0.5))
+    try:
+        old = mgr.load_initial()
+        mgr.acquire()
+        h = old.engine.add_request("forever", SamplingParams.greedy(480, ignore_eos=True))
+        t0 = time.monotonic()
+        mgr.reload(force=True)
+        assert mgr.wait_drained(10)
+        assert time.monotonic() - t0 >= 0.4
+        out = h.result(timeout=10)
+        assert out.finish_reason in ("cancelled", "length")  # cut short unless it happened to finish first
+        assert not old.engine.running
+    finally:
+        mgr.shutdown()
