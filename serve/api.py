@@ -412,8 +412,11 @@ def create_app(model: str | ModelManager, config: ServeConfig | None = None, *, 
                 # The template writes the special tokens itself; the tokenizer must not add a second BOS.
                 prompt_ids = lm.engine.tokenizer.encode(text, add_special_tokens=False).ids
                 max_tokens = body.max_completion_tokens or body.max_tokens
-                if max_tokens is None:  # OpenAI's chat default: as long as the context allows
-                    max_tokens = max(1, lm.engine.max_model_len - len(prompt_ids))
+                if max_tokens is None:
+                    # OpenAI's chat default: as long as the context allows (and the KV pool can ever hold).
+                    bm = lm.engine.block_manager
+                    room = min(lm.engine.max_model_len, bm.num_blocks * bm.block_size)
+                    max_tokens = max(1, room - len(prompt_ids))
             else:
                 prompt = body.prompt
                 prompt_ids = lm.engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]

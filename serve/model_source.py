@@ -20,6 +20,7 @@ so serving a local folder needs no MLflow at all.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -114,6 +115,7 @@ class ModelSource:
         from compress import registry
 
         if not self._configured:
+            os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no tqdm bars in server logs
             registry.configure(self.tracking_uri)
             self._configured = True
         return registry
