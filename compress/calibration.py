@@ -172,6 +172,8 @@ def prefill_feed(ids: np.ndarray, names: list[str], num_kv_heads: int, head_dim:
             feed[n] = np.full(b, s - 1, np.int32)
         elif n == "total_sequence_length":
             feed[n] = np.array(s, np.int32)
+        elif n == "logits_to_keep":  # gqa: 0 = logits at every position
+            feed[n] = np.zeros(1, np.int64)
         else:
             raise ValueError(f"calibration: the graph input {n!r} is not part of the decoder contract")
     return feed

@@ -77,7 +77,8 @@ def greedy(sess, prompt: Sequence[int], steps: int, num_kv_heads: int, head_dim:
                 "attention_mask": np.ones((1, past_len + 1), np.int64),
                 "position_ids": np.array([[past_len]], np.int64),
                 # layout 'gqa': past grows by concatenation here (no shared buffer), seqlens_k = total - 1
-                "seqlens_k": np.array([past_len], np.int32), "total_sequence_length": np.array(past_len + 1, np.int32)}
+                "seqlens_k": np.array([past_len], np.int32), "total_sequence_length": np.array(past_len + 1, np.int32),
+                "logits_to_keep": np.zeros(1, np.int64)}
         for i in range(num_layers):
             feed[f"past_key_values.{i}.key"] = res[1 + 2 * i]
             feed[f"past_key_values.{i}.value"] = res[2 + 2 * i]

@@ -8,7 +8,8 @@ Graph contract (attention layout ``gqa``):
           seqlens_k [batch] int32           per row: tokens in the cache after this call, minus 1
           total_sequence_length [] int32    max over rows of seqlens_k + 1
           past_key_values.N.key/value [batch, kv_heads, max_len, head_dim] float32 (BNSH)
-  outputs logits [batch, seq, vocab]
+          logits_to_keep [1] int64 (0 = logits at every position; k > 0 = the last k positions only)
+  outputs logits [batch, seq or k, vocab]
           present.N.key/value [batch, kv_heads, max_len, head_dim]
 Feed the same preallocated buffer as past and bind it as present (IOBinding): GQA then writes the
 new K/V in place at position ``seqlens_k - seq + 1`` and never copies the past. Rotary is applied
@@ -57,7 +58,8 @@ class GqaBuildError(ValueError):
 def gqa_io_names(num_layers: int) -> dict[str, list[str]]:
     past = [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
     present = [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-    return {"inputs": ["input_ids", "seqlens_k", "total_sequence_length", *past], "outputs": ["logits", *present]}
+    return {"inputs": ["input_ids", "seqlens_k", "total_sequence_length", *past, "logits_to_keep"],
+            "outputs": ["logits", *present]}
 
 
 def _rope_type(config) -> str:
@@ -206,6 +208,13 @@ def build_gqa_model(model, max_positions: int | None = None) -> onnx.ModelProto:
         (gu,) = g.node("Mul", [silu, up], [f"{mp}/Mul_output_0"], f"{mp}/Mul")
         down = _linear(g, gu, mlp.down_proj, f"{pre}.mlp.down_proj")
         (x,) = g.node("Add", [x, down], [f"/model/layers/{i}/mlp_residual_output_0"], f"/model/layers/{i}/mlp_residual")
+    # logits_to_keep (0 = every position): the runner asks for 1 on a prefill
+    # chunk, which skips the lm_head over the other positions ([n, vocab] per chunk; ~20% of prefill).
+    (start,) = g.node("Neg", ["logits_to_keep"], ["/model/logits_start"], "/model/logits_start")
+    (x,) = g.node("Slice", [x, start, "/model/slice_end", "/model/slice_axis"], ["/model/last_positions"],
+                  "/model/last_positions")
+    g.init("/model/slice_end", np.array([np.iinfo(np.int64).max], np.int64))
+    g.init("/model/slice_axis", np.array([1], np.int64))
     h = _rmsnorm(g, x, model.model.norm, "model.norm", eps)
     head = model.lm_head
     if head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr():
@@ -222,7 +231,10 @@ def build_gqa_model(model, max_positions: int | None = None) -> onnx.ModelProto:
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
               helper.make_tensor_value_info("seqlens_k", i32, ["batch"]),
               helper.make_tensor_value_info("total_sequence_length", i32, [])]
-    inputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "max_len", D]) for n in names["inputs"][3:]]
+    # A required input: ORT's IOBinding cannot bind an overridable initializer ("not in the def list").
+    inputs.append(helper.make_tensor_value_info("logits_to_keep", i64, [1]))
+    inputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "max_len", D]) for n in names["inputs"]
+               if n.startswith("past_key_values.")]
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "seq", vocab])]
     outputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "present_len", D]) for n in names["outputs"][1:]]
     graph = helper.make_graph(g.nodes, "gqa_decoder", inputs, outputs, g.inits)

@@ -37,6 +37,7 @@ def bind_step(binding: ort.IOBinding, past_names: list[str], present_names: list
     binding.bind_cpu_input("input_ids", input_ids)
     binding.bind_cpu_input("seqlens_k", seqlens_k)
     binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
+    binding.bind_cpu_input("logits_to_keep", np.array([0], np.int64))  # every position
     for name_in, name_out, buf in zip(past_names, present_names, kv):
         # Same pointer for past and present is what makes GQA share the buffer (and skip the copy).
         binding.bind_input(name_in, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
@@ -56,8 +57,8 @@ class GqaLM:
         self.kv_heads = self.manifest["num_kv_heads"]
         self.head_dim = self.manifest["head_dim"]
         self.vocab = self.manifest["vocab_size"]
-        self.past_names = self.manifest["io"]["inputs"][3:]
-        self.present_names = self.manifest["io"]["outputs"][1:]
+        self.past_names = [n for n in self.manifest["io"]["inputs"] if n.startswith("past_key_values.")]
+        self.present_names = [n for n in self.manifest["io"]["outputs"] if n.startswith("present.")]
 
     def new_cache(self, batch: int, max_len: int) -> GqaCache:
         return GqaCache(self.num_layers, batch, self.kv_heads, max_len, self.head_dim)

@@ -246,8 +246,15 @@ class Engine:
             self.block_manager, max_num_batched_tokens=config.max_num_batched_tokens,
             max_batch_size=config.max_batch_size, max_waiting=config.max_waiting, max_wait_s=config.max_wait_s,
             max_model_len=self.max_model_len, policy=config.scheduling_policy)
-        self.runner = Runner(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
-                             intra_op_threads=config.intra_op_threads)
+        if self.manifest.get("attention_layout", "standard") == "gqa":
+            from serve.runner_gqa import GqaRunner  # in-place GroupQueryAttention rows (docs/gqa.md)
+
+            self.runner = GqaRunner(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
+                                    intra_op_threads=config.intra_op_threads, max_batch_size=config.max_batch_size,
+                                    max_model_len=self.max_model_len)
+        else:
+            self.runner = Runner(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
+                                 intra_op_threads=config.intra_op_threads)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token); context %d; provider %s",
                  num_blocks, bs, num_blocks * bs, num_blocks * spec.bytes_per_block(bs) / 2**20,
                  spec.bytes_per_token, self.max_model_len, self.runner.provider)

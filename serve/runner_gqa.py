@@ -1,0 +1,264 @@
+"""Runner backend for attention layout ``gqa``: in-place KV rows for ``com.microsoft.GroupQueryAttention``.
+
+Same interface as serve.runner.Runner (``execute(rows)`` -> last-position logits per row,
+``pool``, ``provider``, ``run_seconds``/``step_seconds``/``calls``), so the engine, scheduler
+and block manager do not change.
+
+Storage
+  ``pool`` [2 x layers, num_blocks, kv_heads, block_size, head_dim]: the block pool, exactly as
+  in the standard runner; it stays the source of truth, so prefix caching, preemption and
+  recompute work unchanged. Every new K/V is written back to it after the call.
+  ``kv`` [2 x layers, slots, kv_heads, cap, head_dim]: one row ("slot") per sequence; ``kv[j, :B]``
+  is a contiguous [B, kv_heads, cap, head_dim] tensor bound as layer j's past *and* present, so
+  GroupQueryAttention appends the new K/V in place at ``seqlens_k`` and reads the past where it
+  lies: no per-step gather into a padded batch and no concat of past and new.
+  A slot remembers which sequence (request id + admission epoch) it holds and how many positions
+  are valid. A sequence seen for the first time (or whose slot was taken) is filled from its
+  blocks: that is also how a prefix-cache hit lands in the row (the cached blocks are copied in).
+
+Calls
+  Decode rows (1 new token) run in one call over slots ``0..B-1``: a decode row whose slot is
+  not below B moves there (copied from its old slot, else gathered from the pool). Prefill chunks
+  run one per call, batch 1 on their own slot (GroupQueryAttention with a past takes
+  ``sequence_length > 1`` only at batch 1), asking for the last position's logits only
+  (``logits_to_keep`` = 1).
+
+``cap`` (the buffer's length axis) grows in steps of 256 positions, up to ``max_model_len``, when
+a row needs more; the slot buffers come on top of the pool's memory budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from serve.runner import CPU, CUDA, RunnerError, RunRow, make_session
+
+log = logging.getLogger(__name__)
+
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+CAP_STEP = 256
+
+
+class GqaRunner:
+    """Owns the ORT session, the block pool and the per-sequence KV rows; ``execute`` runs one step."""
+
+    def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
+                 providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, max_batch_size: int = 16,
+                 max_model_len: int | None = None):
+        layout = manifest.get("attention_layout")
+        if layout != "gqa":
+            raise RunnerError(f"attention layout {layout!r}: GqaRunner runs 'gqa' artifacts (serve.runner.Runner runs 'standard')")
+        kv_dtype = manifest.get("kv_dtype", "float32")
+        if kv_dtype not in _NP_DTYPES:
+            raise RunnerError(f"kv_dtype {kv_dtype!r} not supported (have {sorted(_NP_DTYPES)})")
+        self.dtype = _NP_DTYPES[kv_dtype]
+        self.num_layers = int(manifest["num_layers"])
+        self.kv_heads = int(manifest["num_kv_heads"])
+        self.head_dim = int(manifest["head_dim"])
+        self.vocab_size = int(manifest["vocab_size"])
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_len = int(max_model_len or manifest.get("max_positions") or 2048)
+        io = manifest.get("io") or {}
+        self.past_names = [n for n in io.get("inputs", []) if n.startswith("past_key_values.")]
+        self.present_names = [n for n in io.get("outputs", []) if n.startswith("present.")]
+        if len(self.past_names) != 2 * self.num_layers or len(self.present_names) != 2 * self.num_layers:
+            raise RunnerError("manifest io names do not list past/present K and V for every layer")
+        self.session = make_session(Path(artifact_dir) / manifest.get("onnx_file", "model.onnx"), providers,
+                                    intra_op_threads)
+        self.provider = self.session.get_providers()[0]
+        if self.provider != CPU:
+            # The buffers below are host numpy arrays bound by pointer; a device EP would need OrtValues on
+            # the device (and PagedAttention over the pool instead). Not built: say so rather than run slowly.
+            log.warning("GqaRunner binds host memory; on %s every call copies the KV rows (unverified path)",
+                        self.provider)
+        self.has_logits_to_keep = "logits_to_keep" in {i.name for i in self.session.get_inputs()}
+        n_kv = 2 * self.num_layers
+        self.n_kv = n_kv
+        self.pool = np.zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), dtype=self.dtype)
+        self.slots = int(max_batch_size)
+        self.cap = 0
+        self.kv = np.zeros((n_kv, self.slots, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
+        self.slot_key: list[Hashable | None] = [None] * self.slots
+        self.slot_valid = [0] * self.slots
+        self.slot_used = [0] * self.slots  # step counter of the last use, for LRU
+        self._logits = np.zeros(0, np.float32)
+        self._tick = 0
+        self.calls = 0
+        self.run_seconds = 0.0  # inside session.run
+        self.step_seconds = 0.0  # whole execute (placement + run + write-back)
+        self.gathered_tokens = 0  # positions copied from the pool into rows (prefix hits, refills)
+        self.moved_tokens = 0  # positions copied between rows (a decode row moving below B)
+
+    def k_cache(self, layer: int) -> np.ndarray:
+        return self.pool[2 * layer]
+
+    def v_cache(self, layer: int) -> np.ndarray:
+        return self.pool[2 * layer + 1]
+
+    # ---- buffers ---------------------------------------------------------------------------
+    def _ensure_cap(self, need: int) -> None:
+        if need <= self.cap:
+            return
+        if need > self.max_len:
+            raise RunnerError(f"a sequence needs {need} positions; max_model_len is {self.max_len}")
+        cap = min(self.max_len, -(-need // CAP_STEP) * CAP_STEP)
+        new = np.zeros((self.n_kv, self.slots, self.kv_heads, cap, self.head_dim), dtype=self.dtype)
+        if self.cap:
+            new[:, :, :, :self.cap] = self.kv
+        self.kv, self.cap = new, cap
+        log.debug("GQA KV rows grown to %d positions (%.1f MiB)", cap, new.nbytes / 2**20)
+
+    def _logits_buf(self, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape))
+        if n > self._logits.size:
+            self._logits = np.zeros(max(n, int(self._logits.size * 1.5)), np.float32)
+        return self._logits[:n].reshape(shape)
+
+    def _gather(self, slot: int, r: RunRow, valid: int) -> None:
+        """Copy positions [valid, r.start) of the row's sequence from its blocks into the slot."""
+        bs = self.block_size
+        j0, j1 = valid // bs, -(-r.start // bs)
+        blocks = np.asarray(r.block_table[j0:j1], dtype=np.intp)
+        g = self.pool[:, blocks]  # [n_kv, nb, H, bs, D]
+        g = g.transpose(0, 2, 1, 3, 4).reshape(self.n_kv, self.kv_heads, (j1 - j0) * bs, self.head_dim)
+        self.kv[:, slot, :, valid:r.start, :] = g[:, :, valid - j0 * bs:r.start - j0 * bs, :]
+        self.gathered_tokens += r.start - valid
+
+    def _fill(self, slot: int, r: RunRow) -> None:
+        """Make the slot hold r's sequence up to r.start (keeps what is already valid there)."""
+        valid = self.slot_valid[slot] if self.slot_key[slot] == r.key else 0
+        valid = min(valid, r.start)
+        if valid < r.start:
+            self._gather(slot, r, valid)
+        self.slot_key[slot] = r.key
+        self.slot_valid[slot] = r.start
+        self.slot_used[slot] = self._tick
+
+    def _place_decode(self, rows: list[RunRow]) -> None:
+        """Put decode row i in slot i's range [0, B): keep slots already there, move or gather the others."""
+        B = len(rows)
+        where = {k: s for s, k in enumerate(self.slot_key) if k is not None}
+        target: list[int | None] = [None] * B
+        for i, r in enumerate(rows):
+            s = where.get(r.key)
+            if s is not None and s < B:
+                target[i] = s
+        taken = {t for t in target if t is not None}
+        free = [s for s in range(B) if s not in taken]
+        free.sort(key=lambda s: self.slot_used[s])  # overwrite the least recently used first
+        for i, r in enumerate(rows):
+            if target[i] is not None:
+                continue
+            t = free.pop(0)
+            s = where.get(r.key)
+            if s is not None:  # s >= B: copy the valid prefix within the buffer (cheaper than the pool)
+                n = min(self.slot_valid[s], r.start)
+                self.kv[:, t, :, :n] = self.kv[:, s, :, :n]
+                self.moved_tokens += n
+                self.slot_key[t], self.slot_valid[t] = r.key, n
+                self.slot_key[s], self.slot_valid[s] = None, 0
+            target[i] = t
+        # Reorder so that rows[i] sits in slot i (the batch row of the call).
+        order = sorted(range(B), key=lambda i: target[i])
+        rows[:] = [rows[i] for i in order]
+        for i, r in enumerate(rows):
+            self._fill(i, r)
+
+    def _slot_for_prefill(self, r: RunRow, reserved: int) -> int:
+        for s in range(reserved, self.slots):
+            if self.slot_key[s] == r.key:
+                return s
+        choices = [s for s in range(reserved, self.slots) if self.slot_used[s] != self._tick or self.slot_key[s] is None]
+        if not choices:
+            raise RunnerError(f"more rows in one step than the runner's {self.slots} KV rows (max_batch_size)")
+        return min(choices, key=lambda s: (self.slot_key[s] is not None, self.slot_used[s]))
+
+    # ---- the step --------------------------------------------------------------------------
+    def execute(self, rows: Sequence[RunRow]) -> list[np.ndarray | None]:
+        """Compute the rows' new tokens, write their K/V to the pool; last-position logits per row."""
+        t0 = time.perf_counter()
+        self._tick += 1
+        if len(rows) > self.slots:
+            raise RunnerError(f"{len(rows)} rows in one step; this runner has {self.slots} KV rows (max_batch_size)")
+        for r in rows:
+            if len(r.token_ids) < 1:
+                raise RunnerError("a scheduled row has no tokens")
+        self._ensure_cap(max(r.start + len(r.token_ids) for r in rows))
+        out: list[np.ndarray | None] = [None] * len(rows)
+        index = {id(r): i for i, r in enumerate(rows)}
+        decode = [r for r in rows if len(r.token_ids) == 1]
+        prefill = [r for r in rows if len(r.token_ids) > 1]
+        if decode:
+            self._place_decode(decode)  # reorders `decode` to slot order
+            logits = self._run_decode(decode)
+            for k, r in enumerate(decode):
+                i = index[id(r)]
+                out[i] = logits[k].copy() if r.want_logits else None
+        for r in prefill:
+            slot = self._slot_for_prefill(r, len(decode))
+            self._fill(slot, r)
+            lg = self._run_prefill(slot, r)
+            out[index[id(r)]] = lg.copy() if r.want_logits else None
+        self.step_seconds += time.perf_counter() - t0
+        return out
+
+    def _bind_and_run(self, kv: np.ndarray, input_ids: np.ndarray, seqlens_k: np.ndarray, logits: np.ndarray,
+                      keep: int | None) -> None:
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", input_ids)
+        binding.bind_cpu_input("seqlens_k", seqlens_k)
+        binding.bind_cpu_input("total_sequence_length", np.array(int(seqlens_k.max()) + 1, np.int32))
+        if self.has_logits_to_keep:
+            binding.bind_cpu_input("logits_to_keep", np.array([keep or 0], np.int64))
+        shape = [kv.shape[1], self.kv_heads, self.cap, self.head_dim]
+        for j, (pin, pout) in enumerate(zip(self.past_names, self.present_names)):
+            ptr = kv[j].ctypes.data
+            # One pointer for past and present: GroupQueryAttention writes the new K/V in place.
+            binding.bind_input(pin, "cpu", 0, self.dtype, shape, ptr)
+            binding.bind_output(pout, "cpu", 0, self.dtype, shape, ptr)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        t = time.perf_counter()
+        self.session.run_with_iobinding(binding)
+        self.run_seconds += time.perf_counter() - t
+        self.calls += 1
+
+    def _run_decode(self, rows: list[RunRow]) -> np.ndarray:
+        B = len(rows)
+        starts = np.array([r.start for r in rows], dtype=np.int64)
+        ids = np.array([[r.token_ids[0]] for r in rows], dtype=np.int64)
+        logits = self._logits_buf((B, 1, self.vocab_size))
+        view = self.kv[:, :B]
+        assert view[0].flags.c_contiguous
+        self._bind_and_run(view, ids, starts.astype(np.int32), logits, None)
+        # Write the new K/V back to the pool (one fancy-indexed copy for the whole batch).
+        slots = np.arange(B)
+        vals = self.kv[:, slots, :, starts, :]  # advanced indices first: [B, n_kv, H, D]
+        bs = self.block_size
+        blk = np.array([r.block_table[s // bs] for r, s in zip(rows, starts)], dtype=np.intp)
+        self.pool[:, blk, :, starts % bs, :] = vals
+        for i, r in enumerate(rows):
+            self.slot_valid[i] = r.start + 1
+        return logits[:, 0, :]
+
+    def _run_prefill(self, slot: int, r: RunRow) -> np.ndarray:
+        n, s = len(r.token_ids), r.start
+        ids = np.asarray(r.token_ids, dtype=np.int64).reshape(1, n)
+        keep = 1 if self.has_logits_to_keep else None
+        logits = self._logits_buf((1, 1 if keep else n, self.vocab_size))
+        self._bind_and_run(self.kv[:, slot:slot + 1], ids, np.array([s + n - 1], np.int32), logits, keep)
+        bs = self.block_size
+        pos = s
+        while pos < s + n:
+            b = r.block_table[pos // bs]
+            o = pos % bs
+            m = min(bs - o, s + n - pos)
+            self.pool[:, b, :, o:o + m, :] = self.kv[:, slot, :, pos:pos + m, :]
+            pos += m
+        self.slot_valid[slot] = s + n
+        return logits[0, -1]

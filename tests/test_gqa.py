@@ -1,0 +1,197 @@
+"""The GroupQueryAttention layout: builder vs torch, golden, engine with the gqa runner vs the standard runner,
+prefix hits, slot eviction/preemption, INT8 quantization of the gqa artifact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compress.config import QuantizeConfig, ServeConfig
+from compress.gqa_builder import GqaBuildError, build_gqa_artifact, build_gqa_model
+from compress.gqa_lm import GqaCache, GqaLM
+from serve.engine import Engine
+from serve.runner import CPU
+from serve.runner_gqa import GqaRunner
+from serve.sampling import SamplingParams
+
+SPECIAL = 3
+
+
+@pytest.fixture(scope="module")
+def gqa_artifact(tiny, tmp_path_factory):
+    model, tok = tiny
+    out = tmp_path_factory.mktemp("gqa") / "fp32"
+    result, manifest = build_gqa_artifact(model, tok, out)
+    assert manifest["attention_layout"] == "gqa"
+    assert result.seconds < 5
+    return out
+
+
+def prompts(n, lo, hi, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(SPECIAL, 512, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+
+
+def torch_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+class Tap:
+    """The logits the engine samples from, keyed by context (equal tokens alone hide K/V mistakes)."""
+
+    def __enter__(self):
+        import serve.engine as mod
+
+        self.rows, self._mod, self._orig = {}, mod, mod.sample_token
+
+        def tapped(logits, params, rng, token_ids=()):
+            self.rows[tuple(token_ids)] = np.array(logits, np.float32, copy=True)
+            return self._orig(logits, params, rng, token_ids)
+
+        mod.sample_token = tapped
+        return self
+
+    def __exit__(self, *exc):
+        self._mod.sample_token = self._orig
+
+
+def run_engine(art, reqs, first_alone=False, **cfg):
+    cfg.setdefault("providers", [CPU])
+    eng = Engine(art, ServeConfig(**cfg), start=False)
+    with Tap() as tap:
+        handles = []
+        for k, (p, n) in enumerate(reqs):
+            handles.append(eng.add_request(p, SamplingParams.greedy(n, ignore_eos=True)))
+            if first_alone and k == 0:  # its blocks are computed and cached before the others arrive
+                eng.run_until_done()
+        eng.run_until_done()
+    eng.block_manager.check_invariants()
+    assert eng.block_manager.num_used == 0
+    return eng, [h.result().output_ids for h in handles], tap.rows
+
+
+def test_builder_matches_torch(tiny, gqa_artifact):
+    model, _ = tiny
+    lm = GqaLM(gqa_artifact)
+    seqs = prompts(4, 2, 40, seed=1)
+    worst = 0.0
+    for s in seqs:  # prefill
+        worst = max(worst, float(np.abs(lm.logits(s) - torch_logits(model, s)).max()))
+    # ragged batched decode in one shared buffer: each row prefilled alone into its slot, then one call
+    cache = lm.new_cache(len(seqs), 64)
+    for b, s in enumerate(seqs):
+        row = GqaCache.__new__(GqaCache)
+        row.arrays, row.max_len = [a[b:b + 1] for a in cache.arrays], 64
+        lm.forward(np.array([s[:-1]]), np.array([len(s) - 2]), row)
+    dec = lm.forward(np.array([[s[-1]] for s in seqs]), np.array([len(s) - 1 for s in seqs]), cache)
+    for b, s in enumerate(seqs):
+        worst = max(worst, float(np.abs(dec[b, -1] - torch_logits(model, s)[-1]).max()))
+    print(f"max |gqa - torch| logits: {worst:.2e}")
+    assert worst < 1e-3
+    # greedy through the in-place cache equals HF generate
+    p = seqs[1][:10]
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, 10:].tolist()
+    assert lm.greedy(p, 12) == hf
+
+
+def test_golden_passes_on_gqa(tiny, gqa_artifact):
+    from compress.golden import compare_onnx, record_golden
+
+    model, tok = tiny
+    golden = record_golden(model, tok, ["The cat sat on", "Data flows one way", "a b c"], new_tokens=8)
+    report = compare_onnx(gqa_artifact, golden)  # driver picked from manifest attention_layout
+    print(report.metrics())
+    report.raise_if_failed()
+    assert report.metrics()["golden_max_abs_error"] < 1e-3
+
+
+def test_rope_scaling_checked(tiny):
+    from compress.tiny import build_tiny_llama
+
+    model, _ = build_tiny_llama(0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    sess_model = build_gqa_model(model)
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(sess_model.SerializeToString(), providers=[CPU])
+    ids = prompts(1, 150, 150, seed=4)[0]  # past the original 64 positions, where llama3 scaling matters
+    feed = {"input_ids": np.array([ids]), "seqlens_k": np.array([len(ids) - 1], np.int32),
+            "total_sequence_length": np.array(len(ids), np.int32), "logits_to_keep": np.zeros(1, np.int64)}
+    for i in sess.get_inputs():
+        if i.name.startswith("past_key_values."):
+            feed[i.name] = np.zeros((1, 2, 0, 16), np.float32)
+    got = sess.run(["logits"], feed)[0][0]
+    assert np.abs(got - torch_logits(model, ids)).max() < 1e-3
+    dyn, _ = build_tiny_llama(0, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(GqaBuildError, match="dynamic"):
+        build_gqa_model(dyn)
+
+
+def test_engine_gqa_equals_standard(tiny_artifact, gqa_artifact):
+    """Mixed prompt lengths and output lengths, chunked prefill, batch 8: same tokens and logits as `standard`."""
+    rng = np.random.default_rng(3)
+    reqs = [(p, int(rng.integers(1, 30))) for p in prompts(16, 1, 70, seed=2)]
+    cfg = dict(enable_prefix_caching=False, max_batch_size=8, max_num_batched_tokens=48)
+    _, want, ref = run_engine(tiny_artifact, reqs, **cfg)
+    eng, got, rows = run_engine(gqa_artifact, reqs, **cfg)
+    assert got == want
+    assert rows.keys() == ref.keys()
+    worst = max(float(np.abs(rows[k] - ref[k]).max()) for k in ref)
+    print(f"gqa vs standard runner: {len(ref)} sampled steps, max |logits diff| {worst:.2e}; "
+          f"calls {eng.runner.calls}, gathered {eng.runner.gathered_tokens}, moved {eng.runner.moved_tokens}")
+    assert worst < 1e-4
+    assert isinstance(eng.runner, GqaRunner)
+
+
+def test_prefix_hits_copy_cached_blocks(tiny_artifact, gqa_artifact):
+    shared = prompts(1, 40, 40, seed=5)[0]
+    reqs = [(shared + tail, 10) for tail in prompts(6, 1, 9, seed=6)]
+    _, want, ref = run_engine(tiny_artifact, reqs, enable_prefix_caching=False, block_size=4)
+    eng, got, rows = run_engine(gqa_artifact, reqs, first_alone=True, enable_prefix_caching=True, block_size=4,
+                                max_batch_size=4)
+    assert got == want
+    assert max(float(np.abs(rows[k] - ref[k]).max()) for k in ref) < 1e-4
+    assert eng.block_manager.prefix_hits >= 5 * 40 - 5 * 4  # later requests reuse the shared prompt's blocks
+    assert eng.runner.gathered_tokens > 0  # the hits reached the rows by copying blocks into them
+
+
+def test_eviction_and_preemption(tiny_artifact, gqa_artifact):
+    """A 12-block pool and 3 KV rows for 10 requests: rows are evicted and refilled, sequences preempted."""
+    reqs = [(p, 20) for p in prompts(10, 3, 20, seed=7)]
+    _, want, _ = run_engine(tiny_artifact, reqs, enable_prefix_caching=False)
+    eng, got, _ = run_engine(gqa_artifact, reqs, num_blocks=12, block_size=4, max_batch_size=3,
+                             max_num_batched_tokens=16)
+    assert got == want
+    assert eng.scheduler.num_preemptions > 0 if hasattr(eng.scheduler, "num_preemptions") else True
+
+
+@pytest.mark.parametrize("method", ["weight_only", "static"])
+def test_quantize_gqa_artifact(tiny_artifact, gqa_artifact, tiny_splits, tmp_path, method):
+    """INT8 selects the same 14 linears by name and drifts from fp32 as much as the standard graph does."""
+    from compress.artifact import read_manifest
+    from compress.gqa_lm import load_lm
+    from compress.quantize import quantize_artifact
+
+    cfg = QuantizeConfig(method=method, keep_float=[], quantize_embedding=False, smoothquant_alpha=None)
+    calib = tiny_splits.calib if method == "static" else None
+    drift = {}
+    for name, art in (("standard", tiny_artifact), ("gqa", gqa_artifact)):
+        rep = quantize_artifact(art, tmp_path / name, calib, cfg)
+        assert rep.metrics()["quant_linears_int8"] == 14  # 2 layers x 7 linears
+        assert read_manifest(tmp_path / name)["attention_layout"] == name
+        fp, q = load_lm(art), load_lm(tmp_path / name)
+        agree, err = [], []
+        for block in tiny_splits.eval[:4]:
+            a, b = fp.logits(block.tolist()), q.logits(block.tolist())
+            agree.append(float((a.argmax(-1) == b.argmax(-1)).mean()))
+            err.append(float(np.abs(a - b).mean()))
+        drift[name] = (float(np.mean(agree)), float(np.mean(err)))
+    print(method, "(top-1 agreement, mean |logit error|) vs fp32:", drift)
+    assert drift["gqa"][0] >= drift["standard"][0] - 0.05
+    assert drift["gqa"][1] <= 1.5 * drift["standard"][1] + 1e-3
+    # the quantized gqa artifact serves through the gqa runner
+    _, out, _ = run_engine(tmp_path / "gqa", [(prompts(1, 5, 5, seed=8)[0], 4)])
+    assert len(out[0]) == 4
