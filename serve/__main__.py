@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default=None, help="YAML config; its serve and mlflow sections are used")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set serve.max_waiting=8 (repeatable)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id in /v1/models and requests (default: the registered name or folder name)")
     p.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
     p.add_argument("--tracking-uri", default=None,
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
             serve_cfg.host = args.host
         if args.port:
             serve_cfg.port = args.port
-        manager = ModelManager(args.model, serve_cfg, tracking_uri=args.tracking_uri or cfg.mlflow.tracking_uri)
+        manager = ModelManager(args.model, serve_cfg, tracking_uri=args.tracking_uri or cfg.mlflow.tracking_uri,
+                               served_name=args.served_model_name)
         lm = manager.load_initial()
     except (ConfigError, ModelSourceError) as e:
         print(f"error: {e}", file=sys.stderr)

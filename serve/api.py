@@ -285,12 +285,14 @@ class _Unset:
 
 
 def create_app(model: str | ModelManager, config: ServeConfig | None = None, *, tracking_uri: str | None = None,
-               admin_token: str | None | type[_Unset] = _Unset) -> FastAPI:
+               served_name: str | None = None, admin_token: str | None | type[_Unset] = _Unset) -> FastAPI:
     """The ASGI app. ``model``: models:/NAME@alias, models:/NAME/VERSION, an artifact folder, or a
     ModelManager (already loaded, e.g. by the CLI). ``admin_token``: default from the environment
-    variable named by ``serve.admin_token_env``; None or "" turns /admin/* off."""
+    variable named by ``serve.admin_token_env``; None or "" turns /admin/* off. ``served_name``: the
+    model id clients use (default: the registered model name or the folder name)."""
     config = config or ServeConfig()
-    manager = model if isinstance(model, ModelManager) else ModelManager(model, config, tracking_uri=tracking_uri)
+    manager = (model if isinstance(model, ModelManager)
+               else ModelManager(model, config, tracking_uri=tracking_uri, served_name=served_name))
     cache = ResultCache(config.result_cache_size)
     manager.on_swap.append(lambda new, old: cache.clear())
     metrics = ServerMetrics(manager, cache)

@@ -102,7 +102,7 @@ class _Collector:
             except Exception:  # noqa: BLE001 - an engine shutting down mid-scrape is skipped
                 continue
         cur = mgr.current
-        name = cur.name if cur else mgr.source.spec.name
+        name = cur.name if cur else mgr.source.served_name
 
         def gauge(metric, doc, value, labels: dict | None = None):
             labels = {"model_name": name} if labels is None else labels

@@ -104,8 +104,11 @@ class Fetched:
 class ModelSource:
     """Resolves a ModelSpec to versions and local folders (the registry side of the swap)."""
 
-    def __init__(self, spec: ModelSpec | str, tracking_uri: str | None = None, download_root: str | Path | None = None):
+    def __init__(self, spec: ModelSpec | str, tracking_uri: str | None = None, download_root: str | Path | None = None,
+                 served_name: str | None = None):
         self.spec = parse_model_uri(spec) if isinstance(spec, str) else spec
+        # The id clients use in "model" and see in /v1/models; default: the registered or folder name.
+        self.served_name = served_name or self.spec.name
         self.tracking_uri = tracking_uri
         self._download_root = Path(download_root) if download_root else None
         self._own_root = download_root is None
@@ -137,7 +140,7 @@ class ModelSource:
     def fetch(self, version: str | None) -> Fetched:
         spec = self.spec
         if not spec.is_registry:
-            return Fetched(spec.name, None, None, spec.path, downloaded=False)
+            return Fetched(self.served_name, None, None, spec.path, downloaded=False)
         if self._download_root is None:
             self._download_root = Path(tempfile.mkdtemp(prefix="compressor-serve-"))
         dst = self._download_root / f"{spec.name}-v{version}-{time.monotonic_ns()}"
@@ -147,7 +150,7 @@ class ModelSource:
         except Exception as e:
             shutil.rmtree(dst, ignore_errors=True)
             raise ModelSourceError(f"downloading {spec.name} version {version} failed: {type(e).__name__}: {e}") from e
-        return Fetched(spec.name, str(version), spec.alias, Path(path), downloaded=True)
+        return Fetched(self.served_name, str(version), spec.alias, Path(path), downloaded=True)
 
     def cleanup(self) -> None:
         if self._own_root and self._download_root is not None:
@@ -209,8 +212,10 @@ class ModelManager:
     """
 
     def __init__(self, source: ModelSource | str, config: ServeConfig | None = None, *,
-                 engine_factory: EngineFactory = _default_engine_factory, tracking_uri: str | None = None):
-        self.source = source if isinstance(source, ModelSource) else ModelSource(source, tracking_uri)
+                 engine_factory: EngineFactory = _default_engine_factory, tracking_uri: str | None = None,
+                 served_name: str | None = None):
+        self.source = (source if isinstance(source, ModelSource)
+                       else ModelSource(source, tracking_uri, served_name=served_name))
         self.config = config or ServeConfig()
         self._factory = engine_factory
         self._lock = threading.Condition()

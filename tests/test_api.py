@@ -22,6 +22,7 @@ from serve.sampling import SamplingParams
 pytestmark = pytest.mark.timeout(120)
 
 TOKEN = "t0ken-for-tests"
+MODEL = "tiny-chat"  # served under its own name, not the folder's
 VLLM_NAMES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
               "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
               "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
@@ -36,7 +37,8 @@ def cfg(**kw) -> ServeConfig:
 
 @pytest.fixture(scope="module")
 def server(tiny_artifact):
-    app = create_app(str(tiny_artifact), cfg(max_batch_size=4, result_cache_size=64), admin_token=TOKEN)
+    app = create_app(str(tiny_artifact), cfg(max_batch_size=4, result_cache_size=64), served_name=MODEL,
+                     admin_token=TOKEN)
     with BackgroundServer(app) as srv:
         yield srv
 
@@ -90,24 +92,24 @@ def wait_for(cond, timeout=10.0, what="condition"):
 def test_health_ready_and_models(http, tiny_artifact):
     assert http.get("/health").json() == {"status": "ok"}
     r = http.get("/ready")
-    assert r.status_code == 200 and r.json()["model"] == tiny_artifact.name
+    assert r.status_code == 200 and r.json()["model"] == MODEL
     data = http.get("/v1/models").json()["data"]
     assert len(data) == 1
     m = data[0]
-    assert (m["id"], m["object"], m["owned_by"], m["version"]) == (tiny_artifact.name, "model", "compressor", None)
+    assert (m["id"], m["object"], m["owned_by"], m["version"]) == (MODEL, "model", "compressor", None)
     assert m["max_model_len"] == 512
 
 
 def test_completion_equals_engine_greedy(client, ref, tiny_artifact):
     prompt = "The quick brown fox"
     out = engine_output(ref, prompt, SamplingParams.greedy(12))
-    r = client.completions.create(model=tiny_artifact.name, prompt=prompt, max_tokens=12, temperature=0)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     assert r.choices[0].text == out.text and out.text
     assert r.choices[0].finish_reason == out.finish_reason == "length"
     assert r.usage.prompt_tokens == len(out.prompt_ids) == len(ref.encode(prompt))
     assert r.usage.completion_tokens == 12 and r.usage.total_tokens == len(out.prompt_ids) + 12
     # Token ids as the prompt give the same answer.
-    r2 = client.completions.create(model=tiny_artifact.name, prompt=out.prompt_ids, max_tokens=12, temperature=0)
+    r2 = client.completions.create(model=MODEL, prompt=out.prompt_ids, max_tokens=12, temperature=0)
     assert r2.choices[0].text == out.text
 
 
@@ -119,7 +121,7 @@ def test_chat_uses_the_artifacts_template(client, ref, tiny_artifact):
     assert rendered.endswith("<|im_start|>assistant\n")
     ids = ref.tokenizer.encode(rendered, add_special_tokens=False).ids
     out = engine_output(ref, ids, SamplingParams.greedy(10))
-    r = client.chat.completions.create(model=tiny_artifact.name, messages=messages, max_tokens=10, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
     assert r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == out.text
@@ -129,7 +131,7 @@ def test_chat_uses_the_artifacts_template(client, ref, tiny_artifact):
 def test_streaming_completion_and_chat(client, ref, tiny_artifact):
     prompt = "Once upon a time"
     out = engine_output(ref, prompt, SamplingParams.greedy(20))
-    chunks = list(client.completions.create(model=tiny_artifact.name, prompt=prompt, max_tokens=20, temperature=0,
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == out.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -137,9 +139,9 @@ def test_streaming_completion_and_chat(client, ref, tiny_artifact):
     assert chunks[-1].usage.prompt_tokens == len(out.prompt_ids)
 
     msgs = [{"role": "user", "content": "Tell a story."}]
-    full = client.chat.completions.create(model=tiny_artifact.name, messages=msgs, max_tokens=15, seed=7,
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=15, seed=7,
                                           temperature=0.9)
-    streamed = list(client.chat.completions.create(model=tiny_artifact.name, messages=msgs, max_tokens=15, seed=7,
+    streamed = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=15, seed=7,
                                                    temperature=0.9, stream=True))
     assert streamed[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" for c in streamed)
@@ -216,7 +218,7 @@ def test_context_overflow_is_400_naming_the_limit(http, client, tiny_artifact):
     assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
     assert "context of 512 tokens" in err["message"] and "600" in err["message"]
     with pytest.raises(openai.BadRequestError, match="512"):
-        client.completions.create(model=tiny_artifact.name, prompt="x " * 300, max_tokens=300)
+        client.completions.create(model=MODEL, prompt="x " * 300, max_tokens=300)
 
 
 @pytest.mark.parametrize("body,status,param", [
@@ -330,3 +332,13 @@ def test_cli_reports_a_bad_model_clearly(tmp_path, capsys):
     assert "no such folder" in capsys.readouterr().err
     assert main(["--model", "models:/only-a-name"]) == 2
     assert "models:/NAME@ALIAS" in capsys.readouterr().err
+
+
+def test_chat_without_max_tokens_stops_within_the_context(http):
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
+                                                "temperature": 0})
+    assert r.status_code == 200
+    u = r.json()["usage"]
+    assert u["total_tokens"] <= 512 and u["completion_tokens"] >= 1
+    if r.json()["choices"][0]["finish_reason"] == "length":
+        assert u["total_tokens"] == 512  # it ran to the end of the context, not to some smaller default
