@@ -104,7 +104,7 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
 
 def get_version(model_name: str, version: str | int) -> Version:
     mv = _client().get_model_version(model_name, str(version))
-    return Version(mv.name, mv.version, mv.run_id, mv.source, dict(mv.tags), list(mv.aliases))
+    return Version(mv.name, str(mv.version), mv.run_id, mv.source, dict(mv.tags), list(mv.aliases))
 
 
 def version_for_alias(model_name: str, alias: str) -> Version | None:

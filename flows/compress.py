@@ -42,7 +42,8 @@ class StageTimer:
         self.rows.append({"stage": name, "seconds": time.perf_counter() - t0, "metrics": (out or {}).get("metrics", {})})
         return out
 
-    def markdown(self, cfg: PipelineConfig, run, tracking_uri: str, registered: list[dict]) -> str:
+    def markdown(self, cfg: PipelineConfig, run, tracking_uri: str, registered: list[dict],
+                 verdict: dict | None = None) -> str:
         lines = [f"# Compression run `{cfg.name}`", "",
                  f"MLflow run `{run.info.run_id}` in experiment `{cfg.mlflow.experiment}` ({tracking_uri}); "
                  f"open it with `make ui` → http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}",
@@ -50,6 +51,9 @@ class StageTimer:
         for r in self.rows:
             figs = ", ".join(f"{k}={v:.4g}" for k, v in list(r["metrics"].items())[:6] if isinstance(v, (int, float)))
             lines.append(f"| {r['stage']} | {r['seconds']:.1f} | {figs} |")
+        if verdict is not None:
+            lines += ["", f"**Acceptance: {'accepted' if verdict['accepted'] else 'rejected'}**"]
+            lines += [f"- {r}" for r in verdict["reasons"]]
         if registered:
             lines += ["", "| model | version | aliases |", "|---|---|---|"]
             lines += [f"| {r['name']} | {r['version']} | {', '.join(r['aliases'])} |" for r in registered]
@@ -134,7 +138,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
         for r in timer.rows:
             log_metrics({f"{r['stage']}_seconds": r["seconds"], **r["metrics"]})
-        summary = timer.markdown(cfg, parent, tracking_uri, registered)
+        summary = timer.markdown(cfg, parent, tracking_uri, registered, verdict)
         mlflow.log_text(summary, "summary.md")
     create_markdown_artifact(markdown=summary, key="compress-summary", description=f"compression run {cfg.name}")
     log.info("\n%s", summary)

@@ -1,7 +1,8 @@
 """Task: register an artifact folder as an MLflow model version and set its aliases.
 
-Idempotent: a folder whose manifest was registered before (same sha256) gets its
-aliases moved instead of a duplicate version.
+Idempotent: a folder whose manifest was registered before (same sha256) under the
+same config gets its aliases moved instead of a duplicate version; the same files
+judged under another config (another verdict) become a version of their own.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from compress.config import PipelineConfig
 from tasks.tracking import child_run
 
 
-def _existing(model_name: str, manifest_sha: str) -> registry.Version | None:
+def _existing(model_name: str, manifest_sha: str, config_hash: str) -> registry.Version | None:
+    """The version registered before from these exact files under this exact config, if any."""
     try:
         versions = registry.list_versions(model_name)
     except Exception:
         return None
-    return next((v for v in versions if v.tags.get("artifact_sha256") == manifest_sha), None)
+    return next((v for v in versions if v.tags.get("artifact_sha256") == manifest_sha
+                 and v.tags.get("config_hash", "") == str(config_hash)), None)
 
 
 @task(name="register", retries=2, retry_delay_seconds=3)
@@ -31,7 +34,7 @@ def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str,
     read_manifest(folder, verify=True)  # a truncated or swapped file stops here, before the registry changes
     sha = sha256_file(folder / MANIFEST)
     name = cfg.registry.model_name
-    found = _existing(name, sha)
+    found = _existing(name, sha, tags.get("config_hash", ""))
     if found is None:
         with child_run(parent_run_id, stage) as run:
             run_id = run.info.run_id if run is not None else parent_run_id
