@@ -309,6 +309,8 @@ class ModelManager:
             except Exception as e:  # noqa: BLE001 - keep serving what we have
                 return self._failed(None, previous, e)
             if not force and cur is not None and wanted == cur.version:
+                # The alias is back on what we serve: a later move to the failed version deserves a retry.
+                self.failed_version = self.last_error = None
                 return ReloadResult(False, wanted, previous)
             if not force and wanted is not None and wanted == self.failed_version:
                 return ReloadResult(False, previous, previous, self.last_error)
@@ -328,9 +330,12 @@ class ModelManager:
             msg += f"; still serving version {self._current.version} of {self._current.name}"
         if version is not None:
             self.failed_version = version
-        self.num_load_failures += 1
+            self.num_load_failures += 1
+            log.error("model load failed: %s", msg)
+        elif msg != self.last_error:
+            # Resolving the alias failed (registry down, alias deleted): say so once, not on every poll.
+            log.warning("cannot resolve %s: %s", self.source.spec.uri, msg)
         self.last_error = msg
-        log.error("model load failed: %s", msg)
         return ReloadResult(False, previous, previous, msg)
 
     def _install(self, new: LoadedModel) -> None:

@@ -276,6 +276,16 @@ def test_disconnect_mid_stream_cancels_and_frees_blocks(server, http):
     assert metric(text, "vllm:num_requests_running") == 0.0
 
 
+def test_disconnect_while_waiting_for_a_whole_completion_cancels_it(server):
+    eng = engine_of(server)
+    cancelled0 = eng.stats().finish_reasons.get("cancelled", 0)
+    body = {"prompt": "no stream, no patience", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.15))
+    wait_for(lambda: eng.stats().finish_reasons.get("cancelled", 0) == cancelled0 + 1, what="the cancel")
+    assert eng.stats().num_running == 0 and eng.stats().kv_blocks_used == 0
+
+
 def test_metrics_have_vllm_names_and_real_numbers(http):
     http.post("/v1/completions", json={"prompt": "metrics please", "max_tokens": 6, "temperature": 0.5})
     text = http.get("/metrics").text

@@ -205,6 +205,33 @@ def test_rollback_follows_the_alias_back(server, http, refs, versions):
     assert metric(http.get("/metrics").text, "vllm:generation_tokens_total") >= gen_before + 12
 
 
+def test_server_started_before_the_alias_exists_becomes_ready_when_it_does(versions, mlflow_store):
+    import mlflow
+
+    from compress import registry
+
+    name = "tiny-serve-late"  # a registered model with a version but no alias yet
+    src = registry.get_version(NAME, versions["v1"])
+    mlflow.MlflowClient().create_registered_model(name)
+    mlflow.MlflowClient().create_model_version(name, src.source, run_id=src.run_id)
+    app = create_app(f"models:/{name}@champion", cfg(poll_interval_s=POLL_S), tracking_uri=mlflow_store)
+    srv = BackgroundServer(app).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert c.get("/health").status_code == 200
+            r = c.get("/ready")
+            assert r.status_code == 503 and "no alias 'champion'" in r.json()["error"]
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+            assert c.get("/v1/models").json()["data"] == []
+            registry.set_alias(name, "champion", "1")
+            wait_for(lambda: c.get("/ready").status_code == 200, what="ready once the alias exists")
+            assert c.get("/v1/models").json()["data"][0]["version"] == "1"
+            assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()
+
+
 def test_old_engine_drains_then_shuts_down(tiny_artifact):
     """No HTTP: a leased model outlives the swap and stops when its last lease is returned."""
     mgr = ModelManager(str(tiny_artifact), cfg())
