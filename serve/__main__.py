@@ -17,13 +17,15 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     return p
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The serve options, for embedding as a subcommand of another CLI."""
+def add_arguments(p: argparse.ArgumentParser, config_args: bool = True) -> None:
+    """The serve options, for embedding as a subcommand of another CLI (``config_args=False`` when
+    that CLI already defines ``--config`` and ``--set``; ``run`` reads ``args.config`` and ``args.set``)."""
     p.add_argument("--model", "-m", required=True,
                    help="models:/NAME@ALIAS (followed live), models:/NAME/VERSION, or an artifact folder")
-    p.add_argument("--config", "-c", default=None, help="YAML config; its serve and mlflow sections are used")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set serve.max_waiting=8 (repeatable)")
+    if config_args:
+        p.add_argument("--config", "-c", default=None, help="YAML config; its serve and mlflow sections are used")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set serve.max_waiting=8 (repeatable)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id in /v1/models and requests (default: the registered name or folder name)")
     p.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.config, args.set) if (args.config or args.set) else PipelineConfig()
+        config, overrides = getattr(args, "config", None), getattr(args, "set", None) or []
+        cfg = load_config(config, overrides) if (config or overrides) else PipelineConfig()
         serve_cfg = cfg.serve
         if args.host:
             serve_cfg.host = args.host

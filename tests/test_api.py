@@ -352,3 +352,38 @@ def test_chat_without_max_tokens_stops_within_the_context(http):
     assert u["total_tokens"] <= 512 and u["completion_tokens"] >= 1
     if r.json()["choices"][0]["finish_reason"] == "length":
         assert u["total_tokens"] == 512  # it ran to the end of the context, not to some smaller default
+
+
+def test_python_m_serve_starts_serves_and_stops(tiny_artifact):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "COMPRESSOR_ADMIN_TOKEN": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", str(tiny_artifact), "--port", str(port),
+                             "--set", f"serve.providers=[{CPU}]", "--set", "serve.kv_memory_mb=8",
+                             "--log-level", "info"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready():
+            try:
+                return httpx.get(url + "/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stdout.read().decode()
+                return False
+
+        wait_for(ready, timeout=60, what="python -m serve to be ready")
+        r = httpx.post(url + "/v1/completions", json={"prompt": "cli", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert httpx.post(url + "/admin/reload").status_code == 404  # empty token = admin off
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught: -15 is a clean exit here.
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in proc.stdout.read().decode()
+
