@@ -67,6 +67,12 @@ def cmd_registry(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from serve.__main__ import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="compressor", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -92,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--alias", default="champion")
     common(g)
     g.set_defaults(fn=cmd_registry)
+
+    from serve.__main__ import add_arguments
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server on models:/NAME@ALIAS (followed live) or a folder")
+    add_arguments(s, config_args=False)
+    s.add_argument("--config", "-c", default=None, help="YAML config; its serve and mlflow sections are used")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    s.set_defaults(fn=cmd_serve)
     return p
 
 
