@@ -1,12 +1,15 @@
 """Sequential batch-1 decoding vs the engine's continuous batching, in generated tokens per second.
 
     python benchmarks/engine_bench.py --artifact artifacts/<run>/fp32 --concurrency 1 8 32
+    python benchmarks/engine_bench.py --artifact <standard artifact> <gqa artifact>   # layouts side by side
 
 Baseline ("sequential"): one request after another on the same ONNX graph, batch 1, the
 plain loop (present fed back as past, no block pool): what a server without batching does.
 Engine at concurrency c: c client threads, each sending requests back to back until the
 request list is exhausted, all through one ``Engine`` (background thread).
 Both generate the same greedy tokens for the same prompts (checked and printed).
+Several artifacts (e.g. the same model in the ``standard`` and ``gqa`` attention layouts) run
+interleaved per concurrency level, and each is compared with the first one in the same run.
 
 Reported per run: wall tokens/s, tokens per CPU-second of this process (robust on a shared
 machine), and for the engine the share of step time outside ``session.run`` (gather,
@@ -65,6 +68,19 @@ def sequential(artifact: Path, manifest: dict, prompts, max_tokens: int, threads
             "wall_s": wall, "cpu_s": cpu, "tok_s": toks / wall, "tok_per_cpu_s": toks / cpu, "outputs": outputs}
 
 
+def sequential_gqa(artifact: Path, prompts, max_tokens: int, threads: int) -> dict:
+    """The batch-1 loop for layout 'gqa': one in-place KV buffer per request (compress.gqa_lm)."""
+    from compress.gqa_lm import GqaLM
+
+    lm = GqaLM(artifact, threads or None, verify=False)
+    t0, c0 = time.perf_counter(), time.process_time()
+    outputs = [lm.greedy(list(p), max_tokens) for p in prompts]
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    toks = sum(len(g) for g in outputs)
+    return {"mode": "sequential batch-1", "concurrency": 1, "requests": len(prompts), "tokens": toks,
+            "wall_s": wall, "cpu_s": cpu, "tok_s": toks / wall, "tok_per_cpu_s": toks / cpu, "outputs": outputs}
+
+
 def engine_run(artifact: Path, prompts, max_tokens: int, concurrency: int, threads: int, batch_cap: int) -> dict:
     from compress.config import ServeConfig
     from serve.engine import Engine
@@ -108,7 +124,8 @@ def engine_run(artifact: Path, prompts, max_tokens: int, concurrency: int, threa
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--artifact", required=True, type=Path)
+    ap.add_argument("--artifact", required=True, type=Path, nargs="+",
+                    help="one or more artifact folders (e.g. standard and gqa layouts of one model)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default: max(concurrency, 8))")
     ap.add_argument("--baseline-requests", type=int, default=8)
@@ -120,26 +137,49 @@ def main(argv=None) -> int:
 
     from compress.artifact import read_manifest
 
-    manifest = read_manifest(args.artifact, verify=False)
+    manifests = {a: read_manifest(a, verify=False) for a in args.artifact}
+    first = args.artifact[0]
     n_max = max(args.requests or max(c, 8) for c in args.concurrency)
-    prompts = make_prompts(max(n_max, args.baseline_requests), *args.prompt_len, int(manifest["vocab_size"]))
+    prompts = make_prompts(max(n_max, args.baseline_requests), *args.prompt_len, int(manifests[first]["vocab_size"]))
+
+    def tag(a: Path) -> str:
+        return f"[{manifests[a].get('attention_layout', 'standard')}] " if len(args.artifact) > 1 else ""
 
     results = []
-    base = sequential(args.artifact, manifest, prompts[:args.baseline_requests], args.max_tokens, args.threads)
-    results.append(base)
-    print(f"sequential batch-1: {base['tokens']} tokens in {base['wall_s']:.1f} s = {base['tok_s']:.1f} tok/s "
-          f"({base['tok_per_cpu_s']:.1f} tok/CPU-s)", flush=True)
+    base: dict[Path, dict] = {}
+    for a in args.artifact:
+        seq = sequential_gqa if manifests[a].get("attention_layout") == "gqa" else \
+            lambda *x: sequential(x[0], manifests[a], *x[1:])
+        b = seq(a, prompts[:args.baseline_requests], args.max_tokens, args.threads)
+        b["artifact"], b["layout"] = str(a), manifests[a].get("attention_layout", "standard")
+        base[a] = b
+        results.append(b)
+        print(f"{tag(a)}sequential batch-1: {b['tokens']} tokens in {b['wall_s']:.1f} s = {b['tok_s']:.1f} tok/s "
+              f"({b['tok_per_cpu_s']:.1f} tok/CPU-s)", flush=True)
     for c in args.concurrency:
         n = args.requests or max(c, 8)
-        r = engine_run(args.artifact, prompts[:n], args.max_tokens, c, args.threads, batch_cap=c)
-        same = sum(r["outputs"][i] == base["outputs"][i] for i in range(min(n, len(base["outputs"]))))
-        r["same_tokens_as_sequential"] = f"{same}/{min(n, len(base['outputs']))}"
-        results.append(r)
-        print(f"engine, {c:>2} concurrent: {r['tokens']} tokens in {r['wall_s']:.1f} s = {r['tok_s']:.1f} tok/s "
-              f"({r['tok_per_cpu_s']:.1f} tok/CPU-s), x{r['tok_s'] / base['tok_s']:.2f} vs sequential wall, "
-              f"x{r['tok_per_cpu_s'] / base['tok_per_cpu_s']:.2f} per CPU-s; batch fill {r['batch_fill']:.2f}, "
-              f"time outside session.run {100 * r['outside_run_share']:.0f}%; greedy tokens equal to sequential: "
-              f"{r['same_tokens_as_sequential']}", flush=True)
+        ref = None
+        for a in args.artifact:
+            b = base[a]
+            r = engine_run(a, prompts[:n], args.max_tokens, c, args.threads, batch_cap=c)
+            r["artifact"], r["layout"] = str(a), manifests[a].get("attention_layout", "standard")
+            same = sum(r["outputs"][i] == b["outputs"][i] for i in range(min(n, len(b["outputs"]))))
+            r["same_tokens_as_sequential"] = f"{same}/{min(n, len(b['outputs']))}"
+            extra = ""
+            if ref is None:
+                ref = r
+            else:
+                r["same_tokens_as_first"] = f"{sum(x == y for x, y in zip(r['outputs'], ref['outputs']))}/{n}"
+                r["tok_per_cpu_s_vs_first"] = r["tok_per_cpu_s"] / ref["tok_per_cpu_s"]
+                r["tok_s_vs_first"] = r["tok_s"] / ref["tok_s"]
+                extra = (f"; vs {tag(first).strip()} x{r['tok_s_vs_first']:.2f} wall, x{r['tok_per_cpu_s_vs_first']:.2f} "
+                         f"per CPU-s, same tokens {r['same_tokens_as_first']}")
+            results.append(r)
+            print(f"{tag(a)}engine, {c:>2} concurrent: {r['tokens']} tokens in {r['wall_s']:.1f} s = {r['tok_s']:.1f} tok/s "
+                  f"({r['tok_per_cpu_s']:.1f} tok/CPU-s), x{r['tok_s'] / b['tok_s']:.2f} vs sequential wall, "
+                  f"x{r['tok_per_cpu_s'] / b['tok_per_cpu_s']:.2f} per CPU-s; batch fill {r['batch_fill']:.2f}, "
+                  f"time outside session.run {100 * r['outside_run_share']:.0f}%; greedy tokens equal to sequential: "
+                  f"{r['same_tokens_as_sequential']}{extra}", flush=True)
     if args.json:
         for r in results:
             r.pop("outputs", None)
