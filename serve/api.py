@@ -445,6 +445,8 @@ def create_app(model: str | ModelManager, config: ServeConfig | None = None, *, 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             gen = _stream(chat, meta, handle, hit, len(prompt_ids), include_usage)
+            # no-cache / no buffering: proxies must pass each event on as it comes
+            headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return DisconnectAwareStream(_finally(gen, lambda ok: done(lm, handle, key, len(prompt_ids), t0, ok)),
                                          media_type="text/event-stream", headers=headers)
         try:
@@ -541,15 +543,22 @@ def create_app(model: str | ModelManager, config: ServeConfig | None = None, *, 
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
+    def model_card(lm: LoadedModel) -> dict:
+        return {"id": lm.name, "object": "model", "created": int(lm.loaded_at), "owned_by": OWNED_BY,
+                "version": lm.version, "alias": lm.alias, "uri": lm.uri, "max_model_len": lm.engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
         lm = manager.current
-        data = []
-        if lm is not None:
-            data.append({"id": lm.name, "object": "model", "created": int(lm.loaded_at), "owned_by": OWNED_BY,
-                         "version": lm.version, "alias": lm.alias, "uri": lm.uri,
-                         "max_model_len": lm.engine.max_model_len})
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(lm)] if lm is not None else []}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        lm = manager.current
+        if lm is None or model_id not in (lm.name, lm.uri):
+            raise ApiError(404, f"the model {model_id!r} does not exist", "not_found_error", "model",
+                           "model_not_found")
+        return model_card(lm)
 
     @app.get("/health")
     async def health():

@@ -98,6 +98,8 @@ def test_health_ready_and_models(http, tiny_artifact):
     m = data[0]
     assert (m["id"], m["object"], m["owned_by"], m["version"]) == (MODEL, "model", "compressor", None)
     assert m["max_model_len"] == 512
+    assert http.get(f"/v1/models/{MODEL}").json() == m
+    assert http.get("/v1/models/other").status_code == 404
 
 
 def test_completion_equals_engine_greedy(client, ref, tiny_artifact):
@@ -152,6 +154,7 @@ def test_streaming_completion_and_chat(client, ref, tiny_artifact):
 def test_sse_wire_format_ends_with_done(http):
     with http.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 5, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache"
         events = [line for line in r.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
