@@ -32,17 +32,20 @@ THREADS = 2
 # name -> QuantizeConfig overrides
 VARIANTS: dict[str, dict] = {
     "fp32": {},
+    # "naive": every linear, no smoothing, default ORT-style settings
     "naive_static": dict(method="static", smoothquant_alpha=None, keep_float=[], quantize_embedding=False, reduce_range=False),
     "naive_dynamic": dict(method="dynamic", smoothquant_alpha=None, keep_float=[], quantize_embedding=False, reduce_range=False),
-    "static_keep_down": dict(method="static", smoothquant_alpha=None, keep_float=["down_proj"], quantize_embedding=False),
-    "w8a8_sq": dict(method="static", smoothquant_alpha=0.5, keep_float=[], calibration="minmax"),
-    "w8a8_sq_entropy": dict(method="static", smoothquant_alpha=0.5, keep_float=[], calibration="entropy"),
-    "w8a8_sq_percentile": dict(method="static", smoothquant_alpha=0.5, keep_float=[], calibration="percentile"),
-    "w8a8_sq_sens": dict(method="static", smoothquant_alpha=0.5, keep_float=[], sensitivity_trials=24, sensitivity_keep=6),
-    "dynamic_sq": dict(method="dynamic", smoothquant_alpha=0.5, keep_float=[]),
+    # FACTS.md's best static recipe: down_proj in float
+    "static_keep_down": dict(method="static", smoothquant_alpha=None, keep_float=["down_proj"], keep_float_as="float", quantize_embedding=False),
+    "static_sq": dict(method="static", smoothquant_alpha=0.5, keep_float=[]),
+    "static_sq_mixed": dict(method="static", smoothquant_alpha=0.5, keep_float=["down_proj"], keep_float_as="weight_only"),
+    "static_sq_entropy_mixed": dict(method="static", smoothquant_alpha=0.5, calibration="entropy", keep_float=["down_proj"]),
+    "static_sq_percentile_mixed": dict(method="static", smoothquant_alpha=0.5, calibration="percentile", keep_float=["down_proj"]),
+    "dynamic_token": dict(method="dynamic", activation_granularity="token", smoothquant_alpha=None, keep_float=[]),
+    "dynamic_token_sq": dict(method="dynamic", activation_granularity="token", smoothquant_alpha=0.5, keep_float=[]),
+    "dynamic_token_sq_fp32emb": dict(method="dynamic", activation_granularity="token", smoothquant_alpha=0.5, keep_float=[], quantize_embedding=False),
     "weight_only": dict(method="weight_only", smoothquant_alpha=None, keep_float=[], quantize_embedding=False),
     "weight_only_emb": dict(method="weight_only", smoothquant_alpha=None, keep_float=[]),
-    "weight_only_sq": dict(method="weight_only", smoothquant_alpha=0.5, keep_float=[]),
 }
 
 
@@ -79,7 +82,8 @@ def run_variant(name: str) -> dict:
         art = BENCH / name
         t0 = time.perf_counter()
         rep = quantize_artifact(FP32, art, splits.calib, cfg, threads=THREADS,
-                                on_event=lambda ev, d: print(f"  {ev}: {d}", flush=True))
+                                on_event=lambda ev, d: print(f"  {ev}: {d}", flush=True),
+                                calibration_cache=BENCH / "calib_first_pass.npz")
         row["quant_seconds"] = time.perf_counter() - t0
         row["quant_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         row["report"] = rep.to_dict()

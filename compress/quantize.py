@@ -344,7 +344,13 @@ def _weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int,
     exclude = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in chosen]
     q = MatMulNBitsQuantizer(model, bits=8, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
                              nodes_to_exclude=exclude, op_types_to_quantize=("MatMul",))
-    q.process()
+    qlog = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = qlog.level
+    qlog.setLevel(logging.WARNING)  # it logs one INFO line per graph node
+    try:
+        q.process()
+    finally:
+        qlog.setLevel(level)
     return q.model.model
 
 
@@ -429,7 +435,8 @@ class Quantizer:
             def smooth(stats: dict[str, ActStats]) -> dict[str, np.ndarray]:
                 if alpha is None:
                     return {}
-                inv, rep = apply_smoothquant(model, linears, stats, alpha, reduce_range=self.reduce_range)
+                inv, rep = apply_smoothquant(model, linears, stats, alpha, reduce_range=self.reduce_range,
+                                             per_token=cfg.method == "dynamic" and cfg.activation_granularity == "token")
                 self.smooth_report = rep
                 self.smoothed = len(rep)
                 self.on_event("smoothquant", {"tensors": len(rep), "max_before": max((r.max_before for r in rep), default=0.0),

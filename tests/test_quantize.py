@@ -246,3 +246,22 @@ def test_clear_errors(tiny_artifact, tmp_path):
         quantize_artifact(tiny_artifact, tmp_path / "x", None, QuantizeConfig(method="static"))
     with pytest.raises(Exception, match="manifest"):
         quantize_artifact(tmp_path, tmp_path / "y", None, QuantizeConfig(method="weight_only", smoothquant_alpha=None))
+
+
+def test_smoothquant_auto_alpha_beats_no_smoothing_on_heldout_rows(tiny_artifact, tiny_splits):
+    from compress.smoothquant import ALPHA_GRID, heldout_w8a8_error
+
+    q = Quantizer(tiny_artifact, tiny_splits.calib, QuantizeConfig(method="static", smoothquant_alpha="auto", smoothquant_samples=128))
+    q.prepare()
+    assert q.smooth_report, "auto smoothing chose nothing on the tiny model"
+    inits = {i.name: i for i in q.model.graph.initializer}
+    src = {i.name: i for i in onnx.load(str(tiny_artifact / "model.onnx")).graph.initializer}
+    for r in q.smooth_report:
+        assert r.alpha in ALPHA_GRID and r.w8a8_error is not None
+        st = q.stats[r.tensor]
+        assert st.sample is not None and 100 <= len(st.sample) <= 160
+        group = [l for l in q.linears if l.input == r.tensor]
+        # the original (unsmoothed) weights, by their exporter names
+        ws = [numpy_helper.to_array(src[l.weight.split("_smooth")[0]]) for l in group]
+        assert r.w8a8_error <= heldout_w8a8_error(st.sample, ws, None) + 1e-12
+        assert all(l.weight in inits for l in group)
