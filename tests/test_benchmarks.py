@@ -1,0 +1,158 @@
+"""benchmarks/: seeded workloads, the HTTP load generator against the real server, benchmark_artifact, KV calculator."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import kv_calc
+from benchmarks.kv_calc import KVShape, kv_bytes_per_token, kv_memory_bytes, max_concurrency, max_context
+from benchmarks.workloads import fit_to_context, make_workload, summarize
+
+METRIC_KEYS = {"requests", "requests_ok", "requests_failed", "duration_s", "requests_per_s", "output_tokens",
+               "output_tokens_per_s", "prompt_tokens", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
+               "itl_p99_s", "tpot_mean_s", "e2e_mean_s", "e2e_p50_s", "e2e_p99_s", "peak_rss_mb", "kv_usage_peak",
+               "kv_usage_mean", "server_cpu_s", "output_tokens_per_cpu_s", "concurrency", "result_cache_hits",
+               "prefix_cache_hit_rate", "preemptions"}
+
+
+def small_workload(artifact, n=16, seed=0):
+    w = make_workload(n, seed=seed, prompt_words=(8, 48), max_tokens=(4, 16), shared_prefix_words=96)
+    return fit_to_context(w, artifact)
+
+
+# --- workloads -------------------------------------------------------------------------------------------------
+
+def test_workload_is_seeded_and_has_every_kind():
+    w = make_workload(32, seed=3)
+    assert w == make_workload(32, seed=3)
+    assert w != make_workload(32, seed=4)
+    s = summarize(w)
+    assert (s["mixed"], s["shared_prefix"], s["repeat"]) == (20, 8, 4)
+    assert [r["id"] for r in w] == list(range(32))
+    # A repeat is an exact copy of an earlier request (a result-cache hit once that one finished).
+    for i, r in enumerate(w):
+        if r["kind"] == "repeat":
+            assert any(o["prompt"] == r["prompt"] and o["max_tokens"] == r["max_tokens"] and o["kind"] != "repeat"
+                       for o in w[:i])
+    shared = [r["prompt"] for r in w if r["kind"] == "shared_prefix"]
+    prefix = shared[0].split("\n\nQuestion")[0]
+    assert len(prefix.split()) == 384 and all(p.startswith(prefix) for p in shared) and len(set(shared)) == 8
+    assert all(16 <= r["max_tokens"] <= 64 and r["temperature"] == 0.0 and r["ignore_eos"] for r in w)
+    with pytest.raises(ValueError, match="shared_prefix_frac"):
+        make_workload(8, shared_prefix_frac=0.9, repeat_frac=0.2)
+
+
+def test_fit_to_context_keeps_the_shared_prefix(tiny_artifact):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_artifact / "tokenizer.json"))
+    w = fit_to_context(make_workload(12, seed=1, shared_prefix_words=40), tiny_artifact, max_len=160)
+    lens = [len(tok.encode(r["prompt"], add_special_tokens=False).ids) + r["max_tokens"] for r in w]
+    assert max(lens) <= 160 and max(lens) > 120   # cut to fit, not emptied
+    heads = {r["prompt"][:100] for r in w if r["kind"] == "shared_prefix"}
+    assert len(heads) == 1
+
+
+# --- KV calculator ---------------------------------------------------------------------------------------------
+
+def test_kv_calc_matches_hand_computed_figures(tiny_artifact, tmp_path):
+    # SmolLM2-135M fp32: 2 x 30 layers x 3 KV heads x 64 x 4 bytes.
+    assert kv_bytes_per_token(30, 3, 64, "float32") == 46_080
+    smol = kv_calc.PRESETS["smollm2-135m"]
+    # serving.md: 256 MiB pool / 720 KiB blocks of 16 = 364 blocks = 5,824 tokens.
+    assert max_context(smol, 256 * 2**20, 1, block_size=16) == 5_824
+    assert max_concurrency(smol, 256 * 2**20, 2048, block_size=16) == 2
+    # Llama-2-7B fp16 (MHA): 0.5 MiB per token; 4k context x 32 sequences = 64 GiB.
+    l7 = kv_calc.PRESETS["llama-2-7b"]
+    assert kv_bytes_per_token(l7.layers, l7.kv_heads, l7.head_dim, l7.dtype) == 524_288
+    assert kv_memory_bytes(l7, 4096, 32) == 64 * 2**30
+    assert max_concurrency(l7, 24 * 2**30, 4096) == 12
+    # GQA 8 (Llama-3-8B): 4x less than MHA at the same size.
+    assert kv_memory_bytes(kv_calc.PRESETS["llama-3-8b"], 4096, 32) == 16 * 2**30
+    # Block rounding: 17 tokens take 2 blocks of 16.
+    assert kv_memory_bytes(KVShape(1, 1, 1, 1), 17, 1, block_size=16) == 2 * 32
+    # From an artifact manifest (tiny: 2 layers x 2 KV heads x 16, fp32) and from a HF config dict.
+    tiny = kv_calc.shape_from_manifest(tiny_artifact)
+    assert (tiny.layers, tiny.kv_heads, tiny.head_dim, tiny.dtype) == (2, 2, 16, "float32")
+    assert kv_bytes_per_token(tiny.layers, tiny.kv_heads, tiny.head_dim, tiny.dtype) == 512
+    hf = kv_calc.shape_from_hf_config({"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
+                                        "torch_dtype": "bfloat16"})
+    assert (hf.kv_heads, hf.head_dim, hf.dtype) == (32, 128, "bfloat16")
+    with pytest.raises(ValueError, match="unknown KV dtype"):
+        KVShape(1, 1, 1, "float13")
+
+
+def test_kv_calc_cli(capsys, tiny_artifact):
+    assert kv_calc.main(["--preset", "llama-2-7b", "--context", "4096", "--concurrency", "32",
+                         "--budget-gib", "24", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["total_bytes"], r["max_concurrency"], r["max_context"]) == (64 * 2**30, 12, 1536)
+    assert kv_calc.main(["--manifest", str(tiny_artifact), "--context", "512", "--concurrency", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "512 B" in out and "1,048,576 B" in out   # per token; 4 x 512 tokens x 512 B
+    assert kv_calc.main(["--layers", "2"]) == 2
+    assert "give a source" in capsys.readouterr().err
+
+
+# --- load generator and benchmark_artifact against the real server ----------------------------------------------
+
+def _check_sane(res, workload):
+    m = res.metrics()
+    assert METRIC_KEYS <= set(m)
+    assert all(isinstance(v, float) for v in m.values())
+    assert m["requests_ok"] == len(workload) and m["requests_failed"] == 0, [r.error for r in res.records]
+    # ignore_eos + greedy: every request generates exactly max_tokens, counted from the usage chunks.
+    assert m["output_tokens"] == sum(r.completion_tokens for r in res.records) == sum(w["max_tokens"] for w in workload)
+    for r in res.records:
+        assert 0 < r.ttft_s <= r.e2e_s and all(g >= 0 for g in r.itl_s) and r.prompt_tokens > 0
+    assert 0 < m["ttft_p50_s"] <= m["ttft_p99_s"] and m["e2e_p50_s"] <= m["e2e_p99_s"]
+    assert m["output_tokens_per_s"] == pytest.approx(m["output_tokens"] / m["duration_s"])
+    assert m["requests_per_s"] * m["duration_s"] == pytest.approx(len(workload))
+    assert m["peak_rss_mb"] > 50 and m["server_cpu_s"] > 0
+    assert len(res.samples) >= 2 and 0 < m["kv_usage_peak"] <= 1
+    # The workload's repeats: at least one found its original finished in the result cache,
+    # and the shared-prefix requests hit the prefix cache.
+    assert m["result_cache_hits"] >= 1 and m["prefix_cache_hit_rate"] > 0.1
+    json.dumps(res.to_dict())   # JSON-ready (no NaN objects)
+    fig = res.figure()
+    assert len(fig.axes) == 3
+    return m
+
+
+def test_loadgen_against_in_process_server(tiny_artifact):
+    from benchmarks.loadgen import run_workload
+    from compress.config import ServeConfig
+    from serve.__main__ import BackgroundServer
+    from serve.api import create_app
+
+    w = small_workload(tiny_artifact)
+    app = create_app(str(tiny_artifact), ServeConfig(providers=["CPUExecutionProvider"], num_blocks=256),
+                     admin_token=None)
+    with BackgroundServer(app) as srv:
+        res = run_workload(srv.url, w, concurrency=4, sample_interval_s=0.05, label="tiny")
+        m = _check_sane(res, w)
+        assert m["concurrency"] == 4.0
+        # Open loop: seeded Poisson arrivals at 40 requests/s; the result cache now answers everything again.
+        rate = run_workload(srv.url, w[:8], concurrency=None, request_rate=40.0, sample_interval_s=0.05)
+        assert rate.metrics()["requests_ok"] == 8 and rate.request_rate == 40.0
+        starts = sorted(r.start_s for r in rate.records)
+        assert starts[-1] > 0.05   # spread over time, not all at once
+
+
+def test_benchmark_artifact_subprocess(tiny_artifact):
+    from benchmarks.serve_bench import benchmark_artifact
+
+    w = small_workload(tiny_artifact)
+    res = benchmark_artifact(tiny_artifact, w, concurrency=8,
+                             serve_overrides={"providers": ["CPUExecutionProvider"], "num_blocks": 256},
+                             sample_interval_s=0.05)
+    m = _check_sane(res, w)
+    assert res.meta["isolate"] and res.meta["server_pid"] != __import__("os").getpid()
+    assert not math.isnan(m["output_tokens_per_cpu_s"])
+    with pytest.raises(ValueError, match="unknown ServeConfig field"):
+        benchmark_artifact(tiny_artifact, w, serve_overrides={"max_batch": 4})
+    with pytest.raises(ValueError, match="port"):
+        benchmark_artifact(tiny_artifact, w, serve_overrides={"port": 9000})
