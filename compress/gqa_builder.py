@@ -117,11 +117,14 @@ def rope_tables(model, max_positions: int, head_dim: int) -> tuple[np.ndarray, n
 
 
 class _Graph:
-    def __init__(self):
+    def __init__(self, float_dtype=np.float32):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
+        self.float_dtype = float_dtype  # weights and activations (fp16 for the paged graph)
 
     def init(self, name: str, arr: np.ndarray) -> str:
+        if arr.dtype.kind == "f":
+            arr = arr.astype(self.float_dtype)
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
         return name
 
@@ -160,24 +163,14 @@ def _rmsnorm(g: _Graph, x: str, norm, module: str, eps: float) -> str:
     return y
 
 
-def build_gqa_model(model, max_positions: int | None = None) -> onnx.ModelProto:
-    """The decoder as an in-memory ONNX model (weights fp32 inside)."""
-    check_supported(model)
-    model = model.float().eval()
-    c = model.config
-    info = model_info(model)
-    L, H, KV, D = info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]
-    vocab, hidden = info["vocab_size"], info["hidden_size"]
-    max_positions = int(max_positions or info["max_positions"])
-    eps = float(getattr(c, "rms_norm_eps", 1e-6))
-    window = _window(c)
-    scale = float(getattr(model.model.layers[0].self_attn, "scaling", D ** -0.5))
-    g = _Graph()
-    names = gqa_io_names(L)
+def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "logits") -> tuple[str, str]:
+    """Embedding, layers and final norm + lm_head; ``attention(g, i, q, k, v) -> output`` is the layout's part.
 
-    cos, sin = rope_tables(model, max_positions, D)
-    g.init("cos_cache", cos)
-    g.init("sin_cache", sin)
+    ``select_positions(g, x) -> x`` picks the positions whose logits are computed (before the final norm).
+    Returns (logits tensor name, embedding initializer name).
+    """
+    c = model.config
+    eps = float(getattr(c, "rms_norm_eps", 1e-6))
     emb = g.init("model.embed_tokens.weight", _np(model.model.embed_tokens.weight))
     (x,) = g.node("Gather", [emb, "input_ids"], ["/model/embed_tokens/Gather_output_0"], "/model/embed_tokens/Gather",
                   module="model.embed_tokens")
@@ -188,14 +181,7 @@ def build_gqa_model(model, max_positions: int | None = None) -> onnx.ModelProto:
         q = _linear(g, h, a.q_proj, f"{pre}.self_attn.q_proj")
         k = _linear(g, h, a.k_proj, f"{pre}.self_attn.k_proj")
         v = _linear(g, h, a.v_proj, f"{pre}.self_attn.v_proj")
-        path = f"/model/layers/{i}/self_attn"
-        attn, _, _ = g.node(
-            "GroupQueryAttention",
-            [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k", "total_sequence_length",
-             "cos_cache", "sin_cache"],
-            [f"{path}/GroupQueryAttention_output_0", f"present.{i}.key", f"present.{i}.value"],
-            f"{path}/GroupQueryAttention", domain=MS_DOMAIN,
-            num_heads=H, kv_num_heads=KV, do_rotary=1, rotary_interleaved=0, scale=scale, local_window_size=window)
+        attn = attention(g, i, q, k, v)
         o = _linear(g, attn, a.o_proj, f"{pre}.self_attn.o_proj")
         (x,) = g.node("Add", [x, o], [f"/model/layers/{i}/attn_residual_output_0"], f"/model/layers/{i}/attn_residual")
         h = _rmsnorm(g, x, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps)
@@ -208,40 +194,157 @@ def build_gqa_model(model, max_positions: int | None = None) -> onnx.ModelProto:
         (gu,) = g.node("Mul", [silu, up], [f"{mp}/Mul_output_0"], f"{mp}/Mul")
         down = _linear(g, gu, mlp.down_proj, f"{pre}.mlp.down_proj")
         (x,) = g.node("Add", [x, down], [f"/model/layers/{i}/mlp_residual_output_0"], f"/model/layers/{i}/mlp_residual")
-    # logits_to_keep (0 = every position): the runner asks for 1 on a prefill
-    # chunk, which skips the lm_head over the other positions ([n, vocab] per chunk; ~20% of prefill).
-    (start,) = g.node("Neg", ["logits_to_keep"], ["/model/logits_start"], "/model/logits_start")
-    (x,) = g.node("Slice", [x, start, "/model/slice_end", "/model/slice_axis"], ["/model/last_positions"],
-                  "/model/last_positions")
-    g.init("/model/slice_end", np.array([np.iinfo(np.int64).max], np.int64))
-    g.init("/model/slice_axis", np.array([1], np.int64))
+    x = select_positions(g, x)
     h = _rmsnorm(g, x, model.model.norm, "model.norm", eps)
     head = model.lm_head
+    if getattr(head, "bias", None) is not None:
+        raise GqaBuildError("lm_head with a bias is not supported")
     if head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr():
         # Tied: keep one table (quantize_tied_embedding recognises this exact pattern).
         (wt,) = g.node("Transpose", [emb], ["/lm_head/Transpose_output_0"], "/lm_head/Transpose", perm=[1, 0])
-        g.node("MatMul", [h, wt], ["logits"], "/lm_head/MatMul", module="lm_head")
     else:
-        w = g.init("lm_head.weight_t", _np(head.weight).T)
-        g.node("MatMul", [h, w], ["logits"], "/lm_head/MatMul", module="lm_head")
-        if getattr(head, "bias", None) is not None:
-            raise GqaBuildError("lm_head with a bias is not supported")
+        wt = g.init("lm_head.weight_t", _np(head.weight).T)
+    (logits,) = g.node("MatMul", [h, wt], [logits_name], "/lm_head/MatMul", module="lm_head")
+    return logits, emb
 
-    f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
-    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
-              helper.make_tensor_value_info("seqlens_k", i32, ["batch"]),
-              helper.make_tensor_value_info("total_sequence_length", i32, [])]
-    # A required input: ORT's IOBinding cannot bind an overridable initializer ("not in the def list").
-    inputs.append(helper.make_tensor_value_info("logits_to_keep", i64, [1]))
-    inputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "max_len", D]) for n in names["inputs"]
-               if n.startswith("past_key_values.")]
-    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "seq", vocab])]
-    outputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "present_len", D]) for n in names["outputs"][1:]]
-    graph = helper.make_graph(g.nodes, "gqa_decoder", inputs, outputs, g.inits)
+
+def _model(g: _Graph, inputs, outputs, name: str) -> onnx.ModelProto:
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.inits)
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
                           producer_name="compress.gqa_builder")
     m.ir_version = 8
     return m
+
+
+def build_gqa_model(model, max_positions: int | None = None) -> onnx.ModelProto:
+    """The decoder as an in-memory ONNX model (weights fp32 inside)."""
+    check_supported(model)
+    model = model.float().eval()
+    info = model_info(model)
+    L, H, KV, D = info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]
+    vocab = info["vocab_size"]
+    max_positions = int(max_positions or info["max_positions"])
+    window = _window(model.config)
+    scale = float(getattr(model.model.layers[0].self_attn, "scaling", D ** -0.5))
+    g = _Graph()
+    names = gqa_io_names(L)
+    cos, sin = rope_tables(model, max_positions, D)
+    g.init("cos_cache", cos)
+    g.init("sin_cache", sin)
+
+    def attention(g: _Graph, i: int, q: str, k: str, v: str) -> str:
+        path = f"/model/layers/{i}/self_attn"
+        out, _, _ = g.node(
+            "GroupQueryAttention",
+            [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k", "total_sequence_length",
+             "cos_cache", "sin_cache"],
+            [f"{path}/GroupQueryAttention_output_0", f"present.{i}.key", f"present.{i}.value"],
+            f"{path}/GroupQueryAttention", domain=MS_DOMAIN,
+            num_heads=H, kv_num_heads=KV, do_rotary=1, rotary_interleaved=0, scale=scale, local_window_size=window)
+        return out
+
+    def last_positions(g: _Graph, x: str) -> str:
+        # logits_to_keep (0 = every position): the runner asks for 1 on a prefill chunk, which skips
+        # the lm_head over the other positions ([n, vocab] per chunk; ~20% of a SmolLM2 prefill).
+        (start,) = g.node("Neg", ["logits_to_keep"], ["/model/logits_start"], "/model/logits_start")
+        g.init("/model/slice_end", np.array([np.iinfo(np.int64).max], np.int64))
+        g.init("/model/slice_axis", np.array([1], np.int64))
+        (x,) = g.node("Slice", [x, start, "/model/slice_end", "/model/slice_axis"], ["/model/last_positions"],
+                      "/model/last_positions")
+        return x
+
+    _decoder(model, g, attention, last_positions)
+    f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
+              helper.make_tensor_value_info("seqlens_k", i32, ["batch"]),
+              helper.make_tensor_value_info("total_sequence_length", i32, [])]
+    inputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "max_len", D]) for n in names["inputs"]
+               if n.startswith("past_key_values.")]
+    # A required input: ORT's IOBinding cannot bind an overridable initializer ("not in the def list").
+    inputs.append(helper.make_tensor_value_info("logits_to_keep", i64, [1]))
+    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "seq", vocab])]
+    outputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "present_len", D]) for n in names["outputs"][1:]]
+    return _model(g, inputs, outputs, "gqa_decoder")
+
+
+def paged_io_names(num_layers: int) -> dict[str, list[str]]:
+    caches = [f"{kv}_cache.{i}" for i in range(num_layers) for kv in ("key", "value")]
+    return {"inputs": ["input_ids", "cumulative_sequence_length", "past_seqlens", "block_table", *caches,
+                       "logits_indices"],
+            "outputs": ["logits", *[f"{n}_out" for n in caches]]}
+
+
+def build_paged_model(model, num_blocks_dim: str = "num_blocks", block_size: int = 16,
+                      max_positions: int | None = None, dtype: str = "float16") -> onnx.ModelProto:
+    """Layout ``paged``: ``com.microsoft.PagedAttention`` reading and writing the block pool in place (CUDA only).
+
+    inputs  input_ids [num_tokens] int64 (every row's new tokens, packed, no padding)
+            cumulative_sequence_length [batch + 1] int32, past_seqlens [batch] int32,
+            block_table [batch, max_blocks] int32 (the engine's block tables),
+            key_cache.N / value_cache.N [num_blocks, block_size, kv_heads, head_dim] fp16 (the pool itself),
+            logits_indices [k] int64 (which packed tokens need logits: each row's last)
+    outputs logits [k, vocab] float32, key_cache.N_out / value_cache.N_out (aliases of the caches)
+    PagedAttention has only CUDA kernels (fp16/bf16): on the CPU EP the session cannot be created.
+    Unverified here (no GPU was available when this was written): see docs/gqa.md.
+    """
+    check_supported(model)
+    if dtype not in ("float16",):
+        raise GqaBuildError(f"paged dtype {dtype!r}: only float16 is built (PagedAttention takes fp16/bf16)")
+    model = model.float().eval()
+    info = model_info(model)
+    L, H, KV, D = info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]
+    vocab = info["vocab_size"]
+    max_positions = int(max_positions or info["max_positions"])
+    window = _window(model.config)
+    scale = float(getattr(model.model.layers[0].self_attn, "scaling", D ** -0.5))
+    g = _Graph(np.float16)
+    cos, sin = rope_tables(model, max_positions, D)
+    g.init("cos_cache", cos)
+    g.init("sin_cache", sin)
+
+    def attention(g: _Graph, i: int, q: str, k: str, v: str) -> str:
+        path = f"/model/layers/{i}/self_attn"
+        out, _, _ = g.node(
+            "PagedAttention",
+            [q, k, v, f"key_cache.{i}", f"value_cache.{i}", "cumulative_sequence_length", "past_seqlens",
+             "block_table", "cos_cache", "sin_cache"],
+            [f"{path}/PagedAttention_output_0", f"key_cache.{i}_out", f"value_cache.{i}_out"],
+            f"{path}/PagedAttention", domain=MS_DOMAIN,
+            num_heads=H, kv_num_heads=KV, do_rotary=1, rotary_interleaved=0, scale=scale, local_window_size=window)
+        return out
+
+    def selected(g: _Graph, x: str) -> str:
+        (x,) = g.node("Gather", [x, "logits_indices"], ["/model/selected_tokens"], "/model/selected_tokens", axis=0)
+        return x
+
+    logits16, _ = _decoder(model, g, attention, selected, logits_name="/lm_head/MatMul_output_0")
+    g.node("Cast", [logits16], ["logits"], "/logits/Cast", to=TensorProto.FLOAT)
+    f16, f32, i64, i32 = TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    names = paged_io_names(L)
+    cache_shape = [num_blocks_dim, block_size, KV, D]
+    inputs = [helper.make_tensor_value_info("input_ids", i64, ["num_tokens"]),
+              helper.make_tensor_value_info("cumulative_sequence_length", i32, ["batch_plus_1"]),
+              helper.make_tensor_value_info("past_seqlens", i32, ["batch"]),
+              helper.make_tensor_value_info("block_table", i32, ["batch", "max_blocks"])]
+    inputs += [helper.make_tensor_value_info(n, f16, cache_shape) for n in names["inputs"] if "_cache." in n]
+    inputs.append(helper.make_tensor_value_info("logits_indices", i64, ["num_logits"]))
+    outputs = [helper.make_tensor_value_info("logits", f32, ["num_logits", vocab])]
+    outputs += [helper.make_tensor_value_info(n, f16, cache_shape) for n in names["outputs"][1:]]
+    return _model(g, inputs, outputs, "paged_decoder")
+
+
+def check_paged_runs_here(m: onnx.ModelProto, providers=("CPUExecutionProvider",)):
+    """A session for a paged graph, or a clear error where the providers have no PagedAttention kernel."""
+    import onnxruntime as ort
+
+    try:
+        return ort.InferenceSession(m.SerializeToString(), providers=list(providers))
+    except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/NotImplemented types
+        if "PagedAttention" in str(e):
+            raise GqaBuildError(f"attention layout 'paged' needs com.microsoft.PagedAttention, which has only CUDA "
+                                f"kernels; providers {list(providers)} cannot run it: use layout 'gqa' on CPU "
+                                f"(onnxruntime said: {str(e).splitlines()[0][:200]})") from e
+        raise
 
 
 @dataclass
@@ -262,17 +365,24 @@ def save_model(m: onnx.ModelProto, path: Path, external_data_threshold_mb: int =
 
 
 def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int | None = None,
-                       extra: dict | None = None) -> tuple[GqaBuildResult, dict]:
-    """Graph + tokenizer + generation_config + manifest.json (attention_layout 'gqa'): a servable folder."""
+                       extra: dict | None = None, layout: str = "gqa", block_size: int = 16) -> tuple[GqaBuildResult, dict]:
+    """Graph + tokenizer + generation_config + manifest.json: a servable folder.
+
+    layout 'gqa' (default; CPU and CUDA) or 'paged' (PagedAttention, fp16, CUDA only, unverified; the
+    graph's block size is fixed and recorded in the manifest).
+    """
     from compress.export import _eos_ids
 
+    if layout not in ("gqa", "paged"):
+        raise GqaBuildError(f"layout {layout!r}: the builder writes 'gqa' or 'paged' (the dynamo export writes 'standard')")
     out_dir = Path(out_dir)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     t0 = time.perf_counter()
     with torch.no_grad():
-        m = build_gqa_model(model, max_positions)
+        m = build_gqa_model(model, max_positions) if layout == "gqa" else \
+            build_paged_model(model, block_size=block_size, max_positions=max_positions)
     path = out_dir / MODEL_FILE
     save_model(m, path)
     seconds = time.perf_counter() - t0
@@ -287,9 +397,9 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
         info["max_positions"] = int(max_positions)
     fields = {
         **info,
-        "kv_dtype": "float32",
-        "attention_layout": "gqa",
-        "io": gqa_io_names(info["num_layers"]),
+        "kv_dtype": "float32" if layout == "gqa" else "float16",
+        "attention_layout": layout,
+        "io": gqa_io_names(info["num_layers"]) if layout == "gqa" else paged_io_names(info["num_layers"]),
         "eos_token_ids": _eos_ids(model, tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,
@@ -298,9 +408,10 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
         "exporter": "gqa_builder",
         "opset": OPSET,
         "export_seconds": round(seconds, 2),
+        **({"block_size": block_size} if layout == "paged" else {}),
         **(extra or {}),
     }
     manifest = write_manifest(out_dir, fields)
     size = sum(p.stat().st_size for p in out_dir.glob("model.onnx*"))
-    log.info("GQA graph: %d nodes, %.1f MiB, built in %.1f s", len(m.graph.node), size / 2**20, seconds)
+    log.info("%s graph: %d nodes, %.1f MiB, built in %.1f s", layout, len(m.graph.node), size / 2**20, seconds)
     return GqaBuildResult(out_dir, path, seconds, size, len(m.graph.node)), manifest

@@ -246,12 +246,15 @@ class Engine:
             self.block_manager, max_num_batched_tokens=config.max_num_batched_tokens,
             max_batch_size=config.max_batch_size, max_waiting=config.max_waiting, max_wait_s=config.max_wait_s,
             max_model_len=self.max_model_len, policy=config.scheduling_policy)
-        if self.manifest.get("attention_layout", "standard") == "gqa":
-            from serve.runner_gqa import GqaRunner  # in-place GroupQueryAttention rows (docs/gqa.md)
+        layout = self.manifest.get("attention_layout", "standard")
+        if layout in ("gqa", "paged"):  # docs/gqa.md
+            from serve.runner_gqa import GqaRunner  # in-place GroupQueryAttention rows
+            from serve.runner_paged import PagedRunner  # PagedAttention over the pool (CUDA only, unverified)
 
-            self.runner = GqaRunner(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
-                                    intra_op_threads=config.intra_op_threads, max_batch_size=config.max_batch_size,
-                                    max_model_len=self.max_model_len)
+            cls = GqaRunner if layout == "gqa" else PagedRunner
+            self.runner = cls(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
+                              intra_op_threads=config.intra_op_threads, max_batch_size=config.max_batch_size,
+                              max_model_len=self.max_model_len)
         else:
             self.runner = Runner(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
                                  intra_op_threads=config.intra_op_threads)
