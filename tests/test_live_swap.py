@@ -205,6 +205,20 @@ def test_rollback_follows_the_alias_back(server, http, refs, versions):
     assert metric(http.get("/metrics").text, "vllm:generation_tokens_total") >= gen_before + 12
 
 
+def test_the_deploy_flows_view_of_the_server(server, versions):
+    """flows/deploy.py's plain helpers (no Prefect run) against this server: the contract it relies on."""
+    from compress import registry
+    from flows.deploy import served_version, smoke_test, wait_for_version
+
+    assert served_version(server.url, NAME) == "1"
+    registry.set_alias(NAME, "champion", versions["v2"])
+    wait_for_version(server.url, NAME, versions["v2"], timeout_s=15)
+    texts = smoke_test(server.url, NAME, ["swap me", "Hello"], max_tokens=6)
+    assert len(texts) == 2 and all(texts)
+    registry.set_alias(NAME, "champion", versions["v1"])
+    wait_for_version(server.url, NAME, versions["v1"], timeout_s=15)
+
+
 def test_server_started_before_the_alias_exists_becomes_ready_when_it_does(versions, mlflow_store):
     import mlflow
 
