@@ -75,6 +75,10 @@ def metric(text: str, name: str, labels: str = "") -> float:
     raise AssertionError(f"{name} {labels} not in /metrics")
 
 
+def engine_of_steps(http) -> float:
+    return metric(http.get("/metrics").text, "compressor:engine_steps_total")
+
+
 def engine_of(server):
     return server.app.state.manager.current.engine
 
@@ -207,10 +211,6 @@ def test_repeated_deterministic_request_is_served_from_the_cache(http):
     # Any sampling field changes the key.
     r4 = http.post("/v1/completions", json={**body, "max_tokens": 8})
     assert r4.headers["x-result-cache"] == "miss"
-
-
-def engine_of_steps(http) -> float:
-    return metric(http.get("/metrics").text, "compressor:engine_steps_total")
 
 
 # ---- bad input ---------------------------------------------------------------------------------
