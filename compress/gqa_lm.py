@@ -30,14 +30,17 @@ class GqaCache:
 
 
 def bind_step(binding: ort.IOBinding, past_names: list[str], present_names: list[str], kv: list[np.ndarray],
-              input_ids: np.ndarray, seqlens_k: np.ndarray, total: int, logits: np.ndarray) -> None:
-    """Bind one call: inputs, the K/V buffers as both past and present (in place), logits into ``logits``."""
+              input_ids: np.ndarray, seqlens_k: np.ndarray, total: int, logits: np.ndarray, keep: int = 0) -> None:
+    """Bind one call: inputs, the K/V buffers as both past and present (in place), logits into ``logits``.
+
+    keep: logits_to_keep (0 = every position, k = the last k; ``logits`` must have that many positions).
+    """
     binding.clear_binding_inputs()
     binding.clear_binding_outputs()
     binding.bind_cpu_input("input_ids", input_ids)
     binding.bind_cpu_input("seqlens_k", seqlens_k)
     binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
-    binding.bind_cpu_input("logits_to_keep", np.array([0], np.int64))  # every position
+    binding.bind_cpu_input("logits_to_keep", np.array([keep], np.int64))
     for name_in, name_out, buf in zip(past_names, present_names, kv):
         # Same pointer for past and present is what makes GQA share the buffer (and skip the copy).
         binding.bind_input(name_in, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
@@ -63,16 +66,21 @@ class GqaLM:
     def new_cache(self, batch: int, max_len: int) -> GqaCache:
         return GqaCache(self.num_layers, batch, self.kv_heads, max_len, self.head_dim)
 
-    def forward(self, input_ids: np.ndarray, seqlens_k: np.ndarray, cache: GqaCache) -> np.ndarray:
-        """Run new tokens [batch, seq]; row b's cache ends at seqlens_k[b] (inclusive) afterwards. Returns logits."""
+    def forward(self, input_ids: np.ndarray, seqlens_k: np.ndarray, cache: GqaCache, keep: int = 0) -> np.ndarray:
+        """Run new tokens [batch, seq]; row b's cache ends at seqlens_k[b] (inclusive) afterwards.
+
+        Returns logits [batch, seq, vocab], or only the last ``keep`` positions when keep > 0.
+        """
         input_ids = np.ascontiguousarray(input_ids, np.int64)
         seqlens_k = np.ascontiguousarray(seqlens_k, np.int32)
         total = int(seqlens_k.max()) + 1
         if total > cache.max_len:
             raise ValueError(f"sequence length {total} exceeds the cache's max_len {cache.max_len}")
-        logits = np.empty((*input_ids.shape, self.vocab), np.float32)
+        b, s = input_ids.shape
+        logits = np.empty((b, min(keep, s) if keep > 0 else s, self.vocab), np.float32)
         binding = self.session.io_binding()
-        bind_step(binding, self.past_names, self.present_names, cache.arrays, input_ids, seqlens_k, total, logits)
+        bind_step(binding, self.past_names, self.present_names, cache.arrays, input_ids, seqlens_k, total, logits,
+                  min(keep, s))
         self.session.run_with_iobinding(binding)
         return logits
 
@@ -100,7 +108,7 @@ class GqaLM:
         ids = np.asarray(prompt, np.int64)[None]
         n = ids.shape[1]
         cache = self.new_cache(1, n + new_tokens)
-        logits = self.forward(ids, np.array([n - 1]), cache)
+        logits = self.forward(ids, np.array([n - 1]), cache, keep=1)  # the prompt's last position only
         out: list[int] = []
         for _ in range(new_tokens):
             tok = int(np.argmax(logits[0, -1]))
