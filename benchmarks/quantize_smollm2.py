@@ -32,17 +32,20 @@ THREADS = 2
 # name -> QuantizeConfig overrides
 VARIANTS: dict[str, dict] = {
     "fp32": {},
-    # "naive": every linear, no smoothing, default ORT-style settings
+    # "naive": every linear, no smoothing, ORT-style defaults
     "naive_static": dict(method="static", smoothquant_alpha=None, keep_float=[], quantize_embedding=False, reduce_range=False),
     "naive_dynamic": dict(method="dynamic", smoothquant_alpha=None, keep_float=[], quantize_embedding=False, reduce_range=False),
     # FACTS.md's best static recipe: down_proj in float
     "static_keep_down": dict(method="static", smoothquant_alpha=None, keep_float=["down_proj"], keep_float_as="float", quantize_embedding=False),
     "static_sq": dict(method="static", smoothquant_alpha=0.5, keep_float=[]),
+    "static_sq_auto": dict(method="static", smoothquant_alpha="auto", keep_float=[]),
     "static_sq_mixed": dict(method="static", smoothquant_alpha=0.5, keep_float=["down_proj"], keep_float_as="weight_only"),
-    "static_sq_entropy_mixed": dict(method="static", smoothquant_alpha=0.5, calibration="entropy", keep_float=["down_proj"]),
-    "static_sq_percentile_mixed": dict(method="static", smoothquant_alpha=0.5, calibration="percentile", keep_float=["down_proj"]),
+    "static_sq_auto_mixed": dict(method="static", smoothquant_alpha="auto", keep_float=["down_proj"], keep_float_as="weight_only"),
+    "static_sq_auto_entropy_mixed": dict(method="static", smoothquant_alpha="auto", calibration="entropy", keep_float=["down_proj"]),
+    "static_sq_auto_percentile_mixed": dict(method="static", smoothquant_alpha="auto", calibration="percentile", keep_float=["down_proj"]),
     "dynamic_token": dict(method="dynamic", activation_granularity="token", smoothquant_alpha=None, keep_float=[]),
     "dynamic_token_sq": dict(method="dynamic", activation_granularity="token", smoothquant_alpha=0.5, keep_float=[]),
+    "dynamic_token_sq_auto": dict(method="dynamic", activation_granularity="token", smoothquant_alpha="auto", keep_float=[]),
     "dynamic_token_sq_fp32emb": dict(method="dynamic", activation_granularity="token", smoothquant_alpha=0.5, keep_float=[], quantize_embedding=False),
     "weight_only": dict(method="weight_only", smoothquant_alpha=None, keep_float=[], quantize_embedding=False),
     "weight_only_emb": dict(method="weight_only", smoothquant_alpha=None, keep_float=[]),

@@ -80,7 +80,7 @@ def test_broken_quantization_is_rejected(tiny_artifact, tiny_splits, fp32_eval, 
 
 
 def test_accuracy_aware_loop_relaxes_until_accepted(tiny_artifact, tiny_splits, fp32_eval, tmp_path):
-    qcfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=False)
+    qcfg = QuantizeConfig(method="static", keep_float=[], keep_float_as="float", quantize_embedding=False)
     acfg = AcceptConfig(max_perplexity_ratio=1.05, min_top1_agreement=0.99, relax_trials=2, relax_groups_per_trial=4)
     seen = []
     res = quantize_with_acceptance(tiny_artifact, tmp_path / "cand", tiny_splits.calib, tiny_splits.eval, qcfg, acfg,
