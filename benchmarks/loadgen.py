@@ -141,6 +141,16 @@ class BenchResult:
                          "e2e_mean_s": _mean([r.e2e_s for r in rs if r.e2e_s is not None])}
         return out
 
+    def prefix_ttft(self) -> dict[str, float] | None:
+        """TTFT of the first shared-prefix request to start (cold: nothing cached) against the later
+        ones (prefix-cache hits). Clean only at concurrency 1, where queueing adds nothing."""
+        rs = sorted((r for r in self.ok_records() if r.kind == "shared_prefix"), key=lambda r: r.start_s)
+        if len(rs) < 2:
+            return None
+        cold, hits = rs[0].ttft_s, [r.ttft_s for r in rs[1:]]
+        return {"cold_ttft_s": cold, "hit_ttft_p50_s": _pct(hits, 50), "hit_over_cold": _pct(hits, 50) / cold,
+                "prompt_tokens": _mean([float(r.prompt_tokens) for r in rs])}
+
     def to_dict(self) -> dict:
         """JSON-ready (NaN -> None): figures, per-kind figures, samples, per-request records."""
         def clean(x):
@@ -152,6 +162,7 @@ class BenchResult:
                 return [clean(v) for v in x]
             return x
         return clean({"label": self.label, "metrics": self.metrics(), "by_kind": self.by_kind(),
+                      "prefix_ttft": self.prefix_ttft(),
                       "concurrency": self.concurrency, "request_rate": self.request_rate, "meta": self.meta,
                       "counters": self.counters, "samples": [asdict(s) for s in self.samples],
                       "records": [asdict(r) for r in self.records]})

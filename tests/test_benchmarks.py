@@ -156,3 +156,40 @@ def test_benchmark_artifact_subprocess(tiny_artifact):
         benchmark_artifact(tiny_artifact, w, serve_overrides={"max_batch": 4})
     with pytest.raises(ValueError, match="port"):
         benchmark_artifact(tiny_artifact, w, serve_overrides={"port": 9000})
+
+
+# --- baselines and the comparison CLI ----------------------------------------------------------------------------
+
+def test_baselines_generate_exactly_max_tokens(tiny_artifact, tiny_model_dir):
+    from benchmarks.baselines import hf_generate, ort_static
+
+    w = small_workload(tiny_artifact, n=5, seed=2)
+    want = sum(q["max_tokens"] for q in w)
+    for res in (ort_static(tiny_artifact, w, batch_size=1), ort_static(tiny_artifact, w, batch_size=2),
+                hf_generate(str(tiny_model_dir), w, batch_size=3)):
+        m = res.metrics()
+        assert m["requests_ok"] == 5 and m["output_tokens"] == want, res.label
+        assert all(0 < r.ttft_s <= r.e2e_s and len(r.itl_s) == r.max_tokens - 1 for r in res.records)
+        assert m["peak_rss_mb"] > 50 and m["server_cpu_s"] > 0
+    # A static batch starts its rows together; row 2 waits for the whole first batch.
+    s = [r.start_s for r in res.records]
+    assert s[0] == s[1] == s[2] < s[3] == s[4]
+    assert res.label == "hf_static_b3"
+
+
+def test_run_cli_compares_server_and_baseline(tiny_artifact, tmp_path, capsys):
+    from benchmarks import run
+
+    out = tmp_path / "res"
+    assert run.main(["--artifact", str(tiny_artifact), "--requests", "6", "--concurrency", "3",
+                     "--systems", "ort_sequential", "server", "--max-tokens", "4", "8", "--prompt-words", "8", "24",
+                     "--shared-prefix-words", "40", "--max-len", "256", "--out", str(out),
+                     "--serve-set", "num_blocks=128"]) == 0
+    text = capsys.readouterr().out
+    assert "ratios (x) vs ort_sequential" in text and "server_c3" in text
+    d = json.loads((out / "results.json").read_text())
+    assert [r["label"] for r in d["results"]] == ["ort_sequential", "server_c3"]
+    tokens = {r["metrics"]["output_tokens"] for r in d["results"]}
+    assert len(tokens) == 1 and d["skipped"] == {}
+    assert d["results"][1]["meta"]["serve_overrides"]["num_blocks"] == 128
+    assert (out / "throughput.png").stat().st_size > 10_000 and (out / "server_c3.png").is_file()
