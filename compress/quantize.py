@@ -652,3 +652,23 @@ def quantize_artifact(src_artifact: str | Path, out_dir: str | Path, calib_block
     """
     return Quantizer(src_artifact, calib_blocks, cfg, threads=threads, on_event=on_event,
                      calibration_cache=calibration_cache).write(out_dir)
+
+
+def sensitivity_figure(sensitivity: list[tuple[str, float]], kept: int = 0):
+    """Bar chart of a sensitivity scan (KL per group, most sensitive first; the first `kept` bars are the float ones)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(4.0, 0.35 * len(sensitivity) + 1.5), 3.2))
+    ax = fig.add_subplot(1, 1, 1)
+    names = [g for g, _ in sensitivity]
+    vals = [v for _, v in sensitivity]
+    ax.bar(range(len(vals)), vals, color=["tab:red" if i < kept else "tab:blue" for i in range(len(vals))])
+    ax.set_xticks(range(len(vals)))
+    ax.set_xticklabels(names, rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("KL(float || group int8)")
+    ax.set_title("sensitivity scan (red: kept in float)")
+    fig.tight_layout()
+    return fig

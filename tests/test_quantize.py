@@ -168,7 +168,7 @@ def test_dynamic_per_token_int8(tiny_artifact, tiny_splits, fp32_logits, tmp_pat
     rep = quantize_artifact(tiny_artifact, tmp_path / "tok", None, cfg)
     ops = _ops(tmp_path / "tok")
     assert ops.get("MatMulInteger", 0) == 14 and ops.get("DynamicQuantizeLinear", 0) == 0
-    assert rep.calib_blocks == 0 and rep.settings["activations"].startswith("int8 symmetric per-token")
+    assert rep.calib_blocks == 0 and rep.settings["activations"].startswith("symmetric per-token")
     logits = prefill_logits(tmp_path / "tok", tiny_splits.eval)
     # one range per token: closer to fp32 than one range per batch
     tensor = quantize_artifact(tiny_artifact, tmp_path / "ten", None, cfg.model_copy(update={"activation_granularity": "tensor"}))
@@ -230,6 +230,11 @@ def test_sensitivity_scan_keeps_most_sensitive_groups_float(tiny_artifact, tiny_
     assert {l.group for l in q.linears if l.module in rep.float_linears} == kept
     assert rep.quantized_linears == 14 - len(rep.float_linears)
     assert read_manifest(tmp_path / "sens")["quantization"]["float_groups"] == [g for g, _ in rep.sensitivity[:2]]
+    from compress.quantize import sensitivity_figure
+
+    fig = sensitivity_figure(rep.sensitivity, kept=2)
+    fig.savefig(tmp_path / "sens.png")
+    assert (tmp_path / "sens.png").stat().st_size > 1000
 
 
 def test_vnni_detection_and_reduce_range():
