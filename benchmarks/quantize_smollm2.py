@@ -26,7 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / ".cache" / "bench"
 FP32 = BENCH / "smollm2-fp32"
-RESULTS = BENCH / "results"
+RESULTS = BENCH / "quantize"
 THREADS = 2
 
 # name -> QuantizeConfig overrides
@@ -102,6 +102,29 @@ def run_variant(name: str) -> dict:
     return row
 
 
+def gate_loop(name: str, qoverrides: dict, groups_per_trial: int = 12, trials: int = 3) -> dict:
+    """The accuracy-aware loop on SmolLM2: W8A8 targets, relax by moving groups to 8-bit weight-only."""
+    import numpy as np
+
+    from compress.accept import quantize_with_acceptance
+    from compress.config import AcceptConfig, QuantizeConfig
+
+    _, _, splits = ensure_fp32()
+    base = json.loads((RESULTS / "fp32.json").read_text())
+    acfg = AcceptConfig(max_perplexity_ratio=1.02, min_top1_agreement=0.95, max_size_ratio=0.30,
+                        relax_trials=trials, relax_groups_per_trial=groups_per_trial)
+    top1 = np.load(BENCH / "fp32_eval_top1.npy")
+    res = quantize_with_acceptance(FP32, BENCH / name, splits.calib, splits.eval, QuantizeConfig(**qoverrides), acfg,
+                                   baseline=base, threads=THREADS, eval_kwargs={"reference_top1": top1, "latency": False},
+                                   on_trial=lambda i, rec: print(f"  trial {i}: ppl {rec['metrics']['perplexity']:.3f} "
+                                                                 f"agr {rec['metrics']['top1_agreement']:.4f} float groups "
+                                                                 f"{len(rec['extra_float_groups'])} -> {rec['accepted']} {rec['reasons']}", flush=True))
+    out = {"variant": name, "accepted": res.verdict.accepted, "reasons": res.verdict.reasons,
+           "trials": [{k: v for k, v in t.items() if k != "float_groups"} for t in res.trials]}
+    (RESULTS / f"gate_{name}.json").write_text(json.dumps(out, indent=1, default=str))
+    return out
+
+
 def verdicts(rows: dict[str, dict]) -> dict[str, str]:
     from compress.accept import accept
     from compress.config import AcceptConfig
@@ -136,18 +159,23 @@ def table(rows: dict[str, dict]) -> str:
 
 
 def load_rows() -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json")) if not p.stem.startswith("gate_")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", help="variants to run (default: all)")
     ap.add_argument("--table", action="store_true", help="only print the table of cached results")
+    ap.add_argument("--gate-loop", action="store_true", help="run the accuracy-aware loop on W8A8 per-token (docs)")
     ap.add_argument("--inproc", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.table:
         print(table(load_rows()))
+        return
+    if args.gate_loop:
+        print(json.dumps(gate_loop("gate_dynamic_token", dict(method="dynamic", activation_granularity="token",
+                                                            smoothquant_alpha="auto", keep_float=[])), indent=1, default=str))
         return
     names = args.only or list(VARIANTS)
     if args.inproc:

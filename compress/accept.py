@@ -104,14 +104,16 @@ def quantize_with_acceptance(
     ekw = dict(eval_kwargs or {})
     if threads:
         ekw.setdefault("threads", threads)
+    # eval_kwargs may carry reference_top1 (the baseline's argmax on eval_blocks) to skip re-running the baseline
+    ref = {} if "reference_top1" in ekw else {"reference_artifact": src}
     if baseline is None:
-        baseline = evaluate_onnx(src, eval_blocks, reference_artifact=src, **ekw)
+        baseline = evaluate_onnx(src, eval_blocks, **{"reference_artifact": src, **{k: v for k, v in ekw.items() if k != "reference_top1"}})
     q = Quantizer(src, calib_blocks, qcfg, threads=threads)
     extra: list[str] = []
     trials: list[dict] = []
     for i in range(acfg.relax_trials + 1):
         report = q.write(out_dir, extra)
-        metrics = evaluate_onnx(out_dir, eval_blocks, reference_artifact=src, **ekw)
+        metrics = evaluate_onnx(out_dir, eval_blocks, **ref, **ekw)
         verdict = accept(metrics, baseline, acfg)
         rec = {"trial": i, "float_groups": list(report.float_linears), "extra_float_groups": list(extra),
                "metrics": {**metrics, **report.metrics(), **verdict.metrics}, "accepted": verdict.accepted, "reasons": list(verdict.reasons)}

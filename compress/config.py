@@ -76,17 +76,22 @@ class GoldenConfig(_Section):
 
 class PruneConfig(_Section):
     enabled: bool = False
+    # "both" = structured first, then unstructured on the smaller model (docs/pruning.md)
     method: Literal["structured", "unstructured", "both"] = "structured"
-    # structured: fraction of MLP neurons / KV-head groups / layers removed
+    # structured: fraction of MLP neurons / KV-head groups (a KV head with its query heads) / layers removed.
+    # The same count in every layer (one intermediate_size and head count per config); heads round to whole
+    # KV groups (SmolLM2 has 3: 0.25 and 0.34 both remove one) and kept neurons to a multiple of 8.
     mlp_ratio: float = Field(0.25, ge=0, lt=1)
     head_ratio: float = Field(0.0, ge=0, lt=1)
     layer_ratio: float = Field(0.0, ge=0, lt=1)
     importance: Literal["activation", "weight_norm"] = "activation"
-    # unstructured
+    # unstructured: share of decoder linear weights zeroed (2:4 needs 0.5)
     sparsity: float = Field(0.5, ge=0, lt=1)
     pattern: Literal["none", "2:4"] = "none"
     allocation: Literal["global", "per_layer", "sensitivity"] = "per_layer"
+    # Never dropped and never sparsified (their width still follows the global count); negative = from the end.
     protected_layers: list[int] = Field(default_factory=lambda: [0, -1])
+    # Run the per-layer sensitivity scan (ranks layers to drop, drives allocation=sensitivity) on this many calib blocks.
     sensitivity: bool = True
     sensitivity_blocks: int = Field(8, ge=1)
 
@@ -149,6 +154,8 @@ class QuantizeConfig(_Section):
     # SmoothQuant migration strength (0 = none, 1 = all onto the weights); "auto" = per tensor, the alpha
     # (0.3-0.95, or none) with the smallest W8A8 output error on calib samples; null disables smoothing.
     smoothquant_alpha: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] | None = "auto"
+    # Token rows kept per calibrated tensor (strided over the calib blocks) for the alpha search and the
+    # sensitivity ranking.
     smoothquant_samples: int = Field(256, ge=16)
     # Linears whose module path (e.g. model.layers.3.mlp.down_proj), node name or group contains one of these stay float.
     keep_float: list[str] = Field(default_factory=lambda: ["down_proj"])
@@ -156,7 +163,7 @@ class QuantizeConfig(_Section):
     # block-wise weights with float activations (MatMulNBits; keeps the size down, small accuracy cost).
     keep_float_as: Literal["float", "weight_only"] = "weight_only"
     # Sensitivity scan: quantize one group (a layer's qkv / o / gate_up / down) at a time, this many
-    # candidates (ranked by their activation's quantization error), on calib data; 0 = no scan.
+    # candidates (ranked by their local W8A8 output error on calib samples), on calib data; 0 = no scan.
     sensitivity_trials: int = Field(0, ge=0)
     # How many of the scanned groups, most sensitive first, are kept in float.
     sensitivity_keep: int = Field(0, ge=0)

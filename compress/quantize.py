@@ -453,13 +453,12 @@ class Quantizer:
             if self.calibration_cache is not None:
                 sha = hashlib.sha256(np.ascontiguousarray(self.calib.astype(np.int64)).tobytes()).hexdigest()
                 first = load_first_pass(self.calibration_cache, sha)
-                if first is not None and (not set(tensors) <= set(first) or
-                                          (alpha == "auto" and any(first[t].sample is None for t in tensors))):
+                if first is not None and (not set(tensors) <= set(first) or any(first[t].sample is None for t in tensors)):
                     first = None
             # stats keep the raw (unsmoothed) per-channel ranges; smoothing only sets inv_scale beside them
             res = collect_stats(self.model, tensors, self.calib, kv_heads, head_dim, histogram=hist, inv_scales=smooth,
                                 batch_size=cfg.calib_batch_size, threads=self.threads, first_pass=first,
-                                sample_rows=cfg.smoothquant_samples if alpha == "auto" else 0)
+                                sample_rows=cfg.smoothquant_samples)
             if self.calibration_cache is not None and first is None:
                 save_first_pass(self.calibration_cache, res.stats, res.sha256)
             if not hist:
@@ -515,18 +514,36 @@ class Quantizer:
 
     # -- sensitivity scan
     def candidate_ranking(self) -> list[str]:
-        """Groups ordered by how badly per-tensor 8-bit fits their input: max channel range over the median one."""
+        """Quantizable groups, worst first, by a cheap local measure computed on calib data only.
+
+        With calibration samples: the W8A8 output error of the group's linears (smoothed weights,
+        per-tensor or per-token activations as configured, activation range fitted on half the rows and
+        scored on the other half). Without: how badly one 8-bit range fits the input, max/median channel range.
+        """
+        from compress.smoothquant import heldout_w8a8_error
+
         self.prepare()
-        score: dict[str, float] = {}
+        cfg = self.cfg
+        inits = {i.name: i for i in self.model.graph.initializer}
+        per_token = cfg.method == "dynamic" and cfg.activation_granularity == "token"
         q, _ = self.selected()
+        by_group: dict[str, list[Linear]] = {}
         for l in q:
-            st = self.stats.get(l.input)
+            by_group.setdefault(l.group, []).append(l)
+        score: dict[str, float] = {}
+        for g, ls in by_group.items():
+            st = self.stats.get(ls[0].input)
+            inv = self.inv_scales.get(ls[0].input)
             if st is None:
-                score[l.group] = 0.0
-                continue
-            am = st.absmax * (self.inv_scales.get(l.input, 1.0))
-            score[l.group] = max(score.get(l.group, 0.0), float(am.max() / max(np.median(am), 1e-12)))
-        return sorted(score, key=lambda g: -score[g])
+                score[g] = 0.0
+            elif st.sample is not None and cfg.method != "weight_only":
+                x = st.sample * inv if inv is not None else st.sample
+                ws = [numpy_helper.to_array(inits[l.weight]) for l in ls]
+                score[g] = heldout_w8a8_error(x.astype(np.float32), ws, None, self.reduce_range, per_token=per_token)
+            else:
+                am = st.absmax * (inv if inv is not None else 1.0)
+                score[g] = float(am.max() / max(np.median(am), 1e-12))
+        return sorted(score, key=lambda k: -score[k])
 
     def sensitivity_scan(self, trials: int | None = None, blocks: int | None = None) -> list[tuple[str, float]]:
         """Quantize one group at a time; score = mean KL(float || group-quantized) on calib blocks. Most sensitive first."""
