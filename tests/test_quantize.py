@@ -270,3 +270,18 @@ def test_smoothquant_auto_alpha_beats_no_smoothing_on_heldout_rows(tiny_artifact
         ws = [numpy_helper.to_array(src[l.weight.split("_smooth")[0]]) for l in group]
         assert r.w8a8_error <= heldout_w8a8_error(st.sample, ws, None) + 1e-12
         assert all(l.weight in inits for l in group)
+
+
+def test_entropy_and_percentile_clip_outliers_but_keep_the_bulk():
+    from compress.calibration import HIST_BINS, ActStats, entropy_range, percentile_range
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(0, 1, 200_000), [60.0, -45.0]]).astype(np.float32)
+    st = ActStats(np.array([x.min()]), np.array([x.max()]))
+    st.lo, st.hi = float(x.min()), float(x.max())
+    st.hist = np.histogram(x, bins=HIST_BINS, range=(st.lo, st.hi))[0]
+    lo_p, hi_p = percentile_range(st, 99.99)
+    lo_e, hi_e = entropy_range(st)
+    for lo, hi in [(lo_p, hi_p), (lo_e, hi_e)]:
+        assert st.lo < lo < -3.0 and 3.0 < hi < st.hi / 2  # outliers clipped, 3 sigma kept
+        assert ((x >= lo) & (x <= hi)).mean() > 0.999
