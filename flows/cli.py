@@ -64,7 +64,44 @@ def cmd_registry(args) -> int:
     elif args.action == "rollback":
         to = registry.rollback(name, args.version, args.alias)
         print(f"{name}@{args.alias} -> {to}")
+    elif args.action == "compare":
+        print(compare_table(name, args.version or "champion", args.other or "candidate"))
     return 0
+
+
+def _version(name: str, ref: str):
+    from compress import registry
+
+    if ref.isdigit():
+        return registry.get_version(name, ref)
+    v = registry.version_for_alias(name, ref)
+    if v is None:
+        raise registry.RegistryError(f"{name} has no alias {ref!r}; give a version number or an existing alias")
+    return v
+
+
+def compare_table(name: str, a_ref: str, b_ref: str) -> str:
+    """Two versions' numeric tags side by side, with b/a ratios: accuracy and speed in one view."""
+    a, b = _version(name, a_ref), _version(name, b_ref)
+    keys = sorted(k for k in set(a.tags) | set(b.tags) if _num(a.tags.get(k)) is not None or _num(b.tags.get(k)) is not None)
+    head = f"{'figure':<40} {'v' + a.version + ' (' + a_ref + ')':>22} {'v' + b.version + ' (' + b_ref + ')':>22} {'ratio':>8}"
+    lines = [head, "-" * len(head)]
+    for k in ("role", "verdict"):
+        lines.append(f"{k:<40} {a.tags.get(k, '-'):>22} {b.tags.get(k, '-'):>22}")
+    for k in keys:
+        x, y = _num(a.tags.get(k)), _num(b.tags.get(k))
+        ratio = f"{y / x:8.3f}" if x not in (None, 0) and y is not None else ""
+        fx = f"{x:>22.5g}" if x is not None else f"{'-':>22}"
+        fy = f"{y:>22.5g}" if y is not None else f"{'-':>22}"
+        lines.append(f"{k:<40} {fx} {fy} {ratio}")
+    return "\n".join(lines)
+
+
+def _num(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
 
 
 def cmd_serve(args) -> int:
@@ -92,8 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_config)
 
     g = sub.add_parser("registry", help="list versions, promote, roll back")
-    g.add_argument("action", choices=["list", "promote", "rollback"])
-    g.add_argument("version", nargs="?", help="version number (promote: required; rollback: default previous)")
+    g.add_argument("action", choices=["list", "promote", "rollback", "compare"])
+    g.add_argument("version", nargs="?",
+                   help="version number (promote: required; rollback: default previous; compare: version or alias, "
+                        "default champion)")
+    g.add_argument("other", nargs="?", help="compare: the second version or alias (default candidate)")
     g.add_argument("--name", help="registered model name (default: registry.model_name of the config)")
     g.add_argument("--alias", default="champion")
     common(g)

@@ -60,6 +60,13 @@ class StageTimer:
         return "\n".join(lines)
 
 
+def model_figures(verdict: dict) -> dict:
+    """A candidate's tags: its evaluation figures under plain names plus the gate's own figures."""
+    figs = {k: v for k, v in verdict["candidate"].items() if isinstance(v, (int, float))}
+    figs.update({k: v for k, v in verdict["metrics"].items() if k.startswith("gate_")})
+    return figs
+
+
 def run_pipeline(cfg: PipelineConfig) -> dict:
     log = get_run_logger()
     tracking_uri = registry.configure(cfg.mlflow.tracking_uri, cfg.mlflow.experiment)
@@ -126,9 +133,13 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             status = "unchecked" if verdict is None else ("accepted" if verdict["accepted"] else "rejected")
             tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash(),
                     "reasons": "; ".join(verdict["reasons"]) if verdict else "",
-                    **(verdict["metrics"] if verdict else {})}
+                    **(model_figures(verdict) if verdict else {})}
             reg = timer.run("register", lambda: register_task(cfg, pid, candidate, ["candidate"], tags))
             registered.append(reg)
+            if verdict and registered[0].get("aliases") == ["baseline"]:
+                # The baseline's own figures under the same names, so the UI and `registry compare` line them up.
+                registry.set_tags(cfg.registry.model_name, registered[0]["version"],
+                                  {k: v for k, v in verdict["baseline"].items() if isinstance(v, (int, float))})
             if status == "accepted" and cfg.registry.promote:
                 dep = deploy_flow(model_name=reg["name"], version=reg["version"], server_url=cfg.registry.server_url,
                                   tracking_uri=tracking_uri)

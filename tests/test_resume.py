@@ -33,7 +33,8 @@ def test_killed_during_distill_resumes_from_checkpoint(tiny_flow_run, mlflow_sto
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and proc.poll() is None:
-            states = list(work.glob(f"distill/*/ckpt/{LAST}/state.json"))
+            states = [p for p in work.glob(f"distill/*/ckpt/{LAST}/state.json")
+                      if not (p.parents[2] / "DONE.json").exists()]  # not the earlier run's finished one
             if states:
                 step = json.loads(states[0].read_text())["state"]["step"]
                 if step >= 4:
