@@ -112,7 +112,8 @@ class GqaRunner:
         if self.cap:
             new[:, :, :, :self.cap] = self.kv
         self.kv, self.cap = new, cap
-        log.debug("GQA KV rows grown to %d positions (%.1f MiB)", cap, new.nbytes / 2**20)
+        log.info("GQA KV rows grown to %d positions x %d rows (%.1f MiB, on top of the block pool)", cap,
+                 self.slots, new.nbytes / 2**20)
 
     def _logits_buf(self, shape: tuple[int, ...]) -> np.ndarray:
         n = int(np.prod(shape))
