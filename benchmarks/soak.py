@@ -11,8 +11,9 @@ Traffic (``concurrency`` closed-loop clients, seeded): whole and streamed comple
 whole requests the client abandons (read timeout), and bad bodies. Outcome classes: ``ok``,
 ``cancelled`` (the client went away on purpose), ``rejected_4xx`` (a bad body got its 4xx),
 ``throttled_429``, ``server_5xx``, ``unexpected_4xx``, ``incomplete`` (200 but a stream without
-``[DONE]`` or a token count that disagrees with finish_reason) and ``transport`` (connection errors).
-A run passes when there are no ``server_5xx``, ``unexpected_4xx``, ``incomplete`` or ``transport``,
+``[DONE]`` or a token count that disagrees with finish_reason), ``bad_event`` (a body or SSE event
+that is not JSON to httpx's line reader) and ``transport`` (connection errors). A run passes when
+there is none of ``server_5xx``, ``unexpected_4xx``, ``incomplete``, ``bad_event``, ``transport``,
 no KV block is still referenced once the server is idle, and every swapped-out engine drained.
 The test suite runs a 20 s form (tests/test_reliability_server.py); docs/reliability.md has figures.
 """
@@ -35,7 +36,7 @@ import httpx
 import psutil
 
 _MiB = 1024 * 1024
-FAIL_CLASSES = ("server_5xx", "unexpected_4xx", "incomplete", "transport")
+FAIL_CLASSES = ("server_5xx", "unexpected_4xx", "incomplete", "bad_event", "transport")
 KINDS = {"complete": 5, "stream": 4, "chat": 2, "repeat": 2, "stream_drop": 2, "abandon": 1, "bad": 1}
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega the quick brown fox jumps over lazy dog once upon a time").split()
@@ -196,8 +197,10 @@ async def run_traffic(url: str, seconds: float, concurrency: int = 6, seed: int 
                 kind = rng.choices(names, weights)[0]
                 try:
                     cls, detail, n = await _one(client, kind, rng, model)
-                except (httpx.TransportError, json.JSONDecodeError) as e:
+                except httpx.TransportError as e:
                     cls, detail, n = "transport", f"{kind}: {type(e).__name__}: {e}", 0
+                except json.JSONDecodeError as e:  # a body or SSE event that is not JSON
+                    cls, detail, n = "bad_event", f"{kind}: {type(e).__name__}: {e}", 0
                 classes[cls] += 1
                 kinds[kind] += 1
                 report.tokens_generated += n

@@ -36,6 +36,8 @@ def configure(tracking_uri: str | None = None, experiment: str | None = None) ->
     import mlflow
 
     uri = resolve_tracking_uri(tracking_uri)
+    # Before any MLflow call: MLflow's own HTTP client retries a dead server for minutes.
+    check_reachable(uri)
     mlflow.set_tracking_uri(uri)
     if experiment:
         exp = mlflow.get_experiment_by_name(experiment)

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -82,6 +83,31 @@ def _validation_error(e: ValidationError, data: Any) -> ApiError:
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
     msg = err["msg"].removeprefix("Value error, ")
     return ApiError(422, f"{param}: {msg}{got_s}{more}", "invalid_request_error", param, err["type"])
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate_path(data: Any) -> str | None:
+    """The dotted path of the first string (or key) that is not valid Unicode, else None (iterative:
+    the body may be nested as deep as json.loads allows)."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+            continue
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in reversed(list(items)):
+            k_s = str(k).encode("utf-8", "backslashreplace").decode()  # the path goes into the error body
+            sub = f"{path}.{k_s}" if path else k_s
+            stack.append((v, sub))
+            if isinstance(k, str):
+                stack.append((k, sub))
+    return None
 
 
 # ---- request schemas -------------------------------------------------------------------------
@@ -255,8 +281,14 @@ def render_chat(lm: LoadedModel, messages: list[ChatMessage]) -> str:
 
 
 # ---- SSE -------------------------------------------------------------------------------------
+# Line breaks to str.splitlines (and so to httpx's iter_lines) that JSON leaves unescaped: an SSE
+# event whose text holds one would reach such clients cut in two. Escaped, the JSON is the same.
+_SPLITLINES_EXTRA = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False).translate(_SPLITLINES_EXTRA)
+    return f"data: {text}\n\n"
 
 
 class DisconnectAwareStream(StreamingResponse):
@@ -340,12 +372,21 @@ def create_app(model: str | ModelManager, config: ServeConfig | None = None, *, 
             if n > limit:
                 raise too_big
             chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
-            data = json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # ValueError: bad JSON or UTF-8, an int over 4300 digits
+            if isinstance(e, RecursionError):
+                e = "nested too deeply"
             raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        if _SURROGATE.search(raw):
+            bad = _lone_surrogate_path(data)
+            if bad is not None:  # JSON allows "\ud800"; the tokenizer cannot encode it
+                raise ApiError(400, f"{bad or 'the body'}: a string holds a lone UTF-16 surrogate escape "
+                               "(\\ud800-\\udfff); send valid Unicode text", param=bad or None,
+                               code="invalid_unicode")
         return data
 
     def parse(schema: type[BaseModel], data: dict):
