@@ -113,6 +113,9 @@ def test_rope_scaling_checked(tiny):
 
     model, _ = build_tiny_llama(0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    from compress.gqa_builder import _rope_type
+
+    assert _rope_type(model.config) == "llama3"  # the scaling really reached the config
     sess_model = build_gqa_model(model)
     import onnxruntime as ort
 
