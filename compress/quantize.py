@@ -416,6 +416,8 @@ class Quantizer:
         self.calib_fed = 0
         self.sensitivity: list[tuple[str, float]] = []
         self._prepared = False
+        self.prepare_seconds = 0.0
+        self.scan_seconds = 0.0
         # "auto" scores W8A8 error; weight-only keeps float activations, so it smooths only when asked for a number
         self.alpha = None if (cfg.method == "weight_only" and cfg.smoothquant_alpha == "auto") else cfg.smoothquant_alpha
         needs_calib = cfg.method == "static" or self.alpha is not None
@@ -429,6 +431,7 @@ class Quantizer:
     def prepare(self) -> None:
         if self._prepared:
             return
+        t_prepare = time.perf_counter()
         cfg = self.cfg
         if self.calib is not None and (cfg.method == "static" or self.alpha is not None):
             tensors = list(dict.fromkeys(l.input for l in self.linears))
@@ -476,6 +479,7 @@ class Quantizer:
                 else:
                     self.ranges[t] = st.range_after(self.inv_scales.get(t))
             self.on_event("calibration", {"blocks": res.blocks, "seconds": res.seconds, "tensors": len(tensors)})
+        self.prepare_seconds = time.perf_counter() - t_prepare  # calibration + smoothing (+ alpha search)
         self._prepared = True
 
     def groups(self) -> list[str]:
@@ -553,6 +557,7 @@ class Quantizer:
         trials = self.cfg.sensitivity_trials if trials is None else trials
         if trials <= 0 or self.calib is None:
             return []
+        t_scan = time.perf_counter()
         data = self.calib[: blocks or self.cfg.sensitivity_blocks]
         kv = (int(self.manifest["num_kv_heads"]), int(self.manifest["head_dim"]))
         ref_sess = make_session(self.model, self.threads)
@@ -576,6 +581,7 @@ class Quantizer:
             self.on_event("sensitivity", {"group": g, "kl": kl / max(n, 1), "seconds": time.perf_counter() - t0})
         results.sort(key=lambda x: -x[1])
         self.sensitivity = results
+        self.scan_seconds = time.perf_counter() - t_scan
         return results
 
     def float_groups_by_sensitivity(self) -> list[str]:
@@ -585,11 +591,11 @@ class Quantizer:
 
     # -- write an artifact
     def write(self, out_dir: str | Path, extra_float_groups: list[str] | tuple[str, ...] = ()) -> QuantReport:
-        t0 = time.perf_counter()
         self.prepare()
         cfg = self.cfg
         if cfg.sensitivity_trials and not self.sensitivity:
             self.sensitivity_scan()
+        t0 = time.perf_counter()
         extra = list(extra_float_groups) + [g for g, _ in self.sensitivity[: cfg.sensitivity_keep]]
         q, f = self.selected(extra)
         model = self.build(q)
@@ -615,7 +621,7 @@ class Quantizer:
         report = QuantReport(
             method=cfg.method, settings=settings, out_dir=str(out_dir),
             bytes_before=artifact_onnx_bytes(self.src), bytes_after=artifact_onnx_bytes(out_dir),
-            seconds=time.perf_counter() - t0 + self.calib_seconds, calib_seconds=self.calib_seconds,
+            seconds=time.perf_counter() - t0 + self.prepare_seconds + self.scan_seconds, calib_seconds=self.calib_seconds,
             calib_blocks=self.calib_fed, calib_sha256=self.calib_sha256, quantized_linears=len(q),
             float_linears=[l.module for l in f], smoothed_tensors=self.smoothed, sensitivity=list(self.sensitivity),
             peak_rss_mb=_peak_rss_mb(),
