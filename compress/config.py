@@ -152,7 +152,7 @@ class QuantizeConfig(_Section):
     # None = detect from the CPU (no VNNI -> 7-bit weights, else u8 x s8 saturates)
     reduce_range: bool | None = None
     # SmoothQuant migration strength (0 = none, 1 = all onto the weights); "auto" = per tensor, the alpha
-    # (0.3-0.95, or none) with the smallest W8A8 output error on calib samples; null disables smoothing.
+    # (0.3-0.9, or none) with the smallest W8A8 output error on calib samples; null disables smoothing.
     smoothquant_alpha: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] | None = "auto"
     # Token rows kept per calibrated tensor (strided over the calib blocks) for the alpha search and the
     # sensitivity ranking.

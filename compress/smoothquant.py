@@ -26,7 +26,7 @@ from onnx import numpy_helper
 from compress.calibration import ActStats, Linear
 
 
-ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 @dataclass
