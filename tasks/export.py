@@ -20,11 +20,17 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
     with child_run(parent_run_id, stage) as run:
         model, tok = load_model(model_dir, cfg)
         art = folder / "artifact"
-        result, manifest = build_artifact(model, tok, art, cfg.export.exporter, cfg.export.opset,
-                                          cfg.export.external_data_threshold_mb,
-                                          extra={"source_model": model_dir, "config_hash": cfg.section_hash()})
+        extra = {"source_model": model_dir, "config_hash": cfg.section_hash()}
+        if cfg.export.exporter == "gqa":
+            from compress.gqa_builder import build_gqa_artifact
+
+            result, manifest = build_gqa_artifact(model, tok, art, extra=extra)
+        else:
+            result, manifest = build_artifact(model, tok, art, cfg.export.exporter, cfg.export.opset,
+                                              cfg.export.external_data_threshold_mb, extra=extra)
         log_params({"export": cfg.export.model_dump()})
-        metrics = {"export_seconds": result.seconds, "onnx_mb": result.onnx_bytes / 2**20}
+        onnx_bytes = sum(p.stat().st_size for p in art.glob("model.onnx*"))
+        metrics = {"export_seconds": result.seconds, "onnx_mb": onnx_bytes / 2**20}
         log_metrics(metrics)
         if run is not None:
             import mlflow
