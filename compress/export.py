@@ -27,6 +27,8 @@ from compress.models import model_info
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
+# Part of the export stage's cache key: bump when the graph the exporter writes changes.
+EXPORT_FORMAT = 2
 
 
 class ExportError(RuntimeError):

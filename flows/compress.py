@@ -1,7 +1,8 @@
 """The compression DAG as a Prefect flow: one task per stage, one MLflow parent run per pipeline run.
 
 load -> export -> golden -> register baseline -> [prune] -> [distill] -> [export + golden student]
--> [quantize] -> [accept] -> register candidate -> [deploy]. Bracketed stages switch on in config.
+-> [quantize] -> [accept] -> [benchmark] -> register candidate -> [deploy]. Bracketed stages switch on
+in config.
 Re-running with the same config resumes: finished stages come from cache.
 """
 
@@ -17,8 +18,10 @@ from prefect.artifacts import create_markdown_artifact
 
 from compress import registry
 from compress.config import PipelineConfig, load_config, project_root
+from compress.export import EXPORT_FORMAT
 from flows.deploy import deploy_flow
 from tasks.accept import accept_task
+from tasks.benchmark import benchmark_task
 from tasks.common import stage_key, submit_stage
 from tasks.distill import distill_task
 from tasks.export import export_task
@@ -28,6 +31,14 @@ from tasks.prune import prune_task
 from tasks.quantize import quantize_task
 from tasks.register import register_task
 from tasks.tracking import log_json, log_metrics, log_params
+
+
+KEY_FIGURES = {
+    "benchmark": ["bench_output_tokens_per_s", "bench_output_tokens_per_s_ratio", "bench_e2e_mean_s",
+                  "bench_e2e_p99_s", "bench_ttft_p99_s", "bench_peak_rss_mb"],
+    "accept": ["candidate_perplexity", "baseline_perplexity", "gate_perplexity_ratio", "gate_top1_agreement",
+               "candidate_size_bytes", "candidate_decode_ms_per_token"],
+}
 
 
 class StageTimer:
@@ -49,7 +60,9 @@ class StageTimer:
                  f"open it with `make ui` → http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}",
                  "", "| stage | seconds | key figures |", "|---|---:|---|"]
         for r in self.rows:
-            figs = ", ".join(f"{k}={v:.4g}" for k, v in list(r["metrics"].items())[:6] if isinstance(v, (int, float)))
+            keys = KEY_FIGURES.get(r["stage"]) or list(r["metrics"])[:6]
+            figs = ", ".join(f"{k}={r['metrics'][k]:.4g}" for k in keys
+                             if isinstance(r["metrics"].get(k), (int, float)))
             lines.append(f"| {r['stage']} | {r['seconds']:.1f} | {figs} |")
         if verdict is not None:
             lines += ["", f"**Acceptance: {'accepted' if verdict['accepted'] else 'rejected'}**"]
@@ -83,7 +96,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
         k_load = stage_key(cfg, "load", ["model", "data"])
         loaded = timer.run("load", submit_stage, load_task, cfg, "load", k_load, parent_run_id=pid)
-        k_exp = stage_key(cfg, "export", ["export"], k_load)
+        k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}")
         teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
                             model_dir=loaded["model_dir"])
         k_gold = stage_key(cfg, "golden", ["golden"], k_exp)
@@ -109,7 +122,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             student_dir = distilled["model_dir"]
         candidate, cand_key = teacher["artifact"], k_exp
         if student_dir != loaded["model_dir"]:
-            cand_key = stage_key(cfg, "export_student", ["export"], key)
+            cand_key = stage_key(cfg, "export_student", ["export"], key, f"format{EXPORT_FORMAT}")
             student = timer.run("export_student", submit_stage, export_task, cfg, "export_student", cand_key,
                                 parent_run_id=pid, model_dir=student_dir)
             k = stage_key(cfg, "golden_student", ["golden"], cand_key)
@@ -129,23 +142,34 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                                 candidate=candidate, baseline=teacher["artifact"], splits=loaded["splits"])
             for reason in verdict["reasons"]:
                 log.warning("acceptance: %s", reason)
+        bench = None
+        if cfg.benchmark.enabled and candidate != teacher["artifact"]:
+            k = stage_key(cfg, "benchmark", ["benchmark"], cand_key, k_exp)
+            bench = timer.run("benchmark", submit_stage, benchmark_task, cfg, "benchmark", k, parent_run_id=pid,
+                              candidate=candidate, baseline=teacher["artifact"])
         if candidate != teacher["artifact"]:
             status = "unchecked" if verdict is None else ("accepted" if verdict["accepted"] else "rejected")
+            blocked = bench["promotion_blocked"] if bench else None
+            if blocked:
+                log.warning("promotion blocked: %s", blocked)
             tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash(),
                     "reasons": "; ".join(verdict["reasons"]) if verdict else "",
-                    **(model_figures(verdict) if verdict else {})}
+                    "promotion_blocked": blocked or "",
+                    **(model_figures(verdict) if verdict else {}),
+                    **({f"bench_{k}": v for k, v in {**bench["candidate"], **bench["ratios"]}.items()} if bench else {})}
             reg = timer.run("register", lambda: register_task(cfg, pid, candidate, ["candidate"], tags))
             registered.append(reg)
-            if verdict and registered[0].get("aliases") == ["baseline"]:
+            if registered[0].get("aliases") == ["baseline"] and (verdict or bench):
                 # The baseline's own figures under the same names, so the UI and `registry compare` line them up.
-                registry.set_tags(cfg.registry.model_name, registered[0]["version"],
-                                  {k: v for k, v in verdict["baseline"].items() if isinstance(v, (int, float))})
-            if status == "accepted" and cfg.registry.promote:
+                base_tags = {k: v for k, v in (verdict["baseline"] if verdict else {}).items() if isinstance(v, (int, float))}
+                base_tags.update({f"bench_{k}": v for k, v in (bench["baseline"] if bench else {}).items()})
+                registry.set_tags(cfg.registry.model_name, registered[0]["version"], base_tags)
+            if status == "accepted" and cfg.registry.promote and not blocked:
                 dep = deploy_flow(model_name=reg["name"], version=reg["version"], server_url=cfg.registry.server_url,
                                   tracking_uri=tracking_uri)
                 reg["aliases"] = reg["aliases"] + ["champion"]
                 log.info("deployed: %s", dep)
-            mlflow.set_tag("verdict", status)
+            mlflow.set_tags({"verdict": status, "promotion_blocked": blocked or ""})
 
         for r in timer.rows:
             log_metrics({f"{r['stage']}_seconds": r["seconds"], **r["metrics"]})
@@ -155,7 +179,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     log.info("\n%s", summary)
     return {"run_id": pid, "tracking_uri": tracking_uri, "stages": timer.rows, "registered": registered,
             "teacher_artifact": teacher["artifact"], "candidate_artifact": candidate, "golden": gold["metrics"],
-            "verdict": verdict}
+            "verdict": verdict, "benchmark": bench}
 
 
 @flow(name="compress", log_prints=True)

@@ -58,8 +58,15 @@ def mark_done(folder: Path, result: dict) -> dict:
 
 
 def cache_key_fn(context, parameters) -> str:
-    """Prefect cache key: stage + key (inputs and config sections). The flow refreshes it when the folder is gone."""
-    return f"{parameters['stage']}-{parameters['key']}"
+    """Prefect cache key: stage + key (inputs and config sections) + where the outputs live.
+
+    The folder is part of it because a cached result holds paths: the same stage computed
+    under another workdir must not answer for this one. The flow refreshes the cache when
+    the folder is gone.
+    """
+    folder = stage_dir(parameters["cfg"], parameters["stage"], parameters["key"])
+    where = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
+    return f"{parameters['stage']}-{parameters['key']}-{where}"
 
 
 def submit_stage(task, cfg: PipelineConfig, stage: str, key: str, **kwargs):

@@ -26,7 +26,7 @@ def test_flow_logs_parent_and_child_runs(tiny_flow_run, mlflow_store):
     children = _children(client, out["run_id"])
     stages = {r.data.tags["stage"] for r in children}
     assert {"load", "export", "golden", "register_baseline", "prune", "distill", "export_student", "golden_student",
-            "quantize", "accept", "register"} <= stages
+            "quantize", "accept", "benchmark", "register"} <= stages
     golden = next(r for r in children if r.data.tags["stage"] == "golden")
     assert "golden_report.json" in {f.path for f in client.list_artifacts(golden.info.run_id)}
     assert "summary.md" in {f.path for f in client.list_artifacts(out["run_id"])}
@@ -90,3 +90,35 @@ def test_rejected_candidate_never_becomes_champion(tiny_flow_run, mlflow_store):
 
     with pytest.raises(registry.RegistryError, match="rejected"):
         registry.promote("tiny-llama", cand.version)
+
+
+def test_versions_carry_serving_figures_next_to_accuracy(tiny_flow_run, mlflow_store):
+    registry.configure(mlflow_store)
+    cand = registry.version_for_alias("tiny-llama", "candidate")
+    base = registry.version_for_alias("tiny-llama", "baseline")
+    for k in ("bench_output_tokens_per_s", "bench_e2e_mean_s", "bench_e2e_p99_s", "bench_ttft_p50_s",
+              "bench_ttft_p99_s", "bench_peak_rss_mb", "perplexity"):
+        assert float(cand.tags[k]) > 0, k
+        assert float(base.tags[k]) > 0, k
+    assert float(cand.tags["top1_agreement"]) > 0  # vs the baseline, so only the candidate has it
+    assert float(cand.tags["bench_requests_failed"]) == 0
+    ratio = float(cand.tags["bench_output_tokens_per_s_ratio"])
+    assert abs(ratio - float(cand.tags["bench_output_tokens_per_s"]) / float(base.tags["bench_output_tokens_per_s"])) < 1e-6
+    from flows.cli import compare_table
+
+    table = compare_table("tiny-llama", "baseline", "candidate")
+    assert "bench_output_tokens_per_s" in table and "perplexity" in table
+
+
+def test_impossible_throughput_floor_blocks_promotion(tiny_flow_run, mlflow_store):
+    from flows.compress import compress_flow
+
+    champ_before = registry.version_for_alias("tiny-llama", "champion").version
+    out = compress_flow(config="configs/tiny.yaml",
+                        overrides=tiny_flow_run["overrides"] + ["benchmark.min_throughput_ratio=1000"])
+    assert out["verdict"]["accepted"]  # accurate enough, but too slow for this floor
+    reason = out["benchmark"]["promotion_blocked"]
+    assert "min_throughput_ratio 1000" in reason
+    cand = registry.version_for_alias("tiny-llama", "candidate")
+    assert cand.tags["promotion_blocked"] == reason
+    assert registry.version_for_alias("tiny-llama", "champion").version == champ_before

@@ -1,0 +1,53 @@
+"""Task: the serving benchmark of the candidate and of the fp32 baseline, on the same seeded workload.
+
+Every figure is also reported as a ratio to the baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prefect import task
+
+from benchmarks.serve_bench import benchmark_artifact, ratios
+from benchmarks.workloads import fit_to_context, make_workload
+from compress.config import PipelineConfig
+from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
+
+
+def _clean(d: dict) -> dict:
+    return {k: v for k, v in d.items() if isinstance(v, (int, float)) and not math.isnan(v)}
+
+
+@task(name="benchmark", cache_key_fn=cache_key_fn, persist_result=True)
+def benchmark_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, candidate: str,
+                   baseline: str) -> dict:
+    folder = stage_dir(cfg, stage, key)
+    if is_done(folder):
+        return read_done(folder)
+    fresh(folder)
+    b = cfg.benchmark
+    workload = make_workload(b.requests, seed=b.seed, prompt_words=tuple(b.prompt_words), max_tokens=tuple(b.max_tokens))
+    with child_run(parent_run_id, stage) as run:
+        log_params({"benchmark": b.model_dump()})
+        results = {}
+        for label, art in (("baseline", baseline), ("candidate", candidate)):
+            res = benchmark_artifact(art, fit_to_context(workload, art), b.concurrency, b.serve_overrides,
+                                     label=label, seed=b.seed)
+            results[label] = res
+            if run is not None:
+                log_figure(res.figure(title=f"{label}: KV usage and RSS over time"), f"bench_{label}_memory.png")
+        base, cand = _clean(results["baseline"].metrics()), _clean(results["candidate"].metrics())
+        rat = _clean(ratios(cand, base))
+        metrics = {**{f"bench_{k}": v for k, v in cand.items()}, **{f"bench_{k}": v for k, v in rat.items()},
+                   **{f"baseline_bench_{k}": v for k, v in base.items()}}
+        log_metrics(metrics)
+        log_json({"candidate": cand, "baseline": base, "ratios": rat}, "benchmark.json")
+    floor = b.min_throughput_ratio
+    tput = rat.get("output_tokens_per_s_ratio", float("nan"))
+    blocked = None
+    if floor is not None and not tput >= floor:
+        blocked = f"server throughput {tput:.3f}x the baseline < benchmark.min_throughput_ratio {floor}"
+    return mark_done(folder, {"metrics": metrics, "candidate": cand, "baseline": base, "ratios": rat,
+                              "promotion_blocked": blocked})
