@@ -222,3 +222,14 @@ def test_a_version_damaged_in_the_store_is_not_promoted_by_the_deploy_flow(prefe
         assert r.status_code == 200 and r.json()["system_fingerprint"] == f"{name}-v{v1.version}"
     logging.getLogger("serve.model_source").removeHandler(seen)
     print(f"\ndamaged version: deploy refused and rolled back in {took:.1f} s; v{v1.version} served throughout")
+
+
+def test_a_server_on_an_unreachable_registry_exits_with_the_uri(capsys):
+    from serve.__main__ import main
+
+    uri = closed_port_uri()
+    t0 = time.monotonic()
+    assert main(["--model", "models:/tiny-llama@champion", "--tracking-uri", uri]) == 2
+    assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err
+    assert uri in err and "unreachable" in err

@@ -137,7 +137,7 @@ chat_body = st.fixed_dictionaries(
     {"max_tokens": small_max},
     optional={"messages": st.one_of(st.lists(message, max_size=4), json_value), "logprobs": json_value,
               "max_completion_tokens": small_max, **SAMPLING})
-FUZZ = settings(max_examples=60, deadline=None, database=None, derandomize=True,
+FUZZ = settings(max_examples=150, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
