@@ -1,0 +1,1 @@
+"""Benchmarks: load generator, serving benchmark, baselines, KV calculator, per-stage measurement scripts."""
