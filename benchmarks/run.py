@@ -71,6 +71,20 @@ def throughput_figure(rows: list[tuple[str, dict]], base: str, title: str):
     return fig
 
 
+def kv_budget_mb(artifact: Path, workload: list[dict], concurrency: int, block_size: int = 16) -> int:
+    """A KV pool that holds ``concurrency`` of the workload's longest requests at once (+10%), at
+    least the server's default 256 MiB: the baselines keep every sequence's K/V without limit, so an
+    undersized pool would measure preemption, not batching."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.kv_calc import kv_memory_bytes, shape_from_manifest
+
+    tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+    longest = max(len(tok.encode(q["prompt"], add_special_tokens=False).ids) + int(q["max_tokens"]) for q in workload)
+    need = kv_memory_bytes(shape_from_manifest(artifact), longest, concurrency, block_size)
+    return max(256, int(1.1 * need / 2**20) + 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     big = max(a.concurrency)
     out = Path(a.out or Path("benchmarks/results") / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     out.mkdir(parents=True, exist_ok=True)
-    overrides = {"providers": ["CPUExecutionProvider"], "max_batch_size": big, "max_waiting": max(64, a.requests)}
+    overrides = {"providers": ["CPUExecutionProvider"], "max_batch_size": big, "max_waiting": max(64, a.requests),
+                 "kv_memory_mb": kv_budget_mb(artifact, workload, big)}
     for item in a.serve_set:
         k, _, v = item.partition("=")
         overrides[k.strip()] = yaml.safe_load(v)
@@ -115,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[BenchResult] = []
     skipped: dict[str, str] = {}
+
+    def save(final_table: str = "") -> None:
+        # After every system, so a long run that is stopped still leaves what it measured.
+        (out / "results.json").write_text(json.dumps({
+            "argv": sys.argv[1:] if argv is None else argv, "artifact": str(artifact), "model_dir": a.model_dir,
+            "workload": summarize(workload), "serve_overrides": overrides, "loadavg": os.getloadavg(),
+            "skipped": skipped, "table": final_table, "results": [r.to_dict() for r in results]}, indent=1))
     for system in a.systems:
         t = time.perf_counter()
         try:
@@ -123,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = benchmark_artifact(artifact, workload, c, overrides, label=f"server_c{c}", seed=a.seed)
                     results.append(r)
                     r.figure().savefig(out / f"server_c{c}.png", dpi=110)
+                    save()
                     print(f"  server c={c}: {time.perf_counter() - t:.0f} s", flush=True)
                 continue
             if system == "genai":
@@ -139,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                                  batch_size=1 if system == "ort_sequential" else big)
             results.append(r)
             print(f"  {r.label}: {time.perf_counter() - t:.0f} s", flush=True)
+            save()
         except Exception as e:   # one failing system should not lose the others' figures
             skipped[system] = f"{type(e).__name__}: {str(e)[-500:]}"
             print(f"  {system} FAILED: {skipped[system]}", flush=True)
@@ -161,10 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r.metrics()['prefix_cache_hit_rate']:.2f}")
     throughput_figure(rows, base, f"{man.get('architecture')} {artifact.name}, {len(workload)} requests").savefig(
         out / "throughput.png", dpi=110)
-    (out / "results.json").write_text(json.dumps({
-        "argv": sys.argv[1:] if argv is None else argv, "artifact": str(artifact), "model_dir": a.model_dir,
-        "workload": summarize(workload), "baseline": base, "loadavg": load, "skipped": skipped, "table": txt,
-        "results": [r.to_dict() for r in results]}, indent=1))
+    save(txt)
     print(f"wrote {out}/results.json, throughput.png" + "".join(f", server_c{c}.png" for c in a.concurrency
                                                                  if "server" in a.systems))
     return 0

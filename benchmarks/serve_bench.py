@@ -151,3 +151,20 @@ def _in_process(artifact_dir, workload, concurrency, overrides, request_rate, la
                            sample_interval_s=sample_interval_s, peak_rss_hwm=False)
     res.meta.update(meta)
     return res
+
+
+# Figures whose ratio to the baseline the pipeline records (higher is better for the first two,
+# lower for the rest).
+RATIO_KEYS = ("output_tokens_per_s", "requests_per_s", "output_tokens_per_cpu_s", "ttft_p50_s", "ttft_p99_s",
+              "itl_p50_s", "e2e_mean_s", "e2e_p99_s", "peak_rss_mb")
+
+
+def ratios(candidate: dict[str, float], baseline: dict[str, float]) -> dict[str, float]:
+    """``{key}_ratio`` = candidate / baseline for RATIO_KEYS, from two ``BenchResult.metrics()`` dicts
+    measured in the same run (NaN where the baseline is 0 or missing). E.g. a promotion floor
+    ``output_tokens_per_s_ratio >= 1.5``; latency and RSS ratios below 1 are improvements."""
+    out = {}
+    for k in RATIO_KEYS:
+        c, b = candidate.get(k, float("nan")), baseline.get(k, float("nan"))
+        out[f"{k}_ratio"] = c / b if b and b == b and c == c else float("nan")
+    return out

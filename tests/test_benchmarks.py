@@ -48,12 +48,17 @@ def test_workload_is_seeded_and_has_every_kind():
 def test_fit_to_context_keeps_the_shared_prefix(tiny_artifact):
     from tokenizers import Tokenizer
 
+    from benchmarks.workloads import pipeline_workload
+
     tok = Tokenizer.from_file(str(tiny_artifact / "tokenizer.json"))
     w = fit_to_context(make_workload(12, seed=1, shared_prefix_words=40), tiny_artifact, max_len=160)
     lens = [len(tok.encode(r["prompt"], add_special_tokens=False).ids) + r["max_tokens"] for r in w]
     assert max(lens) <= 160 and max(lens) > 120   # cut to fit, not emptied
     heads = {r["prompt"][:100] for r in w if r["kind"] == "shared_prefix"}
     assert len(heads) == 1
+    p = pipeline_workload(tiny_artifact, 16, seed=0)
+    assert p == pipeline_workload(tiny_artifact, 16, seed=0) and len(p) == 16
+    assert max(len(tok.encode(r["prompt"], add_special_tokens=False).ids) + r["max_tokens"] for r in p) <= 512
 
 
 # --- KV calculator ---------------------------------------------------------------------------------------------
@@ -143,13 +148,16 @@ def test_loadgen_against_in_process_server(tiny_artifact):
 
 
 def test_benchmark_artifact_subprocess(tiny_artifact):
-    from benchmarks.serve_bench import benchmark_artifact
+    from benchmarks.serve_bench import benchmark_artifact, ratios
 
     w = small_workload(tiny_artifact)
     res = benchmark_artifact(tiny_artifact, w, concurrency=8,
                              serve_overrides={"providers": ["CPUExecutionProvider"], "num_blocks": 256},
                              sample_interval_s=0.05)
     m = _check_sane(res, w)
+    r = ratios(m, {**m, "output_tokens_per_s": m["output_tokens_per_s"] / 2, "peak_rss_mb": 0.0})
+    assert r["output_tokens_per_s_ratio"] == pytest.approx(2.0) and r["e2e_p99_s_ratio"] == 1.0
+    assert math.isnan(r["peak_rss_mb_ratio"])
     assert res.meta["isolate"] and res.meta["server_pid"] != __import__("os").getpid()
     assert not math.isnan(m["output_tokens_per_cpu_s"])
     with pytest.raises(ValueError, match="unknown ServeConfig field"):
