@@ -133,15 +133,38 @@ def set_tags(model_name: str, version: str | int, tags: dict) -> None:
         client.set_model_version_tag(model_name, str(version), k, str(v))
 
 
-def promote(model_name: str, version: str | int, alias: str = "champion") -> str | None:
-    """Point alias at version; returns the version it pointed at before (for rollback)."""
+def promote(model_name: str, version: str | int, alias: str = "champion", verify: bool = True) -> str | None:
+    """Point alias at version; returns the version it pointed at before (for rollback).
+
+    ``verify``: first download the version and check every file against its manifest sha256, so a
+    copy damaged in the artifact store after registration is never promoted.
+    """
     before = version_for_alias(model_name, alias)
     v = get_version(model_name, version)
     if v.tags.get("verdict") == "rejected":
         raise RegistryError(f"version {version} of {model_name} was rejected by the acceptance gate; it cannot become {alias}")
+    if verify:
+        verify_version(model_name, version)
     set_alias(model_name, alias, version)
     set_tags(model_name, version, {"previous_" + alias: before.version if before else ""})
     return before.version if before else None
+
+
+def verify_version(model_name: str, version: str | int) -> None:
+    """Download a version and check its files against the manifest; RegistryError naming the file if not."""
+    import shutil
+    import tempfile
+
+    from compress.artifact import ArtifactError, read_manifest
+
+    tmp = tempfile.mkdtemp(prefix="compressor-verify-")
+    try:
+        read_manifest(download(f"models:/{model_name}/{version}", tmp), verify=True)
+    except ArtifactError as e:
+        raise RegistryError(f"version {version} of {model_name} is damaged in the artifact store; not promoted: "
+                            f"{e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def rollback(model_name: str, to_version: str | int | None = None, alias: str = "champion") -> str:
