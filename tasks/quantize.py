@@ -29,7 +29,7 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
         trials: list[dict] = []
         if cfg.accept.enabled and cfg.accept.relax_trials > 0:
             res = quantize_with_acceptance(src_artifact, out, data.calib, data.eval, cfg.quantize, cfg.accept,
-                                           on_trial=lambda i, m: (log_metrics(m, step=i), trials.append(m)))
+                                           on_trial=lambda i, m: (log_metrics(m.get("metrics", {}), step=i), trials.append(m)))
             report, artifact = res.report, Path(res.artifact)
         else:
             report = quantize_artifact(src_artifact, out, data.calib, cfg.quantize)
