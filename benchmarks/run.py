@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-words", type=int, nargs=2, default=[16, 96])
     p.add_argument("--max-tokens", type=int, nargs=2, default=[16, 32])
-    p.add_argument("--shared-prefix-words", type=int, default=384, help="~1.3 SmolLM2 tokens per word")
+    p.add_argument("--shared-prefix-words", type=int, default=384, help="words of the shared prefix (384 words = 639 SmolLM2 tokens)")
     p.add_argument("--max-len", type=int, default=1024, help="prompts are cut so prompt + max_tokens fits this")
     p.add_argument("--systems", nargs="+", default=["server", "hf_sequential", "hf_static", "ort_static", "genai"],
                    choices=SYSTEMS)

@@ -8,7 +8,7 @@ A workload is a ``list[dict]``; each request is
   (the prefix cache's case: the first one is cold, the rest hit);
 - ``repeat``: an exact copy of an earlier request (the result cache's case).
 
-Lengths are in words of the embedded corpus (about 1.3 SmolLM2 tokens or 2-3 tiny-model tokens
+Lengths are in words of the embedded corpus (about 1.7 SmolLM2 tokens or 2-3 tiny-model tokens
 per word); ``fit_to_context`` trims prompts to a model's context with its tokenizer. Greedy and
 ``ignore_eos`` by default so every system generates exactly ``max_tokens`` tokens and throughput
 compares like with like. Same arguments -> the same list, on any machine (numpy's PCG64).
