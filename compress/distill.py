@@ -195,8 +195,9 @@ class DistillReport:
         fig = Figure(figsize=(13, 3.8), layout="constrained")
         ax_loss, ax_sched, ax_eval = fig.subplots(1, 3)
         steps = [h["step"] for h in self.history]
-        for key, label in (("loss", "loss"), ("kd_loss", "KD (T²·KL)"), ("ce_loss", "CE")):
-            ax_loss.plot(steps, [h[key] for h in self.history], label=label, lw=1)
+        ax_loss.plot(steps, [h["kd_loss"] for h in self.history], label="KD (T²·KL)", lw=1)
+        ax_loss.plot(steps, [h["ce_loss"] for h in self.history], label="CE", lw=1)
+        ax_loss.plot(steps, [h["loss"] for h in self.history], "k--", label="loss (α-weighted)", lw=1)
         ax_loss.set(title="training loss", xlabel="step")
         ax_loss.legend()
         ax_sched.plot(steps, [h["T"] for h in self.history], label="T", color="tab:red")
@@ -204,7 +205,7 @@ class DistillReport:
         ax_alpha = ax_sched.twinx()
         ax_alpha.plot(steps, [h["alpha"] for h in self.history], label="α", color="tab:purple", ls="--")
         ax_alpha.set(ylabel="α", ylim=(0, 1.05))
-        _legend(ax_sched, ax_alpha)
+        _legend(ax_sched, ax_alpha, "lower left")
         e_steps = [e["step"] for e in self.evals]
         ax_eval.plot(e_steps, [e["perplexity"] for e in self.evals], "o-", label="student ppl", color="tab:blue")
         ax_eval.axhline(self.teacher_perplexity, color="tab:blue", ls=":", label="teacher ppl")
@@ -223,11 +224,11 @@ class DistillReport:
         return cls(**d)
 
 
-def _legend(ax, twin) -> None:
+def _legend(ax, twin, loc: str = "upper right") -> None:
     """One legend for an axis and its twinx."""
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper right")
+    ax.legend(h1 + h2, l1 + l2, loc=loc)
 
 
 # ---------------------------------------------------------------------------------------------- state
@@ -490,6 +491,9 @@ def distill(student, teacher, splits: DataSplits, cfg, workdir: str | Path, mask
     workdir.mkdir(parents=True, exist_ok=True)
     if len(splits.train) == 0 or len(splits.eval) == 0:
         raise DistillError("distillation needs train and eval blocks; raise data.train_blocks / data.eval_blocks")
+    vs, vt = student.config.vocab_size, teacher.config.vocab_size
+    if vs != vt:
+        raise DistillError(f"student and teacher must share a vocabulary for the KL term (vocab {vs} vs {vt})")
     device = resolve_device(cfg.device)
     amp_dtype = amp_dtype_for(cfg, device)
     home_s, home_t = next(student.parameters()).device, next(teacher.parameters()).device

@@ -23,6 +23,15 @@ def _cfg(**kw) -> DistillConfig:
     return DistillConfig(**base)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's ops are too small to split: a second thread only adds waiting (3x the CPU time here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def other_student():
     """A tiny Llama with another seed: same shapes as the teacher, different weights. Read-only."""
