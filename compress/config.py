@@ -92,6 +92,8 @@ class PruneConfig(_Section):
     sparsity: float = Field(0.5, ge=0, lt=1)
     pattern: Literal["none", "2:4"] = "none"
     allocation: Literal["global", "per_layer", "sensitivity"] = "per_layer"
+    # magnitude = |w|; wanda = |w| * input feature norm on calib, per output row (much better on SmolLM2)
+    unstructured_score: Literal["magnitude", "wanda"] = "magnitude"
     # Never dropped and never sparsified (their width still follows the global count); negative = from the end.
     protected_layers: list[int] = Field(default_factory=lambda: [0, -1])
     # Run the per-layer sensitivity scan (ranks layers to drop, drives allocation=sensitivity) on this many calib blocks.

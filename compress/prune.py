@@ -37,7 +37,14 @@ from compress.prune_structured import (
     mask_plan,
     normalize_layers,
 )
-from compress.prune_unstructured import Masks, apply_masks, compute_masks, sparsity_by_layer, unstructured_masks
+from compress.prune_unstructured import (
+    Masks,
+    apply_masks,
+    compute_masks,
+    input_norms,
+    sparsity_by_layer,
+    unstructured_masks,
+)
 from compress.sensitivity import SensitivityReport, sensitivity_scan
 
 log = logging.getLogger(__name__)
@@ -82,6 +89,7 @@ class PruneReport:
     target_sparsity: float = 0.0
     pattern: str = "none"
     allocation: str | None = None
+    score: str | None = None  # magnitude | wanda
     sparsity: float = 0.0  # zeros / weights over the pruned matrices
     layer_sparsity: dict[int, float] = field(default_factory=dict)  # all decoder linears, protected included
     matrix_sparsity: dict[str, float] = field(default_factory=dict)
@@ -130,6 +138,7 @@ class PruneReport:
             "target_sparsity": self.target_sparsity,
             "pattern": self.pattern,
             "allocation": self.allocation,
+            "score": self.score,
             "sparsity": self.sparsity,
             "layer_sparsity": {str(k): v for k, v in self.layer_sparsity.items()},
             "matrix_sparsity": self.matrix_sparsity,
@@ -190,9 +199,10 @@ def prune_model(model, calib_blocks: np.ndarray, cfg, sensitivity: SensitivityRe
                          shape_before, shape_before, 0.0)
 
     if cfg.method in ("structured", "both") and max(cfg.mlp_ratio, cfg.head_ratio, cfg.layer_ratio) > 0:
-        imp = collect_importance(student, np.asarray(calib_blocks), cfg.importance, batch_size)
-        plan = make_plan(student, imp, cfg.mlp_ratio, cfg.head_ratio, cfg.layer_ratio, protected,
-                         _layer_scores_from(sensitivity, L))
+        layer_scores = _layer_scores_from(sensitivity, L)
+        imp = collect_importance(student, np.asarray(calib_blocks), cfg.importance, batch_size,
+                                 layer_scores=cfg.layer_ratio > 0 and layer_scores is None)
+        plan = make_plan(student, imp, cfg.mlp_ratio, cfg.head_ratio, cfg.layer_ratio, protected, layer_scores)
         if cfg.head_ratio > 0 and not plan.keep_groups:
             log.warning("prune.head_ratio %s removes no KV group of %d (rounds to 0); no heads pruned",
                         cfg.head_ratio, plan.num_kv_heads)
@@ -211,12 +221,16 @@ def prune_model(model, calib_blocks: np.ndarray, cfg, sensitivity: SensitivityRe
                     raise ValueError("prune.allocation 'sensitivity' needs prune.sensitivity=true or a report passed in")
                 sensitivity = sensitivity_scan(model, calib_blocks, cfg)
             deltas = _unit_deltas(sensitivity, report.plan)
-        masks = compute_masks(student, cfg.sparsity, cfg.pattern, cfg.allocation, protected, deltas)
+        norms = None
+        if cfg.unstructured_score == "wanda":
+            norms = input_norms(student, np.asarray(calib_blocks), batch_size)
+        masks = compute_masks(student, cfg.sparsity, cfg.pattern, cfg.allocation, protected, deltas, norms)
         apply_masks(student, masks)
         report.masks = masks
         report.target_sparsity = 0.5 if cfg.pattern == "2:4" else cfg.sparsity
         report.pattern = cfg.pattern
         report.allocation = cfg.allocation
+        report.score = cfg.unstructured_score
         report.layer_sparsity, report.matrix_sparsity = sparsity_by_layer(student)
         zeros = sum(int((student.get_parameter(n) == 0).sum()) for n in masks)
         report.sparsity = zeros / max(sum(m.numel() for m in masks.values()), 1)

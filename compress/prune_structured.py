@@ -155,10 +155,18 @@ def _weight_norm_scores(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 @torch.no_grad()
-def collect_importance(model, blocks: np.ndarray, method: str = "activation", batch_size: int = 4) -> Importance:
-    """Score every MLP neuron, KV group and layer from one pass over the (calib) blocks."""
+def collect_importance(model, blocks: np.ndarray, method: str = "activation", batch_size: int = 4,
+                       layer_scores: bool = True) -> Importance:
+    """Score every MLP neuron, KV group and layer from one pass over the (calib) blocks.
+
+    With method 'weight_norm' and layer_scores=False no forward pass runs (layer scores are then zeros).
+    """
     if method not in ("activation", "weight_norm"):
         raise ValueError(f"prune.importance {method!r}: allowed values are 'activation', 'weight_norm'")
+    if method == "weight_norm" and not layer_scores:
+        neurons, groups = _weight_norm_scores(model)
+        return Importance([t.cpu() for t in neurons], [t.cpu() for t in groups],
+                          torch.zeros(len(decoder_layers(model))), method, 0)
     layers = decoder_layers(model)
     n_kv, n_rep, hd = kv_geometry(model)
     L = len(layers)

@@ -1,4 +1,4 @@
-"""Unstructured magnitude pruning of the decoder's linear weights, optionally in a 2:4 pattern.
+"""Unstructured pruning (magnitude or Wanda) of the decoder's linear weights, optionally in a 2:4 pattern.
 
 Prunable: q/k/v/o and gate/up/down of every decoder layer that is not protected.
 Embeddings and the LM head (tied on SmolLM) stay dense. A mask is a bool tensor
@@ -13,6 +13,13 @@ Allocation of the target sparsity s:
   re-centred so the parameter-weighted mean is s again (in the spirit of OWL).
 * ``2:4`` pattern: in every group of 4 consecutive input weights of a row the 2
   smallest |w| go, so every matrix is exactly 50% sparse (needs sparsity 0.5).
+
+Score (``prune.unstructured_score``): ``magnitude`` ranks by |w| within each matrix;
+``wanda`` (Sun et al. 2023, arXiv:2306.11695) ranks by |w_ij| * ||x_j||, the weight
+times the RMS of its input feature over the calib tokens, within each output row.
+It sees the input outliers that make a small weight matter (SmolLM2's down_proj
+inputs reach |x| ~ 3000), costs one forward pass, and on SmolLM2 at 50% it keeps
+perplexity far closer to the teacher (docs/pruning.md).
 """
 
 from __future__ import annotations
@@ -39,14 +46,48 @@ def prunable_weights(model, protected: set[int] | None = None) -> dict[str, tupl
 
 
 @torch.no_grad()
-def magnitude_mask(w: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """Keep-mask dropping exactly round(sparsity * numel) smallest-|w| entries (ties by position)."""
+def magnitude_mask(w: torch.Tensor, sparsity: float, per_row: bool = False) -> torch.Tensor:
+    """Keep-mask dropping the round(sparsity * n) smallest-|w| entries of the matrix (or of each row)."""
+    if per_row:
+        k = int(round(sparsity * w.shape[1]))
+        keep = torch.ones_like(w, dtype=torch.bool)
+        if k > 0:
+            idx = torch.topk(w.detach().abs().float(), k, dim=1, largest=False, sorted=False).indices
+            keep.scatter_(1, idx, False)
+        return keep
     k = int(round(sparsity * w.numel()))
     keep = torch.ones(w.numel(), dtype=torch.bool, device=w.device)
     if k > 0:
         idx = torch.topk(w.detach().abs().flatten().float(), k, largest=False, sorted=False).indices
         keep[idx] = False
     return keep.view_as(w)
+
+
+@torch.no_grad()
+def input_norms(model, blocks, batch_size: int = 4) -> dict[str, torch.Tensor]:
+    """{weight name: L2 norm over the calib tokens of each input feature} for every decoder linear."""
+    import numpy as np
+
+    weights = prunable_weights(model)
+    mods = {n: model.get_submodule(n.rsplit(".", 1)[0]) for n in weights}
+    sq = {n: torch.zeros(m.in_features, dtype=torch.float64, device=m.weight.device) for n, m in mods.items()}
+
+    def hook(name):
+        def fn(mod, args):
+            x = args[0].detach().float()
+            sq[name] += x.pow(2).reshape(-1, x.shape[-1]).sum(0).double()
+        return fn
+
+    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in mods.items()]
+    dev = next(model.parameters()).device
+    try:
+        for s in range(0, len(blocks), batch_size):
+            model(input_ids=torch.as_tensor(np.asarray(blocks[s : s + batch_size]), dtype=torch.long, device=dev),
+                  use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: v.sqrt().float() for n, v in sq.items()}
 
 
 @torch.no_grad()
@@ -113,16 +154,24 @@ def sensitivity_allocation(units: dict[tuple[int, str], int], deltas: dict[tuple
 
 @torch.no_grad()
 def compute_masks(model, sparsity: float, pattern: str = "none", allocation: str = "per_layer",
-                  protected: set[int] | None = None, deltas: dict[tuple[int, str], float] | None = None) -> Masks:
+                  protected: set[int] | None = None, deltas: dict[tuple[int, str], float] | None = None,
+                  norms: dict[str, torch.Tensor] | None = None) -> Masks:
+    """Keep-masks for the prunable weights. norms (from input_norms) switch the score from |w| to Wanda's
+    |w| * ||x|| compared within each output row (global allocation compares across all matrices)."""
     weights = prunable_weights(model, protected)
+    if norms is not None:
+        scores = {n: w.detach().abs().float() * norms[n].to(w.device)[None, :] for n, (_, _, w) in weights.items()}
+    else:
+        scores = {n: w for n, (_, _, w) in weights.items()}
+    per_row = norms is not None
     if pattern == "2:4":
-        return {n: nm_mask(w) for n, (_, _, w) in weights.items()}
+        return {n: nm_mask(sc) for n, sc in scores.items()}
     if pattern != "none":
         raise ValueError(f"prune.pattern {pattern!r}: allowed values are 'none', '2:4'")
     if allocation == "global":
-        return global_masks({n: w for n, (_, _, w) in weights.items()}, sparsity)
+        return global_masks(scores, sparsity)
     if allocation == "per_layer":
-        return {n: magnitude_mask(w, sparsity) for n, (_, _, w) in weights.items()}
+        return {n: magnitude_mask(sc, sparsity, per_row) for n, sc in scores.items()}
     if allocation == "sensitivity":
         if deltas is None:
             raise ValueError("prune.allocation 'sensitivity' needs a sensitivity report (prune.sensitivity=true)")
@@ -130,7 +179,7 @@ def compute_masks(model, sparsity: float, pattern: str = "none", allocation: str
         for _, (i, g, w) in weights.items():
             units[(i, g)] = units.get((i, g), 0) + w.numel()
         alloc = sensitivity_allocation(units, deltas, sparsity)
-        return {n: magnitude_mask(w, alloc[(i, g)]) for n, (i, g, w) in weights.items()}
+        return {n: magnitude_mask(scores[n], alloc[(i, g)], per_row) for n, (i, g, _) in weights.items()}
     raise ValueError(f"prune.allocation {allocation!r}: allowed values are 'global', 'per_layer', 'sensitivity'")
 
 

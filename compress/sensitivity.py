@@ -4,11 +4,14 @@ Groups (which ones are scanned follows the config's method and non-zero ratios):
 * ``mlp_neurons``  the layer's least important mlp_ratio of MLP neurons removed (masked)
 * ``attn_heads``   the layer's least important head_ratio of KV groups removed (at least one)
 * ``layer``        the whole layer skipped (its attention and MLP add nothing to the residual)
-* ``attn_weights`` q/k/v/o magnitude-pruned to the target sparsity (or 2:4)
-* ``mlp_weights``  gate/up/down magnitude-pruned to the target sparsity (or 2:4)
+* ``attn_weights`` q/k/v/o pruned to the target sparsity (or 2:4) by the configured score
+* ``mlp_weights``  gate/up/down pruned to the target sparsity (or 2:4) by the configured score
 
 Every probe masks weights in place and restores them bit for bit, so the model
-handed in is unchanged afterwards. Only the blocks passed in are read (give it
+handed in is unchanged afterwards. A probe at layer l leaves layers 0..l-1 as they
+were, so their outputs are recorded once and each probe re-runs only layers l..L-1,
+the final norm and the LM head (~40% less compute on SmolLM2; checked against a
+full forward before use, with the full forward as fallback). Only the blocks passed in are read (give it
 the calib split; the eval split must stay unseen until the final measurement).
 """
 
@@ -35,7 +38,7 @@ from compress.prune_structured import (
     restore,
     top_indices,
 )
-from compress.prune_unstructured import compute_masks
+from compress.prune_unstructured import compute_masks, input_norms
 
 STRUCTURED_GROUPS = ("mlp_neurons", "attn_heads", "layer")
 UNSTRUCTURED_GROUPS = ("attn_weights", "mlp_weights")
@@ -64,6 +67,7 @@ class SensitivityReport:
     tokens: int = 0
     seconds: float = 0.0
     importance: str = "activation"
+    suffix_replay: bool = False
 
     def table(self) -> list[dict]:
         return [dict(r) for r in self.rows]
@@ -104,6 +108,51 @@ class SensitivityReport:
             out[f"sens_{g}_delta_mean"] = float(np.mean(d))
             out[f"sens_{g}_delta_max"] = float(np.max(d))
         return out
+
+
+class _SuffixReplay:
+    """Each decoder layer's inputs, as the model passed them, per calib batch; re-runs a suffix of layers."""
+
+    def __init__(self, model, blocks: np.ndarray, batch_size: int):
+        self.model = model
+        self.layers = decoder_layers(model)
+        self.batches: list[tuple[torch.Tensor, list[tuple[tuple, dict]]]] = []
+        dev = next(model.parameters()).device
+        captured: dict[int, tuple[tuple, dict]] = {}
+
+        def pre(i):
+            def fn(mod, args, kwargs):
+                captured[i] = (args, dict(kwargs))
+            return fn
+
+        hooks = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(self.layers)]
+        try:
+            for s in range(0, len(blocks), batch_size):
+                x = torch.as_tensor(blocks[s : s + batch_size], dtype=torch.long, device=dev)
+                captured.clear()
+                model(input_ids=x, use_cache=False)
+                self.batches.append((x, [captured[i] for i in range(len(self.layers))]))
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def loss(self, start: int) -> float:
+        """Mean next-token cross-entropy with layers start..L-1 re-run from their recorded input."""
+        total, count = 0.0, 0
+        for x, inputs in self.batches:
+            args, kwargs = inputs[start]
+            h = args[0] if args else kwargs["hidden_states"]
+            for j in range(start, len(self.layers)):
+                a, kw = inputs[j]
+                kw = {k: v for k, v in kw.items() if k != "hidden_states"}
+                h = self.layers[j](h, *a[1:], **kw)
+                h = h[0] if isinstance(h, tuple) else h
+            logits = self.model.lm_head(self.model.model.norm(h))[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                                    reduction="sum")
+            total += float(nll)
+            count += x[:, 1:].numel()
+        return total / max(count, 1)
 
 
 def _probe_plan(base: StructuredPlan, layer: int, group: str, imp: Importance, cfg) -> StructuredPlan:
@@ -152,13 +201,23 @@ def sensitivity_scan(model, calib_blocks: np.ndarray, cfg, groups: list[str] | N
     if any(g in ("mlp_neurons", "attn_heads") for g in groups):
         imp = collect_importance(model, blocks, cfg.importance, batch_size)
     base = calib_loss(model, blocks, batch_size)
+    replay: _SuffixReplay | None = None
+    try:
+        replay = _SuffixReplay(model, blocks, batch_size)
+        if not abs(replay.loss(0) - base) <= 1e-4 * max(1.0, abs(base)):
+            replay = None
+    except Exception:  # an architecture whose layers cannot be re-run from their inputs: full forwards
+        replay = None
     report = SensitivityReport(base_loss=base, num_layers=L, blocks=len(blocks),
                                tokens=int(blocks.shape[0] * (blocks.shape[1] - 1)), importance=cfg.importance)
+    norms = None
+    if any(g in UNSTRUCTURED_GROUPS for g in groups) and cfg.unstructured_score == "wanda":
+        norms = input_norms(model, blocks, batch_size)
     for layer in range(L):
         for group in groups:
             if group in UNSTRUCTURED_GROUPS:
                 masks = compute_masks(model, cfg.sparsity, cfg.pattern, "per_layer",
-                                      protected=set(range(L)) - {layer})
+                                      protected=set(range(L)) - {layer}, norms=norms)
                 kind = "attn" if group == "attn_weights" else "mlp"
                 saved = []
                 for name, m in masks.items():
@@ -171,10 +230,11 @@ def sensitivity_scan(model, calib_blocks: np.ndarray, cfg, groups: list[str] | N
                     continue
                 saved = mask_plan(model, _probe_plan(base_plan, layer, group, imp, cfg))
             try:
-                loss = calib_loss(model, blocks, batch_size)
+                loss = replay.loss(layer) if replay is not None else calib_loss(model, blocks, batch_size)
             finally:
                 restore(saved)
             report.rows.append({"layer": layer, "group": group, "ratio": round(_group_ratio(group, cfg, base_plan), 4),
                                 "loss": loss, "delta": loss - base if math.isfinite(loss) else float("inf")})
     report.seconds = time.perf_counter() - t0
+    report.suffix_replay = replay is not None
     return report
