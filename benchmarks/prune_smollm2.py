@@ -4,6 +4,7 @@
   .venv/bin/python benchmarks/prune_smollm2.py --only mlp25_kv1      # some variants (results cached per variant)
   .venv/bin/python benchmarks/prune_smollm2.py --export mlp25_kv1    # also export it to ONNX, size + ORT check
   .venv/bin/python benchmarks/prune_smollm2.py --table               # print the table from the cached results
+  .venv/bin/python benchmarks/prune_smollm2.py --stage mlp35         # what tasks/prune.py does, timed by part
 
 Data: compress.data.make_splits(tok, 'embedded', block_size=128, train_blocks=64, calib_blocks=16,
 eval_blocks=32). Importance and sensitivity read only the calib split; perplexity, KL and top-1 agreement
@@ -155,17 +156,53 @@ def export_check(student, tok, splits, folder):
     return {"onnx_mib": result.onnx_bytes / 2**20, "export_seconds": result.seconds, "onnx_vs_torch_max_abs": diff}
 
 
+def stage(name):
+    """The prune task's work for one variant (scan, prune, perplexity before/after, save), timed by part."""
+    import tempfile
+
+    from compress.config import PruneConfig
+    from compress.prune import prune_model, sensitivity_scan
+    from compress.torch_eval import perplexity
+
+    spec = {k: v for k, v in VARIANTS[name].items() if k != "use_sensitivity"}
+    cfg = PruneConfig(**{**BASE, **spec})
+    times = {}
+
+    def timed(part, fn):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        times[part] = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1)}
+        print(part, times[part], flush=True)
+        return out
+
+    model, tok, splits = timed("load", setup)
+    sens = timed("sensitivity_scan", lambda: sensitivity_scan(model, splits.calib, cfg))
+    student, rep = timed("prune_model", lambda: prune_model(model, splits.calib, cfg, sens))
+    before = timed("ppl_before", lambda: perplexity(model, splits.eval))
+    after = timed("ppl_after", lambda: perplexity(student, splits.eval))
+    with tempfile.TemporaryDirectory() as d:
+        timed("save_pretrained", lambda: student.save_pretrained(d))
+    total = {k: round(sum(t[k] for p, t in times.items() if p != "load"), 1) for k in ("wall_s", "cpu_s")}
+    res = {"variant": name, "times": times, "stage_total_without_load": total, "ppl": [before, after],
+           "sensitivity_probes": len(sens.rows), "loadavg": os.getloadavg(), "metrics": rep.metrics()}
+    (OUT / f"stage-{name}.txt").write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "metrics"}))
+
+
 def table():
     rows = [json.loads(p.read_text()) for p in sorted(OUT.glob("*.json")) if p.name != "sensitivity.json"]
     order = list(VARIANTS)
     rows.sort(key=lambda r: order.index(r["variant"]) if r["variant"] in order else 99)
-    print("| variant | params | non-emb removed | shape after (L/H/KV/I) | decoder sparsity | ppl before -> after | KL | top-1 | prune s |")
+    print("| variant | params | non-emb removed | shape after (L/H/KV/I) | decoder sparsity "
+          "| ppl before -> after | KL | top-1 | prune s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["shape_after"]
-        shape = f"{s['num_hidden_layers']}/{s['num_attention_heads']}/{s['num_key_value_heads']}/{s['intermediate_size']}"
+        shape = "/".join(str(s[k]) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                              "intermediate_size"))
         print(f"| {r['variant']} | {r['params_before'] / 1e6:.1f}M -> {r['params_after'] / 1e6:.1f}M | "
-              f"{r['nonemb_removed']:.1%} | {shape} | {r['decoder_linear_sparsity']:.1%} | {r['ppl_before']:.2f} -> {r['ppl_after']:.2f} | "
+              f"{r['nonemb_removed']:.1%} | {shape} | {r['decoder_linear_sparsity']:.1%} | "
+              f"{r['ppl_before']:.2f} -> {r['ppl_after']:.2f} | "
               f"{r['kl']:.3f} | {r['top1_agreement']:.3f} | {r['prune_seconds']:.1f} |")
     for r in rows:
         if "onnx_mib" in r:
@@ -179,8 +216,11 @@ def main():
     ap.add_argument("--export", nargs="*", default=[])
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--force", action="store_true", help="re-run variants that have cached results")
+    ap.add_argument("--stage", default=None, help="time the prune task's work for one variant")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.stage:
+        return stage(args.stage)
     if not args.table:
         from compress.torch_eval import perplexity
 

@@ -173,7 +173,8 @@ def _unit_deltas(sens: SensitivityReport, plan: StructuredPlan | None) -> dict[t
     elif "layer" in groups:
         kinds = {"layer": ("attn", "mlp")}
     else:
-        raise ValueError("prune.allocation 'sensitivity': the sensitivity report has no attn/mlp/layer rows to allocate from")
+        raise ValueError("prune.allocation 'sensitivity': the sensitivity report has no attn/mlp/layer rows "
+                         "to allocate from")
     out = {}
     for r in sens.rows:
         i = r["layer"] if old_to_new is None else old_to_new.get(r["layer"])
@@ -218,8 +219,9 @@ def prune_model(model, calib_blocks: np.ndarray, cfg, sensitivity: SensitivityRe
         if cfg.allocation == "sensitivity" and cfg.pattern == "none":
             if sensitivity is None:
                 if not cfg.sensitivity:
-                    raise ValueError("prune.allocation 'sensitivity' needs prune.sensitivity=true or a report passed in")
-                sensitivity = sensitivity_scan(model, calib_blocks, cfg)
+                    raise ValueError("prune.allocation 'sensitivity' needs prune.sensitivity=true "
+                                     "or a sensitivity report passed in")
+                sensitivity = sensitivity_scan(model, calib_blocks, cfg, groups=["attn_weights", "mlp_weights"])
             deltas = _unit_deltas(sensitivity, report.plan)
         norms = None
         if cfg.unstructured_score == "wanda":

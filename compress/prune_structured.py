@@ -159,7 +159,8 @@ def collect_importance(model, blocks: np.ndarray, method: str = "activation", ba
                        layer_scores: bool = True) -> Importance:
     """Score every MLP neuron, KV group and layer from one pass over the (calib) blocks.
 
-    With method 'weight_norm' and layer_scores=False no forward pass runs (layer scores are then zeros).
+    layer_scores=False skips the Block-Influence hooks (layer scores are then zeros); with method
+    'weight_norm' no forward pass runs at all.
     """
     if method not in ("activation", "weight_norm"):
         raise ValueError(f"prune.importance {method!r}: allowed values are 'activation', 'weight_norm'")
@@ -174,7 +175,6 @@ def collect_importance(model, blocks: np.ndarray, method: str = "activation", ba
     neuron_sq = [torch.zeros(l.mlp.down_proj.in_features, dtype=torch.float64, device=dev) for l in layers]
     group_sq = [torch.zeros(n_kv, dtype=torch.float64, device=dev) for _ in layers]
     bi = torch.zeros(L, dtype=torch.float64, device=dev)
-    tokens = [0]
     hooks = []
 
     def mlp_hook(i):
@@ -199,13 +199,12 @@ def collect_importance(model, blocks: np.ndarray, method: str = "activation", ba
             h_out = out[0] if isinstance(out, tuple) else out
             cos = torch.nn.functional.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
             bi[i] += (1 - cos).sum().double()
-            if i == 0:
-                tokens[0] += cos.numel()
         return fn
 
     try:
         for i, layer in enumerate(layers):
-            hooks.append(layer.register_forward_hook(layer_hook(i), with_kwargs=True))
+            if layer_scores:
+                hooks.append(layer.register_forward_hook(layer_hook(i), with_kwargs=True))
             if method == "activation":
                 hooks.append(layer.mlp.down_proj.register_forward_pre_hook(mlp_hook(i)))
                 hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(attn_hook(i, layer)))
@@ -216,7 +215,7 @@ def collect_importance(model, blocks: np.ndarray, method: str = "activation", ba
     finally:
         for h in hooks:
             h.remove()
-    n = max(tokens[0], 1)
+    n = max(int(np.prod(np.asarray(blocks).shape)), 1)
     if method == "activation":
         neurons = [
             (sq / n).sqrt().float() * layer.mlp.down_proj.weight.float().norm(dim=0)
@@ -394,6 +393,8 @@ def mask_plan(model, plan: StructuredPlan) -> list[tuple[torch.Tensor, torch.Ten
 
     def zero(p: torch.Tensor, idx=None, cols=False):
         saved.append((p, p.detach().clone()))
+        if idx is not None:
+            idx = idx.to(p.device)
         if idx is None:
             p.zero_()
         elif cols:

@@ -199,7 +199,7 @@ def sensitivity_scan(model, calib_blocks: np.ndarray, cfg, groups: list[str] | N
     base_plan = StructuredPlan(L, inter, n_kv, n_rep, hd)
     imp = None
     if any(g in ("mlp_neurons", "attn_heads") for g in groups):
-        imp = collect_importance(model, blocks, cfg.importance, batch_size)
+        imp = collect_importance(model, blocks, cfg.importance, batch_size, layer_scores=False)
     base = calib_loss(model, blocks, batch_size)
     replay: _SuffixReplay | None = None
     try:
