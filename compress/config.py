@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -144,9 +144,22 @@ class DistillConfig(_Section):
     early_stop_patience: int = Field(4, ge=0)
     checkpoint_every: int = Field(25, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Processes that train together through torchrun (DDP, one per GPU; gloo on CPU); 1 = in the flow's
+    # own process. batch_size x grad_accum stays the global batch per step, split evenly over them, so the
+    # result does not depend on the count and a checkpoint resumes on any count (docs/scaling.md).
+    nproc_per_node: int = Field(1, ge=1)
     # Autocast on CUDA: auto = bf16 where supported, else fp16 with loss scaling; CPU always trains in fp32.
     amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _global_batch_splits_over_processes(self) -> "DistillConfig":
+        if (self.batch_size * self.grad_accum) % self.nproc_per_node:
+            raise ValueError(
+                f"batch_size x grad_accum = {self.batch_size * self.grad_accum} blocks per step cannot be split "
+                f"evenly over nproc_per_node = {self.nproc_per_node} processes; make it a multiple of "
+                f"{self.nproc_per_node}")
+        return self
 
 
 class QuantizeConfig(_Section):

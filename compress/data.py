@@ -38,6 +38,16 @@ class DataSplits:
             "data_block_size": int(self.train.shape[1]) if len(self.train) else 0,
         }
 
+    def save(self, path: str | Path) -> None:
+        """Write the splits as one .npz (arrays and strings only, read back without pickle)."""
+        np.savez(path, train=self.train, calib=self.calib, eval=self.eval, source=self.source,
+                 total_tokens=self.total_tokens)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DataSplits":
+        with np.load(path, allow_pickle=False) as z:
+            return cls(z["train"], z["calib"], z["eval"], str(z["source"]), int(z["total_tokens"]))
+
 
 def embedded_corpus() -> list[str]:
     """English documentation text shipped with every CPython, one entry per topic, in a fixed order."""

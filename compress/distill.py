@@ -11,6 +11,14 @@ gradients, stops at ``steps`` or ``max_minutes``, evaluates perplexity and KL-to
 optimizer step and resumes from the last checkpoint in its work folder. Plain functions: the
 caller (the Prefect task) does the MLflow logging through ``on_log``.
 
+Several GPUs: started by torchrun (compress/distill_launch.py), each process calls :func:`distill`
+inside an initialised process group; the student is wrapped in DistributedDataParallel, the teacher
+is replicated, and every optimizer step's global batch (``batch_size * grad_accum`` blocks, in the
+seeded order) is split evenly across the ranks. The gradient DDP averages is then the gradient of
+the whole global batch, so N ranks follow the single-process trajectory (up to float summation
+order) and a checkpoint resumes on any number of ranks. Evals are sharded and summed; rank 0 alone
+writes checkpoints, the report and the ``on_log`` stream.
+
 Work folder layout (safetensors and JSON only, nothing pickled)::
 
     last/student.safetensors     student weights at the last checkpoint
@@ -47,14 +55,18 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from compress import distributed
 from compress.data import DataSplits
+from compress.distributed import Rank
 from compress.schedules import alpha_at, lr_at, temperature_at
 
 log = logging.getLogger(__name__)
 
 LAST, BEST, REPORT = "last", "best", "report.json"
 # Config keys that do not change the training trajectory: a checkpoint stays valid across them.
-_RESUME_INDEPENDENT = ("enabled", "max_minutes", "checkpoint_every", "device", "amp", "early_stop_patience")
+# The rank count is one of them: ranks split a fixed global batch, so the trajectory does not depend on it.
+_RESUME_INDEPENDENT = ("enabled", "max_minutes", "checkpoint_every", "device", "amp", "early_stop_patience",
+                       "nproc_per_node")
 
 
 class DistillError(ValueError):
@@ -109,15 +121,19 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | TopK, l
 
 
 @torch.no_grad()
-def evaluate(student, teacher, blocks: np.ndarray, batch_size: int = 4, amp_dtype: torch.dtype | None = None) -> dict[str, float]:
+def evaluate(student, teacher, blocks: np.ndarray, batch_size: int = 4, amp_dtype: torch.dtype | None = None,
+             rank: Rank | None = None) -> dict[str, float]:
     """Student perplexity, KL(teacher || student) at T = 1 and top-1 agreement, plus the teacher's perplexity.
 
     Same definitions as compress.torch_eval (perplexity over next-token predictions, KL and agreement
     over every position) in one pass: one student and one teacher forward per batch instead of three.
+    With a distributed ``rank`` each rank scores every world-th block and the sums are added up.
     """
     student.eval()
     teacher.eval()
     dev = next(student.parameters()).device
+    rank = rank or Rank()
+    blocks = blocks[rank.rank :: rank.world]
     nll_s = nll_t = kl_sum = 0.0
     agree = n_tok = n_pred = 0
     for i in range(0, len(blocks), batch_size):
@@ -133,6 +149,10 @@ def evaluate(student, teacher, blocks: np.ndarray, batch_size: int = 4, amp_dtyp
         kl_sum += float(F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="sum"))
         agree += int((s.argmax(-1) == t.argmax(-1)).sum())
         n_tok += x.numel()
+    if rank.distributed:
+        nll_s, nll_t, kl_sum, agree, n_tok, n_pred = distributed.total(
+            rank, [nll_s, nll_t, kl_sum, agree, n_tok, n_pred], dev)
+
     def ppl(nll: float) -> float:
         return math.exp(min(nll / max(n_pred, 1), 700.0))  # a diverged model reads 1e304, not an OverflowError
 
@@ -163,6 +183,7 @@ class DistillReport:
     stop_reason: str  # steps | time | early_stop
     resumed_from: int  # step the last call started from (0 = fresh)
     device: str
+    world_size: int = 1  # processes that trained together (torchrun ranks); the last call's
     history: list[dict] = field(default_factory=list)  # per step: step, T, alpha, kd_loss, ce_loss, loss, lr
     evals: list[dict] = field(default_factory=list)  # per eval: step, perplexity, kl, top1_agreement
 
@@ -186,6 +207,7 @@ class DistillReport:
             "distill_top1_after": self.top1_after,
             "distill_early_stopped": float(self.stop_reason == "early_stop"),
             "distill_resumed_from": self.resumed_from,
+            "distill_world_size": self.world_size,
         }
 
     def figure(self):
@@ -254,12 +276,13 @@ def _autocast(device: torch.device, amp_dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The training device; under torchrun CUDA rank i trains on GPU i of its node."""
     if name == "cuda" and not torch.cuda.is_available():
         raise DistillError("distill.device is 'cuda' but torch sees no CUDA device; set distill.device to 'auto' or 'cpu'")
-    return torch.device(name)
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
 
 
 def amp_dtype_for(cfg, device: torch.device) -> torch.dtype | None:
@@ -412,7 +435,7 @@ def _save_last(workdir: Path, student, opt, scaler, state: _State) -> None:
     _write_dir(workdir / LAST, fill)
 
 
-def _load_last(workdir: Path, fingerprint: str, student, opt, scaler) -> _State | None:
+def _load_last(workdir: Path, fingerprint: str, student, opt, scaler, may_delete: bool = True) -> _State | None:
     d = workdir / LAST
     if not (d / "state.json").is_file():
         d = workdir / (LAST + ".old")  # a crash between the two renames of _write_dir
@@ -421,6 +444,8 @@ def _load_last(workdir: Path, fingerprint: str, student, opt, scaler) -> _State 
     saved = json.loads((d / "state.json").read_text())
     state = _State(**saved["state"])
     if state.fingerprint != fingerprint:
+        if not may_delete:  # another rank (rank 0) clears the folder
+            return None
         log.warning("distill: the checkpoint in %s is for another config, student or data; starting afresh", workdir)
         for name in (LAST, LAST + ".old", BEST, REPORT):
             p = workdir / name
@@ -464,15 +489,36 @@ def load_best(student, workdir: str | Path) -> None:
 # ---------------------------------------------------------------------------------------------- training
 
 
-def _report(state: _State, resumed_from: int, device: torch.device) -> DistillReport:
+def _report(state: _State, resumed_from: int, device: torch.device, world: int) -> DistillReport:
     b, a = state.before, state.best_eval
     return DistillReport(
         steps=state.step, seconds=state.seconds, train_seconds=state.train_seconds, best_step=state.best_step,
         teacher_perplexity=b["teacher_perplexity"], perplexity_before=b["perplexity"], perplexity_after=a["perplexity"],
         kl_before=b["kl"], kl_after=a["kl"], top1_before=b["top1_agreement"], top1_after=a["top1_agreement"],
-        stop_reason=state.stop_reason, resumed_from=resumed_from, device=str(device),
+        stop_reason=state.stop_reason, resumed_from=resumed_from, device=str(device), world_size=world,
         history=list(state.history), evals=list(state.evals),
     )
+
+
+def per_rank_blocks(cfg, world: int) -> int:
+    """Blocks each of ``world`` ranks trains on per optimizer step: the global batch split evenly."""
+    global_batch = cfg.batch_size * cfg.grad_accum
+    if global_batch % world:
+        raise DistillError(
+            f"distill.batch_size x distill.grad_accum = {global_batch} blocks per step cannot be split evenly "
+            f"over {world} processes; make it a multiple of {world} (distill.nproc_per_node)")
+    return global_batch // world
+
+
+def step_chunks(order: _DataOrder, step: int, cfg, rank: Rank) -> list[list[int]]:
+    """The train blocks ``rank`` runs in 0-based optimizer step ``step``, as micro-batches of <= batch_size.
+
+    The step's global batch is samples [step * G, (step + 1) * G) of the seeded order (G =
+    batch_size * grad_accum); rank r takes the r-th of world equal slices of it.
+    """
+    mine = per_rank_blocks(cfg, rank.world)
+    ids = order.blocks(step * cfg.batch_size * cfg.grad_accum + rank.rank * mine, mine)
+    return [ids[c : c + cfg.batch_size] for c in range(0, mine, cfg.batch_size)]
 
 
 def distill(student, teacher, splits: DataSplits, cfg, workdir: str | Path, masks: dict | None = None,
@@ -482,35 +528,41 @@ def distill(student, teacher, splits: DataSplits, cfg, workdir: str | Path, mask
     cfg: a DistillConfig. masks: {parameter name: bool tensor, True = keep} of unstructured pruning;
     pruned weights are zeroed before training and after every optimizer step (their gradients too).
     on_log(step, metrics) gets, after optimizer step ``step`` (1-based), {T, alpha, kd_loss, ce_loss,
-    loss, lr} (the values used in that step), and after each eval {eval_perplexity, eval_kl,
-    eval_top1_agreement} (step 0 = before training). A re-run with the same workdir resumes from the
-    last checkpoint (weights, optimizer, RNG, step; data order and schedules follow from the step),
-    or returns the finished run's report at once. Models are moved back to their devices at the end.
+    loss, lr} (the values used in that step, averaged over the global batch), and after each eval
+    {eval_perplexity, eval_kl, eval_top1_agreement} (step 0 = before training). A re-run with the
+    same workdir resumes from the last checkpoint (weights, optimizer, RNG, step; data order and
+    schedules follow from the step), or returns the finished run's report at once. Models are moved
+    back to their devices at the end. Inside a torchrun process group every rank calls this with
+    the same arguments and the same workdir (see the module docstring); only rank 0 calls on_log.
     """
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    rank = distributed.current()
+    per_rank_blocks(cfg, rank.world)
+    if rank.main:
+        workdir.mkdir(parents=True, exist_ok=True)
+    distributed.barrier(rank)
     if len(splits.train) == 0 or len(splits.eval) == 0:
         raise DistillError("distillation needs train and eval blocks; raise data.train_blocks / data.eval_blocks")
     vs, vt = student.config.vocab_size, teacher.config.vocab_size
     if vs != vt:
         raise DistillError(f"student and teacher must share a vocabulary for the KL term (vocab {vs} vs {vt})")
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device, rank.local)
     amp_dtype = amp_dtype_for(cfg, device)
     home_s, home_t = next(student.parameters()).device, next(teacher.parameters()).device
     student.to(device)
     teacher.to(device)
     try:
-        return _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device, amp_dtype)
+        return _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device, amp_dtype, rank)
     finally:
         student.to(home_s)
         teacher.to(home_t)
         student.eval()
 
 
-def _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device, amp_dtype) -> DistillReport:
+def _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device, amp_dtype, rank: Rank) -> DistillReport:
     from tqdm.auto import tqdm
 
-    emit = on_log or (lambda step, metrics: None)
+    emit = on_log if on_log is not None and rank.main else (lambda step, metrics: None)
     pairs = _prepare_masks(student, masks)
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -519,15 +571,22 @@ def _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device
     teacher.eval()
 
     t_call = time.perf_counter()
-    state = _load_last(workdir, fingerprint, student, opt, scaler)
+    state = _load_last(workdir, fingerprint, student, opt, scaler, may_delete=rank.main)
+    distributed.barrier(rank)  # rank 0 may have cleared a foreign checkpoint
     resumed_from = state.step if state else 0
     seconds_at_start = state.seconds if state else 0.0
 
     def elapsed() -> float:
         return seconds_at_start + time.perf_counter() - t_call
 
+    def save_last() -> None:
+        state.seconds = elapsed()
+        if rank.main:
+            _save_last(workdir, student, opt, scaler, state)
+        distributed.barrier(rank)
+
     def do_eval(step: int) -> None:
-        ev = evaluate(student, teacher, splits.eval, cfg.batch_size, amp_dtype)
+        ev = evaluate(student, teacher, splits.eval, cfg.batch_size, amp_dtype, rank)
         if not state.before:
             state.before = ev
         rec = {"step": step, "perplexity": ev["perplexity"], "kl": ev["kl"], "top1_agreement": ev["top1_agreement"]}
@@ -537,13 +596,14 @@ def _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device
         if value < state.best_value:
             state.best_value, state.best_step, state.best_eval, state.bad_evals = value, step, ev, 0
             # last before best: a crash between the two leaves a state whose best step is its own step.
-            state.seconds = elapsed()
-            _save_last(workdir, student, opt, scaler, state)
-            _save_best(workdir, student, state)
+            save_last()
+            if rank.main:
+                _save_best(workdir, student, state)
         else:
             state.bad_evals += 1
-        log.info("distill step %d: eval perplexity %.3f, KL %.4f, top-1 %.3f%s", step, ev["perplexity"], ev["kl"],
-                 ev["top1_agreement"], " (best)" if state.best_step == step else "")
+        if rank.main:
+            log.info("distill step %d: eval perplexity %.3f, KL %.4f, top-1 %.3f%s", step, ev["perplexity"], ev["kl"],
+                     ev["top1_agreement"], " (best)" if state.best_step == step else "")
 
     if state is None:
         torch.manual_seed(cfg.seed)
@@ -551,52 +611,63 @@ def _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device
         state = _State(fingerprint=fingerprint)
         do_eval(0)
     else:
-        log.info("distill: resuming from step %d in %s", state.step, workdir)
+        if rank.main:
+            log.info("distill: resuming from step %d in %s", state.step, workdir)
         if state.stop_reason and (workdir / REPORT).is_file():
             load_best(student, workdir)
             report = DistillReport.from_dict(json.loads((workdir / REPORT).read_text()))
             report.resumed_from = state.step
             return report
-        if state.best_step == state.step and _best_step_on_disk(workdir) != state.step:
+        if rank.main and state.best_step == state.step and _best_step_on_disk(workdir) != state.step:
             _save_best(workdir, student, state)
 
     order = _DataOrder(len(splits.train), cfg.seed)
     cache = TeacherCache(len(splits.train), splits.train.shape[1] - 1, cfg.teacher_topk) if cfg.teacher_topk else None
-    if cache is not None:
-        log.info("distill: teacher top-%d cache of %.1f MB", cfg.teacher_topk, cache.nbytes / 2**20)
+    if cache is not None and rank.main:
+        log.info("distill: teacher top-%d cache of %.1f MB per process", cfg.teacher_topk, cache.nbytes / 2**20)
 
     def teacher_logits(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad(), _autocast(device, amp_dtype):
             return teacher(input_ids=x, use_cache=False).logits[:, :-1]
 
-    micro = cfg.batch_size
+    # DDP averages the ranks' gradients during backward; its constructor also makes every rank
+    # start from rank 0's weights.
+    model = student
+    if rank.distributed:
+        model = torch.nn.parallel.DistributedDataParallel(
+            student, device_ids=[device.index] if device.type == "cuda" else None)
+    mine = per_rank_blocks(cfg, rank.world)
     budget_s = cfg.max_minutes * 60.0
-    bar = tqdm(total=cfg.steps, initial=state.step, desc="distill", unit="step", disable=not progress,
+    bar = tqdm(total=cfg.steps, initial=state.step, desc="distill", unit="step", disable=not (progress and rank.main),
                dynamic_ncols=True, mininterval=1.0)
     try:
         while not state.stop_reason:
             if state.step >= cfg.steps:
                 state.stop_reason = "steps"
                 break
-            if elapsed() >= budget_s:
+            if distributed.rank0_says(rank, elapsed() >= budget_s, device):
                 state.stop_reason = "time"
                 break
             i = state.step  # 0-based index of this optimizer step
             T, alpha, lr = temperature_at(i, cfg.steps, cfg), alpha_at(i, cfg.steps, cfg), lr_at(i, cfg.steps, cfg)
             t0 = time.perf_counter()
-            student.train()
+            model.train()
             sums = {"kd_loss": 0.0, "ce_loss": 0.0, "loss": 0.0}
-            for a in range(cfg.grad_accum):
-                ids = order.blocks((i * cfg.grad_accum + a) * micro, micro)
+            chunks = step_chunks(order, i, cfg, rank)
+            for c, ids in enumerate(chunks):
+                share = mine / len(ids)  # = grad_accum alone: each micro-batch's mean weighs by its size
                 x = torch.as_tensor(splits.train[ids], dtype=torch.long, device=device)
-                with _autocast(device, amp_dtype):
-                    s_logits = student(input_ids=x, use_cache=False).logits[:, :-1]
-                t_logits = cache.get(ids, x, teacher_logits) if cache is not None else teacher_logits(x)
-                loss, parts = kd_loss(s_logits, t_logits, x[:, 1:], None, T, alpha)
-                loss = loss / cfg.grad_accum
-                (scaler.scale(loss) if scaler else loss).backward()
+                sync = c == len(chunks) - 1 or not rank.distributed
+                with (contextlib.nullcontext() if sync else model.no_sync()):
+                    with _autocast(device, amp_dtype):
+                        s_logits = model(input_ids=x, use_cache=False).logits[:, :-1]
+                    t_logits = cache.get(ids, x, teacher_logits) if cache is not None else teacher_logits(x)
+                    loss, parts = kd_loss(s_logits, t_logits, x[:, 1:], None, T, alpha)
+                    (scaler.scale(loss / share) if scaler else loss / share).backward()
                 for k in sums:
-                    sums[k] += parts[k] / cfg.grad_accum
+                    sums[k] += parts[k] / share
+            if rank.distributed:
+                sums = dict(zip(sums, distributed.mean(rank, list(sums.values()), device)))
             for p, pruned in pairs:
                 if p.grad is not None:
                     p.grad.masked_fill_(pruned, 0.0)
@@ -627,20 +698,22 @@ def _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device
                 if cfg.early_stop_patience and state.bad_evals >= cfg.early_stop_patience:
                     state.stop_reason = "early_stop"
             if step % cfg.checkpoint_every == 0 and state.best_step != step:
-                state.seconds = elapsed()
-                _save_last(workdir, student, opt, scaler, state)
+                save_last()
     finally:
         bar.close()
 
     if state.evals[-1]["step"] != state.step:
         do_eval(state.step)  # a time stop between evals: the final weights still compete for best
-    state.seconds = elapsed()
-    _save_last(workdir, student, opt, scaler, state)
-    report = _report(state, resumed_from, device)
-    (workdir / REPORT).write_text(json.dumps(report.to_dict()))
+    save_last()
+    report = _report(state, resumed_from, device, rank.world)
+    if rank.main:
+        (workdir / REPORT).write_text(json.dumps(report.to_dict()))
+    distributed.barrier(rank)
     if state.best_step != state.step:
         load_best(student, workdir)
-    log.info("distill: %d steps in %.0f s (%s); best step %d: perplexity %.3f -> %.3f (teacher %.3f), KL %.4f -> %.4f",
-             report.steps, report.seconds, report.stop_reason, report.best_step, report.perplexity_before,
-             report.perplexity_after, report.teacher_perplexity, report.kl_before, report.kl_after)
+    if rank.main:
+        log.info("distill: %d steps in %.0f s (%s); best step %d: perplexity %.3f -> %.3f (teacher %.3f), "
+                 "KL %.4f -> %.4f", report.steps, report.seconds, report.stop_reason, report.best_step,
+                 report.perplexity_before, report.perplexity_after, report.teacher_perplexity, report.kl_before,
+                 report.kl_after)
     return report

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import mlflow
 from prefect import task
 from safetensors.torch import load_file
 
 from compress.config import PipelineConfig
 from compress.distill import distill
+from compress.distill_launch import DistillJob, launch_distill
 from tasks.common import cache_key_fn, is_done, mark_done, read_done, stage_dir
 from tasks.load import load_model, load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
@@ -20,17 +22,26 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
         return read_done(folder)
     # No wipe: checkpoints under folder/ckpt let a killed run continue where it stopped.
     folder.mkdir(parents=True, exist_ok=True)
-    data = load_splits(splits)
     with child_run(parent_run_id, stage) as run:
         log_params({"distill": cfg.distill.model_dump()})
-        teacher, tok = load_model(teacher_dir, cfg)
-        student, _ = load_model(student_dir, cfg)
-        keep = {k: v.bool() for k, v in load_file(masks).items()} if masks else None
-        report = distill(student, teacher, data, cfg.distill, folder / "ckpt", masks=keep,
-                         on_log=lambda step, m: log_metrics(m, step=step))
         out = folder / "model"
-        student.save_pretrained(out)
-        tok.save_pretrained(out)
+        if cfg.distill.nproc_per_node > 1:
+            # torchrun ranks (DDP); rank 0 streams the step metrics into this run and saves the student.
+            job = DistillJob(teacher_dir=teacher_dir, student_dir=student_dir, splits=splits,
+                             workdir=str(folder / "ckpt"), out_dir=str(out), config=cfg.distill.model_dump(mode="json"),
+                             masks=masks, cache_dir=cfg.model.cache_dir, revision=cfg.model.revision,
+                             trust_remote_code=cfg.model.trust_remote_code,
+                             tracking_uri=mlflow.get_tracking_uri() if run is not None else None,
+                             run_id=run.info.run_id if run is not None else None)
+            report = launch_distill(job, cfg.distill.nproc_per_node)
+        else:
+            teacher, tok = load_model(teacher_dir, cfg)
+            student, _ = load_model(student_dir, cfg)
+            keep = {k: v.bool() for k, v in load_file(masks).items()} if masks else None
+            report = distill(student, teacher, load_splits(splits), cfg.distill, folder / "ckpt", masks=keep,
+                             on_log=lambda step, m: log_metrics(m, step=step))
+            student.save_pretrained(out)
+            tok.save_pretrained(out)
         metrics = report.metrics()
         log_metrics(metrics)
         if run is not None:

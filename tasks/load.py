@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 from prefect import task
 
 from compress.config import PipelineConfig
@@ -13,8 +12,7 @@ from tasks.tracking import child_run, log_metrics, log_params
 
 
 def load_splits(path: str) -> DataSplits:
-    with np.load(path, allow_pickle=False) as z:
-        return DataSplits(z["train"], z["calib"], z["eval"], str(z["source"]), int(z["total_tokens"]))
+    return DataSplits.load(path)
 
 
 def load_model(model_dir: str, cfg: PipelineConfig):
@@ -32,8 +30,7 @@ def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | No
         model, tok = load_model(model_dir, cfg)
         splits = splits_from_config(tok, cfg.data)
         path = folder / "splits.npz"
-        np.savez(path, train=splits.train, calib=splits.calib, eval=splits.eval, source=splits.source,
-                 total_tokens=splits.total_tokens)
+        splits.save(path)
         info = model_info(model)
         log_params({"model": cfg.model.model_dump(), "data": cfg.data.model_dump()})
         metrics = {**{k: v for k, v in splits.summary().items() if isinstance(v, (int, float))},

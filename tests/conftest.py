@@ -25,6 +25,18 @@ def tiny():
     return build_tiny_llama(seed=0)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module: the tiny model's ops are too small to split, a second thread
+    only adds waiting (3x the CPU time of the distillation tests)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny):
     return tiny[0]

@@ -23,13 +23,7 @@ def _cfg(**kw) -> DistillConfig:
     return DistillConfig(**base)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops are too small to split: a second thread only adds waiting (3x the CPU time here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,173 @@
+"""Distillation on several GPUs: start compress/distill.py on N processes through torchrun and collect the result.
+
+The flow's distill task calls :func:`launch_distill` when ``distill.nproc_per_node > 1``. It writes
+a :class:`DistillJob` (paths and the config, JSON) into the checkpoint folder and runs::
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m compress.distill_launch <job.json>
+
+Each rank loads the teacher and the student from their folders, joins the process group (NCCL on
+GPUs, gloo on CPUs) and calls :func:`compress.distill.distill`; rank 0 streams the step metrics to
+the stage's MLflow run, writes the checkpoints and finally saves the best student to ``out_dir``.
+The same job file runs on several nodes with torchrun's own rendezvous (docs/scaling.md). A killed
+run resumes from its last checkpoint when launched again, on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from compress.distill import REPORT, DistillError, DistillReport, per_rank_blocks
+
+log = logging.getLogger(__name__)
+
+JOB_FILE = "job.json"
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class DistillJob:
+    teacher_dir: str  # Hugging Face folders (what the load and prune stages wrote)
+    student_dir: str
+    splits: str  # DataSplits .npz
+    workdir: str  # checkpoints and report.json (shared by the ranks: one node, or a shared file system)
+    out_dir: str  # the best student + tokenizer, save_pretrained by rank 0
+    config: dict  # DistillConfig fields
+    masks: str | None = None  # safetensors {param name: keep mask} of unstructured pruning
+    # How the teacher (a folder or a hub id) is loaded: as compress.models.load_teacher takes it.
+    cache_dir: str = ".cache/models"
+    revision: str | None = None
+    trust_remote_code: bool = False
+    tracking_uri: str | None = None  # with run_id: rank 0 logs every step's metrics to this MLflow run
+    run_id: str | None = None
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(asdict(self), indent=1))
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> "DistillJob":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def check_processes(cfg, nproc: int) -> str:
+    """Refuse a launch that cannot work, before any process starts; returns the device kind the ranks use."""
+    per_rank_blocks(cfg, nproc)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise DistillError("distill.device is 'cuda' but torch sees no CUDA device; set distill.device to 'auto' or 'cpu'")
+    if cfg.device != "cpu" and torch.cuda.is_available():
+        n_gpu = torch.cuda.device_count()
+        if nproc > n_gpu:
+            raise DistillError(f"distill.nproc_per_node is {nproc} but torch sees {n_gpu} CUDA device(s) on this "
+                               f"node; lower distill.nproc_per_node to at most {n_gpu}")
+        return "cuda"
+    return "cpu"
+
+
+def launch_distill(job: DistillJob, nproc: int) -> DistillReport:
+    """Run the job on ``nproc`` local processes through torchrun; return rank 0's report.
+
+    The ranks' output is passed through to this process's stderr as it comes. A failing rank ends
+    the whole run; the error then carries the last lines of output.
+    """
+    from compress.config import DistillConfig
+
+    cfg = DistillConfig(**job.config)
+    kind = check_processes(cfg, nproc)
+    if kind == "cpu":
+        log.warning("distill: %d CPU processes (gloo). This checks the multi-GPU path; on one CPU machine it is "
+                    "not faster than one process", nproc)
+    work = Path(job.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    job_path = job.write(work / JOB_FILE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "compress.distill_launch", str(job_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
+    log.info("distill: %s", " ".join(cmd))
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    with subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace") as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            tail.append(line.rstrip())
+        rc = proc.wait()
+    if rc != 0:
+        raise DistillError(f"torchrun distillation on {nproc} processes failed (exit code {rc}); last output:\n"
+                           + "\n".join(tail))
+    report_path = work / REPORT
+    if not report_path.is_file():
+        raise DistillError(f"torchrun distillation ended without {report_path}; last output:\n" + "\n".join(tail))
+    return DistillReport.from_dict(json.loads(report_path.read_text()))
+
+
+def _mlflow_logger(job: DistillJob):
+    """on_log for rank 0: every call becomes one MLflow log_batch on the stage's run."""
+    if not (job.tracking_uri and job.run_id):
+        return None
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    client = MlflowClient(job.tracking_uri)
+
+    def on_log(step: int, metrics: dict) -> None:
+        ts = int(time.time() * 1000)
+        client.log_batch(job.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+
+    return on_log
+
+
+def run_rank(job_path: str) -> None:
+    """What one torchrun process does (``python -m compress.distill_launch job.json``)."""
+    from safetensors.torch import load_file
+
+    from compress import distributed
+    from compress.config import DistillConfig
+    from compress.data import DataSplits
+    from compress.distill import distill, resolve_device
+    from compress.models import load_teacher
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # N ranks x 2 models of "Loading weights" bars
+    job = DistillJob.read(job_path)
+    cfg = DistillConfig(**job.config)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(rank)s %(name)s: %(message)s")
+    rank = distributed.init_from_env(use_cuda=resolve_device(cfg.device).type == "cuda")
+    old_factory = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = old_factory(*args, **kwargs)
+        record.rank = rank.rank
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        teacher, _ = load_teacher(job.teacher_dir, None, job.cache_dir, job.revision, job.trust_remote_code)
+        student, tok = load_teacher(job.student_dir, None, job.cache_dir, job.revision, job.trust_remote_code)
+        splits = DataSplits.load(job.splits)
+        masks = {k: v.bool() for k, v in load_file(job.masks).items()} if job.masks else None
+        distill(student, teacher, splits, cfg, job.workdir, masks=masks,
+                on_log=_mlflow_logger(job) if rank.main else None, progress=rank.main)
+        if rank.main:
+            student.save_pretrained(job.out_dir)
+            tok.save_pretrained(job.out_dir)
+        distributed.barrier(rank)
+    finally:
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: torchrun --nproc-per-node N -m compress.distill_launch <job.json>")
+    run_rank(sys.argv[1])
