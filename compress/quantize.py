@@ -218,6 +218,15 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
             consts_added.add(name)
         return name
 
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
+
+    def row_max(x: str, out: str, name: str) -> onnx.NodeProto:
+        # ReduceMax takes its axes as an input from opset 18 on, as an attribute before (the gqa graph is opset 17).
+        if opset >= 18:
+            return helper.make_node("ReduceMax", [x, const("ptq_axis_1", np.array([1], np.int64))], [out], keepdims=1,
+                                    name=name)
+        return helper.make_node("ReduceMax", [x], [out], axes=[1], keepdims=1, name=name)
+
     for n in g.node:
         l = todo.get(n.name)
         if l is None:
@@ -233,7 +242,7 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
                 helper.make_node("Shape", [a], [f"{p}_shape"], name=f"{p}_Shape"),
                 helper.make_node("Reshape", [a, const(f"ptq_rows_{K}", np.array([-1, K], np.int64))], [f"{p}_2d"], name=f"{p}_Reshape"),
                 helper.make_node("Abs", [f"{p}_2d"], [f"{p}_abs"], name=f"{p}_Abs"),
-                helper.make_node("ReduceMax", [f"{p}_abs", const("ptq_axis_1", np.array([1], np.int64))], [f"{p}_amax"], keepdims=1, name=f"{p}_ReduceMax"),
+                row_max(f"{p}_abs", f"{p}_amax", f"{p}_ReduceMax"),
                 helper.make_node("Max", [f"{p}_amax", const("ptq_eps", np.array(1e-8, np.float32))], [f"{p}_amax_pos"], name=f"{p}_Max"),
                 helper.make_node("Div", [f"{p}_amax_pos", const("ptq_127", np.array(127.0, np.float32))], [f"{p}_scale"], name=f"{p}_Scale"),
                 helper.make_node("Div", [f"{p}_2d", f"{p}_scale"], [f"{p}_scaled"], name=f"{p}_Div"),

@@ -172,14 +172,18 @@ def test_eviction_and_preemption(tiny_artifact, gqa_artifact):
     assert eng.runner.gathered_tokens > 0  # rows refilled from the pool after eviction or preemption
 
 
-@pytest.mark.parametrize("method", ["weight_only", "static"])
+@pytest.mark.parametrize("method", ["weight_only", "static", "dynamic_token"])
 def test_quantize_gqa_artifact(tiny_artifact, gqa_artifact, tiny_splits, tmp_path, method):
-    """INT8 selects the same 14 linears by name and drifts from fp32 as much as the standard graph does."""
+    """INT8 selects the same 14 linears by name and drifts from fp32 as much as the standard graph does.
+
+    dynamic_token also covers the opset: the gqa graph is opset 17, where ReduceMax takes axes as an attribute.
+    """
     from compress.artifact import read_manifest
     from compress.gqa_lm import load_lm
     from compress.quantize import quantize_artifact
 
-    cfg = QuantizeConfig(method=method, keep_float=[], quantize_embedding=False, smoothquant_alpha=None)
+    kind = {"method": "dynamic", "activation_granularity": "token"} if method == "dynamic_token" else {"method": method}
+    cfg = QuantizeConfig(**kind, keep_float=[], quantize_embedding=False, smoothquant_alpha=None)
     calib = tiny_splits.calib if method == "static" else None
     drift = {}
     for name, art in (("standard", tiny_artifact), ("gqa", gqa_artifact)):
