@@ -161,7 +161,9 @@ def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict
     for tensor, group in groups.items():
         st = stats.get(tensor)
         prod = producer.get(tensor)
-        if st is None or prod is None or prod.op_type != "Mul":
+        # Mul: the standard graph's decomposed RMSNorm (x * rsqrt * gamma) or the MLP's act * up;
+        # SimplifiedLayerNormalization: the gqa graph's fused RMSNorm, gamma on input 1.
+        if st is None or prod is None or prod.op_type not in ("Mul", "SimplifiedLayerNormalization"):
             continue
         group_nodes = {l.node for l in group}
         # every reader of x must be one of the smoothed linears, or it would see x / s
@@ -174,7 +176,7 @@ def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict
             if t is not None and len(t.dims) == 1 and t.dims[0] == C:
                 fold = ("norm", slot, name)
                 break
-        if fold is None:
+        if fold is None and prod.op_type == "Mul":
             for slot, name in enumerate(prod.input):
                 up = linear_by_output.get(name)
                 if up is not None and len(consumers.get(name, [])) == 1:

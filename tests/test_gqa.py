@@ -200,6 +200,13 @@ def test_quantize_gqa_artifact(tiny_artifact, gqa_artifact, tiny_splits, tmp_pat
     print(method, "(top-1 agreement, mean |logit error|) vs fp32:", drift)
     assert drift["gqa"][0] >= drift["standard"][0] - 0.05
     assert drift["gqa"][1] <= 1.5 * drift["standard"][1] + 1e-3
+    if method == "dynamic_token":
+        # SmoothQuant folds into the gqa graph's fused RMSNorm (SimplifiedLayerNormalization) as into the
+        # standard graph's Mul: the same tensors are smoothed in both.
+        sq = cfg.model_copy(update={"smoothquant_alpha": 0.5})
+        smoothed = {name: quantize_artifact(art, tmp_path / f"{name}_sq", tiny_splits.calib, sq).smoothed_tensors
+                    for name, art in (("standard", tiny_artifact), ("gqa", gqa_artifact))}
+        assert smoothed == {"standard": 6, "gqa": 6}  # 2 layers x (attention norm, mlp norm, down_proj input)
     # the quantized gqa artifact serves through the gqa runner
     _, out, _ = run_engine(tmp_path / "gqa", [(prompts(1, 5, 5, seed=8)[0], 4)])
     assert len(out[0]) == 4
