@@ -50,8 +50,9 @@ class DataConfig(_Section):
 class ExportConfig(_Section):
     # dynamo / torchscript: torch.onnx exports, attention layout `standard` (any architecture).
     # gqa: a graph built from the weights around com.microsoft.GroupQueryAttention (Llama family;
-    # in-place KV, ~16x faster to build, faster batched decode; see docs/gqa.md).
-    exporter: Literal["dynamo", "torchscript", "gqa"] = "dynamo"
+    # in-place KV, seconds instead of minutes to build, faster batched decode; see docs/gqa.md).
+    # auto: gqa where the model allows it, dynamo otherwise (the choice is logged).
+    exporter: Literal["auto", "dynamo", "torchscript", "gqa"] = "auto"
     opset: int = Field(18, ge=14, le=23)
     # Weights go to an external data file above this size (protobuf's 2 GB limit).
     external_data_threshold_mb: int = Field(1800, ge=1)

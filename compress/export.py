@@ -4,7 +4,7 @@ Graph contract (attention layout ``standard``):
   inputs  input_ids [batch, seq] int64, attention_mask [batch, past+seq] int64,
           position_ids [batch, seq] int64, past_key_values.N.key/value [batch, kv_heads, past, head_dim]
   outputs logits [batch, seq, vocab], present.N.key/value [batch, kv_heads, past+seq, head_dim]
-Why dynamo is the default exporter: docs/export.md.
+Why dynamo is the standard-layout exporter (and the fallback of export.exporter auto): docs/export.md.
 """
 
 from __future__ import annotations

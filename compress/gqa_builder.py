@@ -105,6 +105,20 @@ def _window(config) -> int:
 
 
 @torch.no_grad()
+def choose_exporter(model, requested: str) -> tuple[str, str]:
+    """export.exporter 'auto': the gqa graph where the model allows it, the dynamo export otherwise.
+
+    Returns (exporter, why) so the choice can be logged; other values come back unchanged.
+    """
+    if requested != "auto":
+        return requested, f"export.exporter is {requested!r}"
+    try:
+        check_supported(model)
+    except GqaBuildError as e:
+        return "dynamo", f"auto: the gqa builder does not take this model ({e}); using the dynamo export"
+    return "gqa", f"auto: {model.config.model_type} fits the gqa builder (in-place KV, GroupQueryAttention)"
+
+
 def rope_tables(model, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [max_positions, head_dim/2] from the model's own rotary module (includes attention_scaling)."""
     rot = model.model.rotary_emb

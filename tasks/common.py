@@ -74,3 +74,16 @@ def submit_stage(task, cfg: PipelineConfig, stage: str, key: str, **kwargs):
     if not is_done(stage_dir(cfg, stage, key)):
         task = task.with_options(refresh_cache=True)
     return task(cfg=cfg, stage=stage, key=key, **kwargs)
+
+
+def stage_logger():
+    """Prefect's run logger inside a flow or task run (it reaches the UI), a module logger outside one."""
+    import logging
+
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("tasks")

@@ -6,7 +6,8 @@ from prefect import task
 
 from compress.config import PipelineConfig
 from compress.export import build_artifact
-from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from compress.gqa_builder import build_gqa_artifact, choose_exporter
+from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir, stage_logger
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params
 
@@ -21,14 +22,14 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         model, tok = load_model(model_dir, cfg)
         art = folder / "artifact"
         extra = {"source_model": model_dir, "config_hash": cfg.section_hash()}
-        if cfg.export.exporter == "gqa":
-            from compress.gqa_builder import build_gqa_artifact
-
+        exporter, why = choose_exporter(model, cfg.export.exporter)
+        stage_logger().info("export: %s", why)
+        if exporter == "gqa":
             result, manifest = build_gqa_artifact(model, tok, art, extra=extra)
         else:
-            result, manifest = build_artifact(model, tok, art, cfg.export.exporter, cfg.export.opset,
+            result, manifest = build_artifact(model, tok, art, exporter, cfg.export.opset,
                                               cfg.export.external_data_threshold_mb, extra=extra)
-        log_params({"export": cfg.export.model_dump()})
+        log_params({"export": cfg.export.model_dump(), "export_used": exporter})
         onnx_bytes = sum(p.stat().st_size for p in art.glob("model.onnx*"))
         metrics = {"export_seconds": result.seconds, "onnx_mb": onnx_bytes / 2**20}
         log_metrics(metrics)

@@ -229,3 +229,16 @@ def test_paged_graph_builds_and_cpu_refuses_it(tiny, tmp_path):
     for providers in ([CPU], ["CUDAExecutionProvider", CPU]):
         with _pytest.raises(RunnerError, match="CUDA"):
             Engine(tmp_path / "paged", ServeConfig(providers=providers, block_size=4), start=False)
+
+
+def test_auto_exporter_picks_gqa_where_the_model_allows(tiny):
+    import copy
+
+    from compress.gqa_builder import choose_exporter
+
+    assert choose_exporter(tiny[0], "auto")[0] == "gqa"
+    biased = copy.deepcopy(tiny[0])
+    biased.config.mlp_bias = True  # a Llama option the gqa graph would get wrong
+    used, why = choose_exporter(biased, "auto")
+    assert used == "dynamo" and "mlp_bias" in why
+    assert choose_exporter(tiny[0], "torchscript")[0] == "torchscript"  # an explicit choice is kept
