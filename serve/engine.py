@@ -189,6 +189,7 @@ class EngineStats:
     kv_blocks_free: int
     kv_blocks_cached: int
     kv_usage_pct: float
+    kv_usage_peak_pct: float  # highest kv_usage_pct since the engine started
     block_size: int
     prefix_queries: int  # prompt tokens looked up in the prefix cache (counter)
     prefix_hits: int  # of those, tokens found cached (counter)
@@ -550,6 +551,7 @@ class Engine:
                 kv_blocks_free=bm.num_free,
                 kv_blocks_cached=bm.num_cached,
                 kv_usage_pct=100.0 * bm.usage,
+                kv_usage_peak_pct=100.0 * bm.peak_usage,
                 block_size=bm.block_size,
                 prefix_queries=bm.prefix_queries,
                 prefix_hits=bm.prefix_hits,

@@ -128,6 +128,7 @@ class BlockManager:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found cached
         self.evictions = 0
+        self.peak_used = 0  # most blocks held at once since start: samplers miss short bursts
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -151,6 +152,10 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return self.num_used / self.num_blocks
+
+    @property
+    def peak_usage(self) -> float:
+        return self.peak_used / self.num_blocks
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -295,6 +300,7 @@ class BlockManager:
     def _take(self, b: int) -> None:
         if self._ref[b] == 0:
             self._evictable.pop(b, None)
+            self.peak_used = max(self.peak_used, self.num_used)
         self._ref[b] += 1
 
     def _release(self, b: int) -> None:
@@ -318,6 +324,7 @@ class BlockManager:
             self._hash[b] = None
             self.evictions += 1
         self._ref[b] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return b
 
     def check_invariants(self) -> None:

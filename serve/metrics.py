@@ -118,6 +118,9 @@ class _Collector:
         # vLLM's "perc" is a fraction: 1 means the whole KV pool is in use (evictable cached blocks count as free).
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of the serving model's KV blocks in use.",
                     cur_stats.kv_usage_pct / 100.0 if cur_stats else 0.0)
+        yield gauge("compressor:kv_cache_usage_peak_perc",
+                    "Highest fraction of the serving model's KV blocks in use at once since it was loaded.",
+                    cur_stats.kv_usage_peak_pct / 100.0 if cur_stats else 0.0)
         yield gauge("compressor:kv_blocks_used", "KV blocks held by requests (all live engines).",
                     sum(s.kv_blocks_used for _, s in stats))
         yield gauge("compressor:kv_blocks_total", "KV blocks in the serving model's pool.",

@@ -277,6 +277,8 @@ def test_disconnect_mid_stream_cancels_and_frees_blocks(server, http):
     text = http.get("/metrics").text
     assert metric(text, "vllm:kv_cache_usage_perc") == 0.0
     assert metric(text, "vllm:num_requests_running") == 0.0
+    # the high-water mark remembers the stream's blocks after they were freed
+    assert metric(text, "compressor:kv_cache_usage_peak_perc") >= st.kv_usage_peak_pct / 100 > 0
 
 
 def test_disconnect_while_waiting_for_a_whole_completion_cancels_it(server):

@@ -48,6 +48,8 @@ def test_allocate_is_all_or_nothing_and_free_returns_everything():
     bm.free("b")
     assert bm.num_used == 0 and bm.num_free == 4
     bm.check_invariants()
+    # The high-water mark keeps the burst (4 of 4 blocks) after everything was returned.
+    assert bm.peak_used == 4 and bm.peak_usage == 1.0
 
 
 def test_double_free_and_unknown_sequence_raise():
