@@ -13,6 +13,12 @@ def test_default_and_tiny_configs_are_valid():
     assert d.section_hash("model") != t.section_hash("model")
 
 
+@pytest.mark.parametrize("path", sorted(str(p) for p in __import__("pathlib").Path("configs").glob("*.yaml")))
+def test_every_shipped_config_is_valid(path):
+    cfg = load_config(path)
+    assert cfg.registry.model_name and cfg.name
+
+
 def test_overrides_are_typed():
     cfg = load_config("configs/tiny.yaml", ["distill.steps=10", "golden.prompts=[a, b]", "quantize.reduce_range=null"])
     assert cfg.distill.steps == 10
