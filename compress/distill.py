@@ -183,7 +183,7 @@ class DistillReport:
     stop_reason: str  # steps | time | early_stop
     resumed_from: int  # step the last call started from (0 = fresh)
     device: str
-    world_size: int = 1  # processes that trained together (torchrun ranks); the last call's
+    world_size: int = 1  # processes (torchrun ranks) that trained together in the last call
     history: list[dict] = field(default_factory=list)  # per step: step, T, alpha, kd_loss, ce_loss, loss, lr
     evals: list[dict] = field(default_factory=list)  # per eval: step, perplexity, kl, top1_agreement
 
