@@ -19,6 +19,8 @@ so serving a local folder needs no MLflow at all.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import os
 import shutil
@@ -199,6 +201,20 @@ class ReloadResult:
 EngineFactory = Callable[[Path, ServeConfig], Engine]
 
 
+def release_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    glibc keeps the pages of a freed ONNX Runtime session in its heap: without this the soak's RSS
+    rose ~200 MiB with every swap of a SmolLM2 artifact, flat in between.
+    """
+    gc.collect()
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
+
+
 def _default_engine_factory(path: Path, config: ServeConfig) -> Engine:
     return Engine(path, config)
 
@@ -368,6 +384,8 @@ class ModelManager:
                     break
                 self._lock.wait(min(left, 0.5))
         self._retire(old)
+        del old  # the last reference: the engine, its session and KV buffers go now
+        release_freed_memory()
 
     def _close(self, lm: LoadedModel) -> None:
         """Fold its stats into the totals and shut the engine down, exactly once."""
