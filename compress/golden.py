@@ -32,6 +32,9 @@ class GoldenSet:
     continuations: list[list[int]]
     topk_values: list[np.ndarray]  # per prompt [positions, k] float32
     topk_indices: list[np.ndarray]  # per prompt [positions, k] int64
+    # Token ids the reference decode could not pick (EOS, held off by min_new_tokens so that every model is
+    # compared on the same number of tokens); the ONNX greedy decode must hold them off too.
+    suppressed_ids: list[int] = field(default_factory=list)
 
     def sequence(self, i: int) -> list[int]:
         """The tokens whose logits were recorded: prompt + continuation minus the last generated token."""
@@ -40,7 +43,8 @@ class GoldenSet:
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        meta = {"prompts": self.prompts, "prompt_ids": self.prompt_ids, "continuations": self.continuations}
+        meta = {"prompts": self.prompts, "prompt_ids": self.prompt_ids, "continuations": self.continuations,
+                "suppressed_ids": self.suppressed_ids}
         (folder / "golden.json").write_text(json.dumps(meta, indent=1))
         arrays = {}
         for i, (v, ix) in enumerate(zip(self.topk_values, self.topk_indices)):
@@ -57,7 +61,8 @@ class GoldenSet:
             n = len(meta["prompts"])
             values = [z[f"values_{i}"] for i in range(n)]
             indices = [z[f"indices_{i}"] for i in range(n)]
-        return cls(meta["prompts"], meta["prompt_ids"], meta["continuations"], values, indices)
+        return cls(meta["prompts"], meta["prompt_ids"], meta["continuations"], values, indices,
+                   meta.get("suppressed_ids", []))
 
 
 @torch.no_grad()
@@ -80,7 +85,16 @@ def record_golden(model, tokenizer, prompts: list[str], top_k: int = 8, new_toke
         conts.append(cont)
         values.append(v.numpy().astype(np.float32))
         indices.append(ix.numpy().astype(np.int64))
-    return GoldenSet(list(prompts), prompt_ids, conts, values, indices)
+    return GoldenSet(list(prompts), prompt_ids, conts, values, indices, _eos_ids(model, tokenizer))
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    """The ids generate()'s min_new_tokens masks: the generation config's EOS (an int or a list)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    return sorted({int(i) for i in ids if i is not None})
 
 
 @dataclass
@@ -169,7 +183,7 @@ def compare_onnx(lm: OnnxLM | GqaLM | str | Path, golden: GoldenSet, max_abs_err
         per_pos = err.max(axis=-1)
         top1_ok = logits.argmax(-1) == idx[:, 0]
         bad = np.nonzero((per_pos > max_abs_error) | ~top1_ok)[0]
-        cont = lm.greedy(golden.prompt_ids[i], len(golden.continuations[i]))
+        cont = lm.greedy(golden.prompt_ids[i], len(golden.continuations[i]), suppress_ids=golden.suppressed_ids)
         lcp = _lcp(cont, golden.continuations[i])
         r = PromptResult(prompt, float(err.max()), int((err > off_threshold).sum()), int(len(seq)),
                          float(top1_ok.mean()), lcp, len(golden.continuations[i]), int(bad[0]) if len(bad) else None)

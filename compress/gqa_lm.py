@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from compress.artifact import read_manifest
-from compress.onnx_lm import make_session
+from compress.onnx_lm import greedy_token, make_session
 
 
 class GqaCache:
@@ -103,15 +103,19 @@ class GqaLM:
         logits = self.forward(ids, np.array([len(s) - 1 for s in seqs]), cache)
         return [logits[i, :len(s)] for i, s in enumerate(seqs)]
 
-    def greedy(self, prompt: list[int], new_tokens: int, eos_ids: list[int] | None = None) -> list[int]:
-        """Greedy continuation: prefill once, then one token per step, in place in one buffer."""
+    def greedy(self, prompt: list[int], new_tokens: int, eos_ids: list[int] | None = None,
+               suppress_ids: list[int] | None = None) -> list[int]:
+        """Greedy continuation: prefill once, then one token per step, in place in one buffer.
+
+        suppress_ids are never picked (as generate() holds EOS off until min_new_tokens).
+        """
         ids = np.asarray(prompt, np.int64)[None]
         n = ids.shape[1]
         cache = self.new_cache(1, n + new_tokens)
         logits = self.forward(ids, np.array([n - 1]), cache, keep=1)  # the prompt's last position only
         out: list[int] = []
         for _ in range(new_tokens):
-            tok = int(np.argmax(logits[0, -1]))
+            tok = greedy_token(logits[0, -1], suppress_ids)
             out.append(tok)
             if eos_ids and tok in eos_ids:
                 break

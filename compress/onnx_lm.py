@@ -14,6 +14,14 @@ import onnxruntime as ort
 from compress.artifact import read_manifest
 
 
+def greedy_token(logits: np.ndarray, suppress_ids: list[int] | None = None) -> int:
+    """argmax of one position's logits, never one of suppress_ids."""
+    if suppress_ids:
+        logits = logits.copy()
+        logits[suppress_ids] = -np.inf
+    return int(np.argmax(logits))
+
+
 def make_session(onnx_path: str | Path, threads: int | None = None, optimize: bool = True) -> ort.InferenceSession:
     so = ort.SessionOptions()
     if threads:
@@ -67,14 +75,18 @@ class OnnxLM:
         logits, _ = self.forward(ids, mask, pos)
         return [logits[i, n - len(s):] for i, s in enumerate(seqs)]
 
-    def greedy(self, prompt: list[int], new_tokens: int, eos_ids: list[int] | None = None) -> list[int]:
-        """Greedy continuation through the KV cache path (prefill once, then one token per step)."""
+    def greedy(self, prompt: list[int], new_tokens: int, eos_ids: list[int] | None = None,
+               suppress_ids: list[int] | None = None) -> list[int]:
+        """Greedy continuation through the KV cache path (prefill once, then one token per step).
+
+        suppress_ids are never picked (as generate() holds EOS off until min_new_tokens).
+        """
         ids = np.asarray(prompt, np.int64)[None]
         n = ids.shape[1]
         logits, past = self.forward(ids, np.ones((1, n), np.int64), np.arange(n)[None])
         out: list[int] = []
         for _ in range(new_tokens):
-            tok = int(np.argmax(logits[0, -1]))
+            tok = greedy_token(logits[0, -1], suppress_ids)
             out.append(tok)
             if eos_ids and tok in eos_ids:
                 break

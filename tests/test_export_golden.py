@@ -42,6 +42,28 @@ def test_export_passes_golden(tiny_artifact, golden):
     assert m["golden_top1_agreement"] == 1.0 and m["golden_prefix_match"] == 1.0
 
 
+def test_greedy_check_holds_eos_off_as_the_reference_does(tiny, tiny_artifact):
+    """generate(min_new_tokens=N) never picks EOS; the ONNX greedy decode must not either.
+
+    Found on a distilled SmolLM2 student whose top-1 at the 16th token was EOS: the reference went on
+    with its second choice and golden reported a divergence that was no export error.
+    """
+    import copy
+
+    model, tok = tiny
+    lm = OnnxLM(tiny_artifact)
+    prompt = tok(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    free = lm.greedy(prompt, 8)
+    eos_model = copy.deepcopy(model)
+    eos_model.generation_config.eos_token_id = free[3]  # the model's own 4th greedy token now counts as EOS
+    g = record_golden(eos_model, tok, PROMPTS[:1], top_k=8, new_tokens=8)
+    assert g.suppressed_ids == [free[3]] and free[3] not in g.continuations[0]  # the reference held it off
+    assert lm.greedy(prompt, 8)[3] == free[3]  # unconstrained, the ONNX decode picks it
+    report = compare_onnx(lm, g, check_batched=False)
+    assert report.passed, report.failures
+    assert report.metrics()["golden_prefix_match"] == 1.0
+
+
 def test_left_padded_batch_matches_single_runs(tiny_artifact, golden):
     lm = OnnxLM(tiny_artifact)
     seqs = [golden.sequence(i) for i in range(len(PROMPTS))]
