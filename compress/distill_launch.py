@@ -20,6 +20,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +32,9 @@ from compress.distill import REPORT, DistillError, DistillReport, per_rank_block
 log = logging.getLogger(__name__)
 
 JOB_FILE = "job.json"
+# Set for the ranks: the process that launched them. If it dies (a killed flow run), they stop too
+# instead of training on beside the re-run that resumes from the same checkpoint folder.
+LAUNCHER_PID_ENV = "COMPRESSOR_DISTILL_LAUNCHER_PID"
 _ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -92,7 +96,8 @@ def launch_distill(job: DistillJob, nproc: int) -> DistillReport:
     job_path = job.write(work / JOB_FILE)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "compress.distill_launch", str(job_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+           LAUNCHER_PID_ENV: str(os.getpid())}
     log.info("distill: %s", " ".join(cmd))
     tail: collections.deque[str] = collections.deque(maxlen=40)
     with subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -127,6 +132,26 @@ def _mlflow_logger(job: DistillJob):
     return on_log
 
 
+def _exit_with_launcher(interval_s: float = 2.0) -> None:
+    """A daemon thread that ends this rank once the launching process is gone (torchrun then stops the others)."""
+    pid = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+    if pid <= 0:
+        return  # started by hand with torchrun: nobody to follow
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                log.error("distill: the launching process %d is gone; stopping this rank", pid)
+                os._exit(3)
+            except PermissionError:
+                pass  # alive, another user's
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 def run_rank(job_path: str) -> None:
     """What one torchrun process does (``python -m compress.distill_launch job.json``)."""
     from safetensors.torch import load_file
@@ -152,6 +177,7 @@ def run_rank(job_path: str) -> None:
         return record
 
     logging.setLogRecordFactory(factory)
+    _exit_with_launcher()
     try:
         teacher, _ = load_teacher(job.teacher_dir, None, job.cache_dir, job.revision, job.trust_remote_code)
         student, tok = load_teacher(job.student_dir, None, job.cache_dir, job.revision, job.trust_remote_code)

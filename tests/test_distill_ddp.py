@@ -144,3 +144,46 @@ def test_ranks_partition_each_global_batch(world, batch_size, grad_accum):
         assert flat == alone and len(alone) == batch_size * grad_accum  # disjoint shares, nothing dropped
         assert all(len(chunk) <= batch_size for chunks in per_rank for chunk in chunks)
         assert len({sum(map(len, chunks)) for chunks in per_rank}) == 1  # equal shares: DDP's mean is exact
+
+
+def test_ranks_stop_when_their_launcher_is_gone(folders, tmp_path):
+    """A killed flow run must not leave ranks training beside the re-run that resumes from the same folder.
+
+    The ranks' output goes to a file here, so no broken pipe ends them: only the launcher watch can.
+    """
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from compress.distill_launch import LAUNCHER_PID_ENV
+
+    work = tmp_path / "w"
+    work.mkdir()
+    cfg = _cfg(steps=100_000, eval_every=10**6, checkpoint_every=10**6)
+    job = DistillJob(folders["teacher"], folders["student"], folders["splits"], str(work), str(tmp_path / "out"),
+                     cfg.model_dump(mode="json")).write(work / "job.json")
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # stands in for the flow
+    env = {**os.environ, LAUNCHER_PID_ENV: str(launcher.pid)}
+    with open(tmp_path / "ranks.log", "w") as out:
+        agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                  "-m", "compress.distill_launch", str(job)], env=env, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 60
+        while "distill step 0" not in (tmp_path / "ranks.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert agent.poll() is None, (tmp_path / "ranks.log").read_text()[-2000:]  # training, 100k steps to go
+        launcher.kill()
+        launcher.wait()
+        rc = agent.wait(timeout=30)  # the watch ends a rank within 2 s; torchrun then stops the other
+        assert rc != 0
+        assert "launching process" in (tmp_path / "ranks.log").read_text()
+    finally:
+        import psutil
+
+        if agent.poll() is None:
+            for child in psutil.Process(agent.pid).children(recursive=True):  # no orphaned ranks after a failure
+                child.kill()
+        for p in (agent, launcher):
+            if p.poll() is None:
+                p.kill()
