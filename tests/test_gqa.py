@@ -242,3 +242,23 @@ def test_auto_exporter_picks_gqa_where_the_model_allows(tiny):
     used, why = choose_exporter(biased, "auto")
     assert used == "dynamo" and "mlp_bias" in why
     assert choose_exporter(tiny[0], "torchscript")[0] == "torchscript"  # an explicit choice is kept
+
+
+def test_pruned_student_builds_and_passes_golden(tiny, tiny_splits, tmp_path):
+    """`auto` sends pruned students to the gqa builder too: fewer heads, KV groups, neurons and layers."""
+    from compress.config import GoldenConfig, PruneConfig
+    from compress.golden import compare_onnx, record_golden
+    from compress.gqa_builder import build_gqa_artifact, choose_exporter
+    from compress.prune import prune_model
+
+    model, tok = tiny
+    cfg = PruneConfig(enabled=True, method="structured", mlp_ratio=0.25, head_ratio=0.5, layer_ratio=0.5,
+                      sensitivity=False, protected_layers=[])
+    student, _ = prune_model(model, tiny_splits.calib, cfg)
+    c = student.config
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (1, 2, 1)
+    assert choose_exporter(student, "auto")[0] == "gqa"
+    build_gqa_artifact(student, tok, tmp_path / "student")
+    report = compare_onnx(tmp_path / "student", record_golden(student, tok, GoldenConfig().prompts, 8, 8))
+    assert report.passed, report.failures
+    assert report.metrics()["golden_max_abs_error"] < 1e-4
