@@ -6,8 +6,9 @@ a :class:`DistillJob` (paths and the config, JSON) into the checkpoint folder an
     python -m torch.distributed.run --standalone --nproc-per-node N -m compress.distill_launch <job.json>
 
 Each rank loads the teacher and the student from their folders, joins the process group (NCCL on
-GPUs, gloo on CPUs) and calls :func:`compress.distill.distill`; rank 0 streams the step metrics to
-the stage's MLflow run, writes the checkpoints and finally saves the best student to ``out_dir``.
+GPUs, gloo on CPUs) and calls :func:`compress.distill.distill`; rank 0 prints each step's metrics as
+a tagged JSON line, which the launcher hands to its ``on_log`` (the task logs them to MLflow, as in
+the one-process case), writes the checkpoints and finally saves the best student to ``out_dir``.
 The same job file runs on several nodes with torchrun's own rendezvous (docs/scaling.md). A killed
 run resumes from its last checkpoint when launched again, on any number of ranks.
 """
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +37,7 @@ JOB_FILE = "job.json"
 # Set for the ranks: the process that launched them. If it dies (a killed flow run), they stop too
 # instead of training on beside the re-run that resumes from the same checkpoint folder.
 LAUNCHER_PID_ENV = "COMPRESSOR_DISTILL_LAUNCHER_PID"
+METRICS_TAG = "@compressor-distill-metrics "
 _ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,8 +54,6 @@ class DistillJob:
     cache_dir: str = ".cache/models"
     revision: str | None = None
     trust_remote_code: bool = False
-    tracking_uri: str | None = None  # with run_id: rank 0 logs every step's metrics to this MLflow run
-    run_id: str | None = None
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)
@@ -78,11 +79,12 @@ def check_processes(cfg, nproc: int) -> str:
     return "cpu"
 
 
-def launch_distill(job: DistillJob, nproc: int) -> DistillReport:
+def launch_distill(job: DistillJob, nproc: int, on_log: Callable[[int, dict], None] | None = None) -> DistillReport:
     """Run the job on ``nproc`` local processes through torchrun; return rank 0's report.
 
-    The ranks' output is passed through to this process's stderr as it comes. A failing rank ends
-    the whole run; the error then carries the last lines of output.
+    ``on_log(step, metrics)`` gets what :func:`compress.distill.distill` would pass it, in this
+    process, as rank 0 reports it. The ranks' other output is passed through to this process's
+    stderr as it comes. A failing rank ends the whole run; the error then carries the last lines.
     """
     from compress.config import DistillConfig
 
@@ -104,8 +106,12 @@ def launch_distill(job: DistillJob, nproc: int) -> DistillReport:
                           errors="replace") as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
-            sys.stderr.write(line)
-            tail.append(line.rstrip())
+            text, metrics = _split_metrics(line)
+            if metrics is not None and on_log is not None:
+                on_log(metrics["step"], metrics["metrics"])
+            if text.strip():
+                sys.stderr.write(text)
+                tail.append(text.rstrip())
         rc = proc.wait()
     if rc != 0:
         raise DistillError(f"torchrun distillation on {nproc} processes failed (exit code {rc}); last output:\n"
@@ -116,20 +122,21 @@ def launch_distill(job: DistillJob, nproc: int) -> DistillReport:
     return DistillReport.from_dict(json.loads(report_path.read_text()))
 
 
-def _mlflow_logger(job: DistillJob):
-    """on_log for rank 0: every call becomes one MLflow log_batch on the stage's run."""
-    if not (job.tracking_uri and job.run_id):
-        return None
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
+def _print_metrics(step: int, metrics: dict) -> None:
+    """on_log of rank 0: one tagged line per call, written at once (the pipe is shared with the other ranks)."""
+    sys.stdout.write(f"{METRICS_TAG}{json.dumps({'step': step, 'metrics': metrics})}\n")
+    sys.stdout.flush()
 
-    client = MlflowClient(job.tracking_uri)
 
-    def on_log(step: int, metrics: dict) -> None:
-        ts = int(time.time() * 1000)
-        client.log_batch(job.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
-
-    return on_log
+def _split_metrics(line: str) -> tuple[str, dict | None]:
+    """(the line's other text, the metrics record it carries or None); a progress bar may precede the tag."""
+    at = line.find(METRICS_TAG)
+    if at < 0:
+        return line, None
+    try:
+        return line[:at], json.loads(line[at + len(METRICS_TAG):])
+    except json.JSONDecodeError:
+        return line, None
 
 
 def _exit_with_launcher(interval_s: float = 2.0) -> None:
@@ -184,7 +191,7 @@ def run_rank(job_path: str) -> None:
         splits = DataSplits.load(job.splits)
         masks = {k: v.bool() for k, v in load_file(job.masks).items()} if job.masks else None
         distill(student, teacher, splits, cfg, job.workdir, masks=masks,
-                on_log=_mlflow_logger(job) if rank.main else None, progress=rank.main)
+                on_log=_print_metrics if rank.main else None, progress=rank.main)
         if rank.main:
             student.save_pretrained(job.out_dir)
             tok.save_pretrained(job.out_dir)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mlflow
 from prefect import task
 from safetensors.torch import load_file
 
@@ -25,21 +24,20 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
     with child_run(parent_run_id, stage) as run:
         log_params({"distill": cfg.distill.model_dump()})
         out = folder / "model"
+        on_log = lambda step, m: log_metrics(m, step=step)  # noqa: E731
         if cfg.distill.nproc_per_node > 1:
-            # torchrun ranks (DDP); rank 0 streams the step metrics into this run and saves the student.
+            # torchrun ranks (DDP); rank 0 reports the step metrics to this process and saves the student.
             job = DistillJob(teacher_dir=teacher_dir, student_dir=student_dir, splits=splits,
                              workdir=str(folder / "ckpt"), out_dir=str(out), config=cfg.distill.model_dump(mode="json"),
                              masks=masks, cache_dir=cfg.model.cache_dir, revision=cfg.model.revision,
-                             trust_remote_code=cfg.model.trust_remote_code,
-                             tracking_uri=mlflow.get_tracking_uri() if run is not None else None,
-                             run_id=run.info.run_id if run is not None else None)
-            report = launch_distill(job, cfg.distill.nproc_per_node)
+                             trust_remote_code=cfg.model.trust_remote_code)
+            report = launch_distill(job, cfg.distill.nproc_per_node, on_log=on_log)
         else:
             teacher, tok = load_model(teacher_dir, cfg)
             student, _ = load_model(student_dir, cfg)
             keep = {k: v.bool() for k, v in load_file(masks).items()} if masks else None
             report = distill(student, teacher, load_splits(splits), cfg.distill, folder / "ckpt", masks=keep,
-                             on_log=lambda step, m: log_metrics(m, step=step))
+                             on_log=on_log)
             student.save_pretrained(out)
             tok.save_pretrained(out)
         metrics = report.metrics()
