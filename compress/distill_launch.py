@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from compress.distill import REPORT, DistillError, DistillReport, per_rank_blocks
+from compress.distill import REPORT, DistillError, DistillReport, per_rank_blocks, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,7 @@ class DistillJob:
 def check_processes(cfg, nproc: int) -> str:
     """Refuse a launch that cannot work, before any process starts; returns the device kind the ranks use."""
     per_rank_blocks(cfg, nproc)
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise DistillError("distill.device is 'cuda' but torch sees no CUDA device; set distill.device to 'auto' or 'cpu'")
-    if cfg.device != "cpu" and torch.cuda.is_available():
+    if resolve_device(cfg.device).type == "cuda":
         n_gpu = torch.cuda.device_count()
         if nproc > n_gpu:
             raise DistillError(f"distill.nproc_per_node is {nproc} but torch sees {n_gpu} CUDA device(s) on this "
@@ -166,7 +164,7 @@ def run_rank(job_path: str) -> None:
     from compress import distributed
     from compress.config import DistillConfig
     from compress.data import DataSplits
-    from compress.distill import distill, resolve_device
+    from compress.distill import distill
     from compress.models import load_teacher
 
     from transformers.utils import logging as hf_logging
