@@ -7,7 +7,7 @@ from prefect import task
 from compress.accept import accept
 from compress.config import PipelineConfig
 from compress.evaluate import evaluate_onnx
-from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_json, log_metrics, log_params
 
@@ -15,10 +15,9 @@ from tasks.tracking import child_run, log_json, log_metrics, log_params
 @task(name="accept", cache_key_fn=cache_key_fn, persist_result=True)
 def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, candidate: str,
                 baseline: str, splits: str) -> dict:
-    folder = stage_dir(cfg, stage, key)
-    if is_done(folder):
-        return read_done(folder)
-    fresh(folder)
+    folder, done = open_stage(cfg, stage, key)
+    if done is not None:
+        return done
     data = load_splits(splits)
     with child_run(parent_run_id, stage):
         log_params({"accept": cfg.accept.model_dump()})

@@ -12,7 +12,7 @@ from prefect import task
 from benchmarks.serve_bench import benchmark_artifact, ratios
 from benchmarks.workloads import fit_to_context, make_workload
 from compress.config import PipelineConfig
-from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
 
 
@@ -23,10 +23,9 @@ def _clean(d: dict) -> dict:
 @task(name="benchmark", cache_key_fn=cache_key_fn, persist_result=True)
 def benchmark_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, candidate: str,
                    baseline: str) -> dict:
-    folder = stage_dir(cfg, stage, key)
-    if is_done(folder):
-        return read_done(folder)
-    fresh(folder)
+    folder, done = open_stage(cfg, stage, key)
+    if done is not None:
+        return done
     b = cfg.benchmark
     workload = make_workload(b.requests, seed=b.seed, prompt_words=tuple(b.prompt_words), max_tokens=tuple(b.max_tokens))
     with child_run(parent_run_id, stage) as run:

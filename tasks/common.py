@@ -52,6 +52,19 @@ def fresh(folder: Path) -> Path:
     return folder
 
 
+def open_stage(cfg: PipelineConfig, stage: str, key: str, wipe: bool = True) -> tuple[Path, dict | None]:
+    """The stage's folder and, when it finished before, its result; else the folder made ready to compute
+    (emptied, or kept with wipe=False for a stage that resumes from what it left there)."""
+    folder = stage_dir(cfg, stage, key)
+    if is_done(folder):
+        return folder, read_done(folder)
+    if wipe:
+        fresh(folder)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+    return folder, None
+
+
 def mark_done(folder: Path, result: dict) -> dict:
     (folder / DONE).write_text(json.dumps(result, indent=2, default=str))
     return result

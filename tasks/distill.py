@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from compress.config import PipelineConfig
 from compress.distill import distill
 from compress.distill_launch import DistillJob, launch_distill
-from tasks.common import cache_key_fn, is_done, mark_done, read_done, stage_dir
+from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model, load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
 
@@ -16,11 +16,10 @@ from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_par
 @task(name="distill", cache_key_fn=cache_key_fn, persist_result=True)
 def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, teacher_dir: str,
                  student_dir: str, splits: str, masks: str | None = None) -> dict:
-    folder = stage_dir(cfg, stage, key)
-    if is_done(folder):
-        return read_done(folder)
     # No wipe: checkpoints under folder/ckpt let a killed run continue where it stopped.
-    folder.mkdir(parents=True, exist_ok=True)
+    folder, done = open_stage(cfg, stage, key, wipe=False)
+    if done is not None:
+        return done
     with child_run(parent_run_id, stage) as run:
         log_params({"distill": cfg.distill.model_dump()})
         out = folder / "model"

@@ -7,17 +7,16 @@ from prefect import task
 from compress.config import PipelineConfig
 from compress.export import build_artifact
 from compress.gqa_builder import build_gqa_artifact, choose_exporter
-from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir, stage_logger
+from tasks.common import cache_key_fn, mark_done, open_stage, stage_logger
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params
 
 
 @task(name="export", cache_key_fn=cache_key_fn, persist_result=True)
 def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str) -> dict:
-    folder = stage_dir(cfg, stage, key)
-    if is_done(folder):
-        return read_done(folder)
-    fresh(folder)
+    folder, done = open_stage(cfg, stage, key)
+    if done is not None:
+        return done
     with child_run(parent_run_id, stage) as run:
         model, tok = load_model(model_dir, cfg)
         art = folder / "artifact"

@@ -6,7 +6,7 @@ from prefect import task
 
 from compress.config import PipelineConfig
 from compress.golden import GoldenSet, compare_from_config, record_golden
-from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params
 
@@ -15,10 +15,9 @@ from tasks.tracking import child_run, log_metrics, log_params
 def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str,
                 artifact: str, reference_golden: str | None = None) -> dict:
     """Fails the run when the export does not reproduce its own torch model; drift vs a reference is reported only."""
-    folder = stage_dir(cfg, stage, key)
-    if is_done(folder):
-        return read_done(folder)
-    fresh(folder)
+    folder, done = open_stage(cfg, stage, key)
+    if done is not None:
+        return done
     import mlflow
 
     with child_run(parent_run_id, stage) as run:

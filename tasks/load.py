@@ -7,7 +7,7 @@ from prefect import task
 from compress.config import PipelineConfig
 from compress.data import DataSplits, splits_from_config
 from compress.models import load_teacher, model_info, resolve_source
-from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.tracking import child_run, log_metrics, log_params
 
 
@@ -21,10 +21,9 @@ def load_model(model_dir: str, cfg: PipelineConfig):
 
 @task(name="load", cache_key_fn=cache_key_fn, persist_result=True, retries=1, retry_delay_seconds=5)
 def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None) -> dict:
-    folder = stage_dir(cfg, stage, key)
-    if is_done(folder):
-        return read_done(folder)
-    fresh(folder)
+    folder, done = open_stage(cfg, stage, key)
+    if done is not None:
+        return done
     with child_run(parent_run_id, stage):
         model_dir = resolve_source(cfg.model.source, cfg.model.gguf_file, cfg.model.cache_dir)
         model, tok = load_model(model_dir, cfg)

@@ -11,7 +11,7 @@ from compress.config import PipelineConfig
 from compress.prune import prune_model
 from compress.sensitivity import sensitivity_scan
 from compress.torch_eval import perplexity
-from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model, load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params, log_rows
 
@@ -19,10 +19,9 @@ from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_par
 @task(name="prune", cache_key_fn=cache_key_fn, persist_result=True)
 def prune_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str,
                splits: str) -> dict:
-    folder = stage_dir(cfg, stage, key)
-    if is_done(folder):
-        return read_done(folder)
-    fresh(folder)
+    folder, done = open_stage(cfg, stage, key)
+    if done is not None:
+        return done
     data = load_splits(splits)
     with child_run(parent_run_id, stage) as run:
         log_params({"prune": cfg.prune.model_dump()})

@@ -10,7 +10,7 @@ from prefect import task
 from compress.accept import quantize_with_acceptance
 from compress.config import PipelineConfig
 from compress.quantize import quantize_artifact
-from tasks.common import cache_key_fn, fresh, is_done, mark_done, read_done, stage_dir
+from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_json, log_metrics, log_params
 
@@ -18,10 +18,9 @@ from tasks.tracking import child_run, log_json, log_metrics, log_params
 @task(name="quantize", cache_key_fn=cache_key_fn, persist_result=True)
 def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, src_artifact: str,
                   splits: str) -> dict:
-    folder = stage_dir(cfg, stage, key)
-    if is_done(folder):
-        return read_done(folder)
-    fresh(folder)
+    folder, done = open_stage(cfg, stage, key)
+    if done is not None:
+        return done
     data = load_splits(splits)
     out = folder / "artifact"
     with child_run(parent_run_id, stage) as run:
