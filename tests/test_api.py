@@ -4,8 +4,10 @@ result cache, metrics, backpressure (429), bad input (4xx naming the field), dis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -81,6 +83,26 @@ def engine_of_steps(http) -> float:
 
 def engine_of(server):
     return server.app.state.manager.current.engine
+
+
+@contextlib.contextmanager
+def held_steps(eng, after: int = 0):
+    """The engine's steps (past the first ``after``) wait until the block is left: a 480-token tiny-model
+    request takes well under a second on a quiet machine, so a test that needs it still running must hold it."""
+    gate, execute, calls = threading.Event(), eng.runner.execute, [0]
+
+    def held(rows):
+        calls[0] += 1
+        if calls[0] > after:
+            gate.wait(30)
+        return execute(rows)
+
+    eng.runner.execute = held
+    try:
+        yield
+    finally:
+        gate.set()
+        eng.runner.execute = execute
 
 
 def wait_for(cond, timeout=10.0, what="condition"):
@@ -263,10 +285,11 @@ def test_disconnect_mid_stream_cancels_and_frees_blocks(server, http):
     eng = engine_of(server)
     cancelled0 = eng.stats().finish_reasons.get("cancelled", 0)
     with httpx.Client(base_url=server.url, timeout=30) as c:
-        with c.stream("POST", "/v1/completions", json={"prompt": "a long story", "max_tokens": 480,
-                                                        "ignore_eos": True, "stream": True}) as r:
+        with held_steps(eng, after=1), c.stream("POST", "/v1/completions", json={
+                "prompt": "a long story", "max_tokens": 480, "ignore_eos": True, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
+            wait_for(lambda: eng.stats().num_running == 1, what="the request running")
             st = eng.stats()
             assert st.num_running == 1 and st.kv_blocks_used > 0
         # leaving the block closes the connection mid-stream
@@ -328,11 +351,11 @@ def test_full_queue_gives_429_and_admin_is_off_without_token(tiny_artifact):
     with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         assert c.post("/admin/reload", headers={"Authorization": "Bearer x"}).status_code == 404
         eng = srv.app.state.manager.current.engine
-        with c.stream("POST", "/v1/completions", json=long) as a, \
+        # The running request must not finish before the third one arrives.
+        with held_steps(eng), c.stream("POST", "/v1/completions", json=long) as a, \
                 c.stream("POST", "/v1/completions", json={**long, "prompt": "second"}) as b:
             assert a.status_code == b.status_code == 200
-            st = eng.stats()
-            assert (st.num_running, st.num_waiting) == (1, 1)
+            wait_for(lambda: (eng.stats().num_running, eng.stats().num_waiting) == (1, 1), what="1 running, 1 waiting")
             r = c.post("/v1/completions", json={"prompt": "third", "max_tokens": 4})
             assert r.status_code == 429
             assert int(r.headers["retry-after"]) >= 1
