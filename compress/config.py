@@ -239,7 +239,8 @@ class RegistryConfig(_Section):
     register_baseline: bool = True
     # Accepted candidates become `champion` (via the deploy flow) when true.
     promote: bool = False
-    # Live server to smoke-test after promotion; None = promote without a smoke test.
+    # Live server to smoke-test after promotion. None = the `serve` section's host:port when a server
+    # there serves this model, else promote without a smoke test (said in the run's final state).
     server_url: str | None = None
 
 
@@ -247,6 +248,9 @@ class MlflowConfig(_Section):
     # None = $MLFLOW_TRACKING_URI, else sqlite under <project>/mlruns (absolute path).
     tracking_uri: str | None = None
     experiment: str = "llm-compression"
+    # Where people open the UI, for the links in run summaries and Prefect states. None = the tracking
+    # server itself when tracking_uri is http(s), else $MLFLOW_UI_URL, else http://127.0.0.1:5000 (`make ui`).
+    ui_url: str | None = None
 
 
 class ServeConfig(_Section):

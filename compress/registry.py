@@ -1,13 +1,21 @@
 """MLflow model registry: register artifact folders as versions, move aliases, promote, roll back.
 
 The one compress/ module that talks to MLflow, because the registry *is* MLflow;
-it holds no pipeline logic. Aliases: ``baseline`` (exported teacher),
-``candidate`` (newest compressed model), ``champion`` (what the server serves).
+it holds no pipeline logic.
+
+A version's figures (perplexity, agreement, size, tokens/s, latencies, RSS) are the
+metrics of its source run, so MLflow's own model-version Compare page lines them up;
+its tags say only what it is (role, verdict, reasons, digest, config hash).
+
+Aliases (docs/operations.md): ``baseline`` the exported fp32 teacher of the latest run,
+``candidate`` the newest version that passed the gate and may be promoted, ``champion``
+what the servers serve (moved only by deploy, rollback or a person in the UI).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +60,23 @@ def configure(tracking_uri: str | None = None, experiment: str | None = None) ->
     return uri
 
 
+def ui_url(tracking_uri: str, configured: str | None = None) -> str:
+    """The MLflow UI address people open: configured, else the tracking server, else $MLFLOW_UI_URL or `make ui`'s."""
+    if configured:
+        return configured.rstrip("/")
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri.rstrip("/")
+    return os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
+
+
+def run_link(ui: str, experiment_id: str, run_id: str) -> str:
+    return f"{ui}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def model_link(ui: str, model_name: str, version: str | None = None) -> str:
+    return f"{ui}/#/models/{model_name}" + (f"/versions/{version}" if version else "")
+
+
 def check_reachable(tracking_uri: str) -> None:
     """Fail early, with the URI, when the tracking server cannot be reached."""
     if not tracking_uri.startswith(("http://", "https://")):
@@ -84,13 +109,15 @@ def _client():
 
 
 def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict | None = None,
-                    aliases: list[str] | None = None) -> Version:
-    """Log the artifact folder to the run and create a model version from it.
+                    aliases: list[str] | None = None, metrics: dict | None = None,
+                    params: dict | None = None) -> Version:
+    """Log the artifact folder (and the version's figures and params) to the run and create a model version from it.
 
     The files are uploaded before the version is created, so a failure leaves no
     half-registered version behind.
     """
     client = _client()
+    _log_to_run(client, run_id, metrics or {}, params or {})
     client.log_artifacts(run_id, str(folder), ARTIFACT_PATH)
     try:
         client.get_registered_model(model_name)
@@ -121,6 +148,50 @@ def list_versions(model_name: str) -> list[Version]:
     found = _client().search_model_versions(f"name='{model_name}'")
     # search_model_versions leaves aliases empty; get_model_version fills them.
     return sorted((get_version(model_name, v.version) for v in found), key=lambda v: int(v.version))
+
+
+def numeric(figures: dict) -> dict[str, float]:
+    """The finite numbers of a dict (bools as 0/1): what MLflow can store as metrics."""
+    out = {}
+    for k, v in figures.items():
+        if isinstance(v, (int, float)) and v == v and abs(v) != float("inf"):
+            out[k] = float(v)
+    return out
+
+
+def _log_to_run(client, run_id: str, metrics: dict, params: dict) -> None:
+    from mlflow.entities import Metric, Param
+
+    now = int(time.time() * 1000)
+    logged = {p.key: p.value for p in client.get_run(run_id).data.params.values()} if params else {}
+    ms = [Metric(k, v, now, 0) for k, v in numeric(metrics).items()]
+    # A param is write-once in MLflow: a reused version keeps the params it was registered with.
+    ps = [Param(k, str(v)[:500]) for k, v in params.items() if k not in logged]
+    for i in range(0, max(len(ms), len(ps)), 100):
+        client.log_batch(run_id, metrics=ms[i:i + 100], params=ps[i:i + 100])
+
+
+def log_figures(model_name: str, version: str | int, metrics: dict) -> None:
+    """Record (newer) figures of a version as metrics of its source run, where the UI compares them."""
+    v = get_version(model_name, version)
+    if v.run_id:
+        _log_to_run(_client(), v.run_id, metrics, {})
+
+
+def figures(model_name: str, version: str | int) -> dict[str, float]:
+    """A version's figures: the latest value of every metric of its source run."""
+    v = get_version(model_name, version)
+    return dict(_client().get_run(v.run_id).data.metrics) if v.run_id else {}
+
+
+def find_by_digest(model_name: str, artifact_sha256: str, config_hash: str | None = None) -> Version | None:
+    """The oldest version registered from these exact files (and, if given, under this config hash)."""
+    try:
+        versions = list_versions(model_name)
+    except Exception:
+        return None
+    return next((v for v in versions if v.tags.get("artifact_sha256") == artifact_sha256
+                 and (config_hash is None or v.tags.get("config_hash", "") == str(config_hash))), None)
 
 
 def set_alias(model_name: str, alias: str, version: str | int) -> None:

@@ -20,18 +20,26 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def cmd_run(args) -> int:
+    """Exit codes as `prefect deployment run --watch`: 0 Accepted/Completed, 1 Rejected/Blocked/failed, 2 bad input."""
     from compress.config import load_config
-    from flows.compress import compress_flow
+    from flows.outcome import RunNotAccepted
+    from flows.pipeline import compress_flow
 
     load_config(args.config, args.set)  # fail fast, before Prefect starts
     t0 = time.perf_counter()
-    out = compress_flow(config=args.config, overrides=args.set)
-    print(f"\ndone in {time.perf_counter() - t0:.0f} s")
-    print(f"MLflow run:  {out['run_id']}  ({out['tracking_uri']})")
-    for r in out["registered"]:
-        print(f"registered:  {r['name']} version {r['version']} aliases {r['aliases']}")
-    print("see it:      make ui   -> http://127.0.0.1:5000")
-    return 0
+    state = compress_flow(config=args.config, overrides=args.set, return_state=True)
+    print(f"\ndone in {time.perf_counter() - t0:.0f} s: {state.name}")
+    result = state.result(raise_on_failure=False)
+    out = result.outcome if isinstance(result, RunNotAccepted) else result
+    if isinstance(out, dict):
+        print(f"MLflow run:  {out['run_id']}  ({out['tracking_uri']})")
+        for r in out["registered"]:
+            print(f"registered:  {r['name']} version {r['version']} aliases {r['aliases']}")
+        print(f"see it:      {out['run_url']}   (make ui)")
+    print(f"{state.name}: {state.message}")
+    if state.is_completed():
+        return 0
+    return 2 if isinstance(result, _user_errors()) else 1
 
 
 def cmd_config(args) -> int:
@@ -56,7 +64,8 @@ def cmd_registry(args) -> int:
     name = args.name or cfg.registry.model_name
     if args.action == "list":
         for v in registry.list_versions(name):
-            tags = {k: v.tags[k] for k in sorted(v.tags) if k in ("role", "verdict", "golden_max_abs_error", "config_hash")}
+            tags = {k: v.tags[k] for k in sorted(v.tags) if k in ("role", "verdict", "promotion_blocked", "config_hash")
+                    and v.tags[k]}
             print(f"{name} v{v.version:>3}  aliases={','.join(v.aliases) or '-':<24} {json.dumps(tags)}")
     elif args.action == "promote":
         before = registry.promote(name, args.version, args.alias)
@@ -81,15 +90,19 @@ def _version(name: str, ref: str):
 
 
 def compare_table(name: str, a_ref: str, b_ref: str) -> str:
-    """Two versions' numeric tags side by side, with b/a ratios: accuracy and speed in one view."""
+    """Two versions' figures side by side, with b/a ratios: the terminal twin of the UI's model-version Compare."""
+    from compress import registry
+
     a, b = _version(name, a_ref), _version(name, b_ref)
-    keys = sorted(k for k in set(a.tags) | set(b.tags) if _num(a.tags.get(k)) is not None or _num(b.tags.get(k)) is not None)
+    fa, fb = registry.figures(name, a.version), registry.figures(name, b.version)
+    keys = sorted(set(fa) | set(fb))
     head = f"{'figure':<40} {'v' + a.version + ' (' + a_ref + ')':>22} {'v' + b.version + ' (' + b_ref + ')':>22} {'ratio':>8}"
     lines = [head, "-" * len(head)]
     for k in ("role", "verdict"):
         lines.append(f"{k:<40} {a.tags.get(k, '-'):>22} {b.tags.get(k, '-'):>22}")
+    lines.append(f"{'aliases':<40} {','.join(a.aliases) or '-':>22} {','.join(b.aliases) or '-':>22}")
     for k in keys:
-        x, y = _num(a.tags.get(k)), _num(b.tags.get(k))
+        x, y = _num(fa.get(k)), _num(fb.get(k))
         ratio = f"{y / x:8.3f}" if x not in (None, 0) and y is not None else ""
         fx = f"{x:>22.5g}" if x is not None else f"{'-':>22}"
         fy = f"{y:>22.5g}" if y is not None else f"{'-':>22}"

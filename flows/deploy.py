@@ -2,7 +2,9 @@
 
 The server follows the registry alias (it polls it), so promotion is the deploy;
 the smoke test waits until the server reports the new version, then sends the
-golden prompts through the OpenAI-compatible API.
+golden prompts through the OpenAI-compatible API. A server that does not answer, does
+not pick the version up, or fails a prompt fails the deploy: the alias moves back to
+where it was and the run ends Failed "Reverted" (flows/outcome.py).
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ from prefect import flow, get_run_logger
 
 from compress import registry
 from compress.config import GoldenConfig
+from flows.outcome import flow_state
 
 
 class SmokeTestFailed(RuntimeError):
     pass
 
 
-def served_version(server_url: str, model_name: str) -> str | None:
-    r = httpx.get(f"{server_url.rstrip('/')}/v1/models", timeout=5)
+def served_version(server_url: str, model_name: str, timeout: float = 5) -> str | None:
+    r = httpx.get(f"{server_url.rstrip('/')}/v1/models", timeout=timeout)
     r.raise_for_status()
     for m in r.json().get("data", []):
         if m.get("id") == model_name:
@@ -59,11 +62,26 @@ def smoke_test(server_url: str, model_name: str, prompts: list[str], max_tokens:
     return texts
 
 
+class Reverted(RuntimeError):
+    """The smoke test failed after promotion; the alias was moved back."""
+
+
 @flow(name="deploy")
-def deploy_flow(model_name: str, version: str | None = None, server_url: str | None = "http://127.0.0.1:8000",
+def deploy_flow(model_name: str, version: str | int | None = None, server_url: str | None = "http://127.0.0.1:8000",
                 alias: str = "champion", wait_s: float = 120.0, prompts: list[str] | None = None,
-                tracking_uri: str | None = None) -> dict:
-    """version None = the current `candidate`. server_url None = promote without a live smoke test."""
+                tracking_uri: str | None = None):
+    """Promote `version` (None = the current `candidate`) to `alias` and smoke-test `server_url` (None = no smoke test).
+
+    Completed "Deployed" returns {"version", "previous", "smoke", "texts"}; a failed smoke test ends Failed
+    "Reverted" with the alias back where it was (a direct call raises `Reverted`).
+    """
+    return flow_state(lambda: deploy(model_name, version, server_url, alias, wait_s, prompts, tracking_uri),
+                      "Deployed", lambda d: f"{model_name}@{alias}: {d['previous']} -> {d['version']}; smoke test "
+                                            f"{d['smoke']}" + (f" on {server_url}" if d["smoke"] == "passed" else ""))
+
+
+def deploy(model_name: str, version: str | int | None, server_url: str | None, alias: str = "champion",
+           wait_s: float = 120.0, prompts: list[str] | None = None, tracking_uri: str | None = None) -> dict:
     log = get_run_logger()
     registry.configure(tracking_uri)
     if version is None:
@@ -71,19 +89,20 @@ def deploy_flow(model_name: str, version: str | None = None, server_url: str | N
         if cand is None:
             raise registry.RegistryError(f"{model_name} has no 'candidate' alias; pass version=")
         version = cand.version
+    version = str(version)  # `-p version=3` arrives as a JSON int
     previous = registry.promote(model_name, version, alias)
     log.info("%s@%s: %s -> %s", model_name, alias, previous, version)
     if server_url is None:
-        return {"version": str(version), "previous": previous, "smoke": "skipped"}
+        return {"version": version, "previous": previous, "smoke": "skipped (no server_url)"}
     try:
-        wait_for_version(server_url, model_name, str(version), wait_s)
+        wait_for_version(server_url, model_name, version, wait_s)
         texts = smoke_test(server_url, model_name, prompts or GoldenConfig().prompts)
     except Exception as e:
         if previous is not None:
             registry.set_alias(model_name, alias, previous)
         else:
             registry.delete_alias(model_name, alias)
-        log.error("smoke test failed (%s); %s@%s moved back to %s", e, model_name, alias, previous)
-        raise
+        raise Reverted(f"smoke test of {model_name} v{version} on {server_url} failed ({e}); "
+                       f"{model_name}@{alias} moved back to {previous}") from e
     log.info("smoke test passed: %s", texts)
-    return {"version": str(version), "previous": previous, "smoke": "passed", "texts": texts}
+    return {"version": version, "previous": previous, "smoke": "passed", "texts": texts}

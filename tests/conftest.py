@@ -103,7 +103,7 @@ def mlflow_store(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_flow_run(prefect_harness, mlflow_store, tmp_path_factory):
     """The compression flow run once on configs/tiny.yaml; later tests inspect what it left."""
-    from flows.compress import compress_flow
+    from flows.pipeline import compress_flow
 
     work = tmp_path_factory.mktemp("work")
     overrides = [f"workdir={work}"]

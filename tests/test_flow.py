@@ -5,6 +5,7 @@ student export + golden, static INT8, acceptance, registration and promotion.
 """
 
 import onnx
+import pytest
 from mlflow import MlflowClient
 
 from compress import registry
@@ -49,7 +50,7 @@ def test_accepted_int8_candidate_is_registered_and_promoted(tiny_flow_run, mlflo
     base = registry.version_for_alias("tiny-llama", "baseline")
     assert cand.version == champ.version != base.version
     assert cand.tags["verdict"] == "accepted" and cand.tags["parent_run_id"] == out["run_id"]
-    assert float(cand.tags["gate_perplexity_ratio"]) <= 1.5 and cand.tags["config_hash"]
+    assert registry.figures("tiny-llama", cand.version)["gate_perplexity_ratio"] <= 1.5 and cand.tags["config_hash"]
     graph = onnx.load(out["candidate_artifact"] + "/model.onnx", load_external_data=False).graph
     assert any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in graph.node)
     assert read_manifest(out["candidate_artifact"])["num_layers"] == 2
@@ -58,13 +59,14 @@ def test_accepted_int8_candidate_is_registered_and_promoted(tiny_flow_run, mlflo
 def test_baseline_is_registered_with_its_files(tiny_flow_run, mlflow_store, tmp_path):
     registry.configure(mlflow_store)
     v = registry.version_for_alias("tiny-llama", "baseline")
-    assert v is not None and v.tags["role"] == "baseline" and float(v.tags["golden_passed"]) == 1.0
+    assert v is not None and v.tags["role"] == "baseline"
+    assert registry.figures("tiny-llama", v.version)["golden_passed"] == 1.0
     folder = registry.download("models:/tiny-llama@baseline", tmp_path / "dl")
     assert read_manifest(folder)["num_layers"] == 2  # sha256 of every file verified
 
 
 def test_rerun_resumes_from_cache_and_does_not_duplicate(tiny_flow_run, mlflow_store):
-    from flows.compress import compress_flow
+    from flows.pipeline import compress_flow
 
     before = len(registry.list_versions("tiny-llama"))
     again = compress_flow(config="configs/tiny.yaml", overrides=tiny_flow_run["overrides"])
@@ -76,34 +78,54 @@ def test_rerun_resumes_from_cache_and_does_not_duplicate(tiny_flow_run, mlflow_s
 
 
 def test_rejected_candidate_never_becomes_champion(tiny_flow_run, mlflow_store):
-    from flows.compress import compress_flow
+    from flows.outcome import RunNotAccepted
+    from flows.pipeline import compress_flow
 
     champ_before = registry.version_for_alias("tiny-llama", "champion").version
-    out = compress_flow(config="configs/tiny.yaml",
-                        overrides=tiny_flow_run["overrides"] + ["accept.min_top1_agreement=1.0", "accept.relax_trials=0"])
+    cand_before = registry.version_for_alias("tiny-llama", "candidate").version
+    base_before = registry.version_for_alias("tiny-llama", "baseline").version
+    overrides = tiny_flow_run["overrides"] + ["accept.min_top1_agreement=1.0", "accept.relax_trials=0"]
+    state = compress_flow(config="configs/tiny.yaml", overrides=overrides, return_state=True)
+    assert state.is_failed() and state.name == "Rejected"
+    assert "min_top1_agreement" in state.message and "/#/experiments/" in state.message
+    with pytest.raises(RunNotAccepted) as e:  # a direct call raises, with the run's summary
+        compress_flow(config="configs/tiny.yaml", overrides=overrides)
+    out = e.value.outcome
     assert not out["verdict"]["accepted"]
     assert any("min_top1_agreement" in r for r in out["verdict"]["reasons"])
-    cand = registry.version_for_alias("tiny-llama", "candidate")
-    assert cand.tags["verdict"] == "rejected"
+    rejected = registry.get_version("tiny-llama", out["registered"][-1]["version"])
+    assert rejected.tags["verdict"] == "rejected" and rejected.aliases == []
+    assert f"v{rejected.version} (no alias)" in state.message
+    # A rejected run moves no alias: candidate still means "may be promoted"; the teacher's files are unchanged.
+    assert registry.version_for_alias("tiny-llama", "candidate").version == cand_before
     assert registry.version_for_alias("tiny-llama", "champion").version == champ_before
-    import pytest
-
+    assert registry.version_for_alias("tiny-llama", "baseline").version == base_before
     with pytest.raises(registry.RegistryError, match="rejected"):
-        registry.promote("tiny-llama", cand.version)
+        registry.promote("tiny-llama", rejected.version)
 
 
 def test_versions_carry_serving_figures_next_to_accuracy(tiny_flow_run, mlflow_store):
     registry.configure(mlflow_store)
     cand = registry.version_for_alias("tiny-llama", "candidate")
     base = registry.version_for_alias("tiny-llama", "baseline")
+    fc, fb = registry.figures("tiny-llama", cand.version), registry.figures("tiny-llama", base.version)
     for k in ("bench_output_tokens_per_s", "bench_e2e_mean_s", "bench_e2e_p99_s", "bench_ttft_p50_s",
-              "bench_ttft_p99_s", "bench_peak_rss_mb", "perplexity"):
-        assert float(cand.tags[k]) > 0, k
-        assert float(base.tags[k]) > 0, k
-    assert float(cand.tags["top1_agreement"]) > 0  # vs the baseline, so only the candidate has it
-    assert float(cand.tags["bench_requests_failed"]) == 0
-    ratio = float(cand.tags["bench_output_tokens_per_s_ratio"])
-    assert abs(ratio - float(cand.tags["bench_output_tokens_per_s"]) / float(base.tags["bench_output_tokens_per_s"])) < 1e-6
+              "bench_ttft_p99_s", "bench_peak_rss_mb", "perplexity", "size_bytes"):
+        assert fc[k] > 0, k
+        assert fb[k] > 0, k
+    assert fc["top1_agreement"] > 0  # vs the baseline, so only the candidate has it
+    assert fc["bench_requests_failed"] == 0
+    ratio = fc["bench_output_tokens_per_s_ratio"]
+    # The baseline is one version for all runs that export the same teacher; each run records its
+    # measurement (the latest is the version's figure), and the ratio is against the same run's.
+    history = MlflowClient(mlflow_store).get_metric_history(base.run_id, "bench_output_tokens_per_s")
+    assert any(abs(ratio - fc["bench_output_tokens_per_s"] / m.value) < 1e-6 for m in history), (ratio, history)
+    # The figures are metrics of each version's source run (what MLflow's model-version Compare shows),
+    # with params saying what the version is; tags only say role and verdict.
+    run = MlflowClient(mlflow_store).get_run(cand.run_id)
+    assert run.data.metrics["perplexity"] == fc["perplexity"] and run.data.params["role"] == "candidate"
+    assert run.data.params["quantize.method"] == "static" and run.data.params["verdict"] == "accepted"
+    assert not any(k.startswith("bench_") for k in cand.tags)
     from flows.cli import compare_table
 
     table = compare_table("tiny-llama", "baseline", "candidate")
@@ -111,14 +133,21 @@ def test_versions_carry_serving_figures_next_to_accuracy(tiny_flow_run, mlflow_s
 
 
 def test_impossible_throughput_floor_blocks_promotion(tiny_flow_run, mlflow_store):
-    from flows.compress import compress_flow
+    from flows.outcome import RunNotAccepted
+    from flows.pipeline import compress_flow
 
     champ_before = registry.version_for_alias("tiny-llama", "champion").version
-    out = compress_flow(config="configs/tiny.yaml",
-                        overrides=tiny_flow_run["overrides"] + ["benchmark.min_throughput_ratio=1000"])
+    cand_before = registry.version_for_alias("tiny-llama", "candidate").version
+    state = compress_flow(config="configs/tiny.yaml", return_state=True,
+                          overrides=tiny_flow_run["overrides"] + ["benchmark.min_throughput_ratio=1000"])
+    assert state.is_failed() and state.name == "Blocked" and "min_throughput_ratio 1000" in state.message
+    out = state.result(raise_on_failure=False)
+    assert isinstance(out, RunNotAccepted)
+    out = out.outcome
     assert out["verdict"]["accepted"]  # accurate enough, but too slow for this floor
     reason = out["benchmark"]["promotion_blocked"]
     assert "min_throughput_ratio 1000" in reason
-    cand = registry.version_for_alias("tiny-llama", "candidate")
-    assert cand.tags["promotion_blocked"] == reason
+    blocked = registry.get_version("tiny-llama", out["registered"][-1]["version"])
+    assert blocked.tags["promotion_blocked"] == reason and blocked.aliases == []
+    assert registry.version_for_alias("tiny-llama", "candidate").version == cand_before
     assert registry.version_for_alias("tiny-llama", "champion").version == champ_before

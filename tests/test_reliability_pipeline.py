@@ -134,7 +134,7 @@ def test_mlflow_unreachable_fails_the_flows_at_once_naming_the_uri(prefect_harne
                                                                    monkeypatch):
     from mlflow import MlflowClient
 
-    from flows.compress import compress_flow
+    from flows.pipeline import compress_flow
     from flows.deploy import deploy_flow
 
     store = MlflowClient(tracking_uri=mlflow_store)

@@ -8,6 +8,7 @@ Re-running with the same config resumes: finished stages come from cache.
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,7 +20,8 @@ from prefect.artifacts import create_markdown_artifact
 from compress import registry
 from compress.config import PipelineConfig, load_config, project_root
 from compress.export import EXPORT_FORMAT
-from flows.deploy import deploy_flow
+from flows.deploy import deploy_flow, served_version
+from flows.outcome import pipeline_state
 from tasks.accept import accept_task
 from tasks.benchmark import benchmark_task
 from tasks.common import stage_key, submit_stage
@@ -30,7 +32,7 @@ from tasks.load import load_task
 from tasks.prune import prune_task
 from tasks.quantize import quantize_task
 from tasks.register import register_task
-from tasks.tracking import log_json, log_metrics, log_params
+from tasks.tracking import flatten, log_json, log_metrics, log_params
 
 
 KEY_FIGURES = {
@@ -55,9 +57,10 @@ class StageTimer:
 
     def markdown(self, cfg: PipelineConfig, run, tracking_uri: str, registered: list[dict],
                  verdict: dict | None = None) -> str:
+        link = registry.run_link(registry.ui_url(tracking_uri, cfg.mlflow.ui_url), run.info.experiment_id,
+                                 run.info.run_id)
         lines = [f"# Compression run `{cfg.name}`", "",
-                 f"MLflow run `{run.info.run_id}` in experiment `{cfg.mlflow.experiment}` ({tracking_uri}); "
-                 f"open it with `make ui` → http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}",
+                 f"MLflow run `{run.info.run_id}` in experiment `{cfg.mlflow.experiment}` ({tracking_uri}): {link}",
                  "", "| stage | seconds | key figures |", "|---|---:|---|"]
         for r in self.rows:
             keys = KEY_FIGURES.get(r["stage"]) or list(r["metrics"])[:6]
@@ -74,10 +77,36 @@ class StageTimer:
 
 
 def model_figures(verdict: dict) -> dict:
-    """A candidate's tags: its evaluation figures under plain names plus the gate's own figures."""
+    """A candidate's figures: its evaluation under plain names plus the gate's own figures."""
     figs = {k: v for k, v in verdict["candidate"].items() if isinstance(v, (int, float))}
     figs.update({k: v for k, v in verdict["metrics"].items() if k.startswith("gate_")})
     return figs
+
+
+VERSION_PARAM_SECTIONS = ("export", "prune", "distill", "quantize", "accept")
+
+
+def version_params(cfg: PipelineConfig, role: str, verdict: str | None = None) -> dict:
+    """What a version is, as params of its source run: MLflow's Compare shows them beside the figures."""
+    dump = cfg.model_dump(mode="json")
+    params = {"role": role, "config": cfg.name, "config_hash": cfg.section_hash(), "model.source": dump["model"]["source"],
+              "data.source": dump["data"]["source"]}
+    if verdict is not None:
+        params["verdict"] = verdict
+    if role != "baseline":
+        params.update(flatten({k: dump[k] for k in VERSION_PARAM_SECTIONS}))
+    else:
+        params.update(flatten({"export": dump["export"]}))
+    return {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in params.items()}
+
+
+def local_server_url(cfg: PipelineConfig, model_name: str) -> str | None:
+    """The `serve` section's server when one answers there and serves this model; None otherwise."""
+    url = f"http://{cfg.serve.host}:{cfg.serve.port}"
+    try:
+        return url if served_version(url, model_name, timeout=2) is not None else None
+    except Exception:
+        return None
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
@@ -103,10 +132,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         gold = timer.run("golden", submit_stage, golden_task, cfg, "golden", k_gold, parent_run_id=pid,
                          model_dir=loaded["model_dir"], artifact=teacher["artifact"])
 
+        baseline_version = None
         if cfg.registry.register_baseline:
-            tags = {"role": "baseline", "config_hash": cfg.section_hash(), **gold["metrics"]}
-            registered.append(timer.run("register_baseline", lambda: register_task(
-                cfg, pid, teacher["artifact"], ["baseline"], tags, stage="register_baseline")))
+            # Registered before the compression stages so a later failure still leaves the baseline.
+            tags = {"role": "baseline", "config_hash": cfg.section_hash()}
+            reg = timer.run("register_baseline", lambda: register_task(
+                cfg, pid, teacher["artifact"], ["baseline"], tags, stage="register_baseline",
+                metrics=gold["metrics"], params=version_params(cfg, "baseline"), same_config_only=False))
+            registered.append(reg)
+            baseline_version = reg["version"]
 
         student_dir, masks, key = loaded["model_dir"], None, k_load
         if cfg.prune.enabled:
@@ -135,7 +169,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                               src_artifact=candidate, splits=loaded["splits"])
             candidate = quant["artifact"]
 
-        verdict = None
+        verdict, deployed = None, None
         if cfg.accept.enabled:
             k = stage_key(cfg, "accept", ["accept"], cand_key, k_exp)
             verdict = timer.run("accept", submit_stage, accept_task, cfg, "accept", k, parent_run_id=pid,
@@ -152,23 +186,28 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             blocked = bench["promotion_blocked"] if bench else None
             if blocked:
                 log.warning("promotion blocked: %s", blocked)
+            # `candidate` points only at versions that may be promoted: a rejected or blocked one is
+            # registered (so it can be compared) but moves no alias.
+            aliases = ["candidate"] if status != "rejected" and not blocked else []
             tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash(),
                     "reasons": "; ".join(verdict["reasons"]) if verdict else "",
-                    "promotion_blocked": blocked or "",
-                    **(model_figures(verdict) if verdict else {}),
-                    **({f"bench_{k}": v for k, v in {**bench["candidate"], **bench["ratios"]}.items()} if bench else {})}
-            reg = timer.run("register", lambda: register_task(cfg, pid, candidate, ["candidate"], tags))
+                    "promotion_blocked": blocked or ""}
+            figures = {**(model_figures(verdict) if verdict else {}),
+                       **({f"bench_{k}": v for k, v in {**bench["candidate"], **bench["ratios"]}.items()} if bench else {})}
+            reg = timer.run("register", lambda: register_task(cfg, pid, candidate, aliases, tags, metrics=figures,
+                                                              params=version_params(cfg, "candidate", status)))
             registered.append(reg)
-            if registered[0].get("aliases") == ["baseline"] and (verdict or bench):
-                # The baseline's own figures under the same names, so the UI and `registry compare` line them up.
-                base_tags = {k: v for k, v in (verdict["baseline"] if verdict else {}).items() if isinstance(v, (int, float))}
-                base_tags.update({f"bench_{k}": v for k, v in (bench["baseline"] if bench else {}).items()})
-                registry.set_tags(cfg.registry.model_name, registered[0]["version"], base_tags)
+            if baseline_version is not None and (verdict or bench):
+                # The baseline's own figures under the same names, so the UI's Compare lines them up.
+                base = {k: v for k, v in (verdict["baseline"] if verdict else {}).items()}
+                base.update({f"bench_{k}": v for k, v in (bench["baseline"] if bench else {}).items()})
+                registry.log_figures(cfg.registry.model_name, baseline_version, base)
             if status == "accepted" and cfg.registry.promote and not blocked:
-                dep = deploy_flow(model_name=reg["name"], version=reg["version"], server_url=cfg.registry.server_url,
-                                  tracking_uri=tracking_uri)
+                deployed = deploy_flow(model_name=reg["name"], version=reg["version"],
+                                       server_url=cfg.registry.server_url or local_server_url(cfg, reg["name"]),
+                                       tracking_uri=tracking_uri)
                 reg["aliases"] = reg["aliases"] + ["champion"]
-                log.info("deployed: %s", dep)
+                log.info("deployed: %s", deployed)
             mlflow.set_tags({"verdict": status, "promotion_blocked": blocked or ""})
 
         for r in timer.rows:
@@ -177,16 +216,28 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         mlflow.log_text(summary, "summary.md")
     create_markdown_artifact(markdown=summary, key="compress-summary", description=f"compression run {cfg.name}")
     log.info("\n%s", summary)
+    ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)
     return {"run_id": pid, "tracking_uri": tracking_uri, "stages": timer.rows, "registered": registered,
             "teacher_artifact": teacher["artifact"], "candidate_artifact": candidate, "golden": gold["metrics"],
-            "verdict": verdict, "benchmark": bench}
+            "verdict": verdict, "benchmark": bench, "deployed": deployed,
+            "run_url": registry.run_link(ui, parent.info.experiment_id, pid),
+            "model_url": registry.model_link(ui, cfg.registry.model_name)}
 
 
 @flow(name="compress", log_prints=True)
-def compress_flow(config: str = "configs/default.yaml", overrides: list[str] | None = None) -> dict:
-    """Run the compression DAG for a YAML config (path relative to the project root) with KEY=VALUE overrides."""
+def compress_flow(config: str = "configs/default.yaml", overrides: list[str] | None = None):
+    """Run the compression DAG for a YAML config (path relative to the project root) with KEY=VALUE overrides.
+
+    The final state says the outcome (docs/operations.md): Completed "Accepted" (or "Completed" when no
+    gate ran) returns the run's summary dict; Failed "Rejected" / "Blocked" and Failed "<ErrorName>" for
+    bad input carry the reasons, the versions and the MLflow link in their message, and a direct call
+    raises `RunNotAccepted` (with `.outcome`) or the error itself.
+    """
+    return pipeline_state(lambda: run_pipeline(load_config(resolve_config_path(config), overrides or [])))
+
+
+def resolve_config_path(config: str) -> Path:
     path = Path(config)
     if not path.is_absolute() and not path.exists():
         path = project_root() / path
-    cfg = load_config(path, overrides or [])
-    return run_pipeline(cfg)
+    return path
