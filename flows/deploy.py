@@ -32,16 +32,25 @@ def served_version(server_url: str, model_name: str, timeout: float = 5) -> str 
     return None
 
 
-def wait_for_version(server_url: str, model_name: str, version: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = None
+def wait_for_version(server_url: str, model_name: str, version: str, timeout_s: float,
+                     unreachable_s: float = 15.0) -> None:
+    """Until the server reports `version`; a server that never answers fails after `unreachable_s`."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last, answered = None, False
     while time.monotonic() < deadline:
         try:
             last = served_version(server_url, model_name)
+            answered = True
             if last == str(version):
                 return
         except httpx.HTTPError as e:
             last = f"unreachable ({type(e).__name__})"
+            if not answered and time.monotonic() - start > unreachable_s:
+                raise SmokeTestFailed(
+                    f"no server answers at {server_url} ({type(e).__name__}); start one that follows the alias "
+                    f"(compressor serve --model models:/{model_name}@champion) or pass -p server_url=null to "
+                    f"promote without a smoke test") from None
         time.sleep(0.5)
     raise SmokeTestFailed(f"server {server_url} still serves version {last} of {model_name} after {timeout_s:.0f} s, not {version}")
 

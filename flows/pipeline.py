@@ -203,9 +203,12 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 base.update({f"bench_{k}": v for k, v in (bench["baseline"] if bench else {}).items()})
                 registry.log_figures(cfg.registry.model_name, baseline_version, base)
             if status == "accepted" and cfg.registry.promote and not blocked:
-                deployed = deploy_flow(model_name=reg["name"], version=reg["version"],
-                                       server_url=cfg.registry.server_url or local_server_url(cfg, reg["name"]),
+                server_url = cfg.registry.server_url or local_server_url(cfg, reg["name"])
+                deployed = deploy_flow(model_name=reg["name"], version=reg["version"], server_url=server_url,
                                        tracking_uri=tracking_uri)
+                if server_url is None:
+                    deployed["smoke"] = (f"skipped (no server at http://{cfg.serve.host}:{cfg.serve.port} serves "
+                                         f"{reg['name']}; set registry.server_url to smoke-test another)")
                 reg["aliases"] = reg["aliases"] + ["champion"]
                 log.info("deployed: %s", deployed)
             mlflow.set_tags({"verdict": status, "promotion_blocked": blocked or ""})

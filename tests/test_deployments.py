@@ -1,4 +1,7 @@
-"""prefect.yaml against a real Prefect server and process worker: deploy, run on demand, reject bad parameters."""
+"""Every deployment in prefect.yaml, run as the README says, against a real Prefect server, a process worker,
+a real MLflow store and live model servers: compress (accepted, rejected, bad input), deploy (smoke test passes;
+a failing smoke test moves the alias back), rollback. Asserts final states, `--watch` exit codes and output,
+and where the aliases point."""
 
 from __future__ import annotations
 
@@ -41,7 +44,9 @@ def prefect_server(tmp_path_factory):
     port = _free_port()
     env = {**os.environ, "PREFECT_HOME": str(tmp / "home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
            "COMPRESSOR_POOL": "test-pool", "PWD": str(ROOT), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
+           # As `make prefect-server`: `--watch` streams the flow's logs (the verdict and its reasons) only with these.
+           "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true", "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true"}
     server = _start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp / "server.log")
     try:
         deadline = time.monotonic() + 180
@@ -82,12 +87,107 @@ def test_deploy_and_run_on_demand(prefect_server):
 
     worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", "test-pool"], env, tmp / "worker.log")
     try:
-        run = _cli(env, "deployment", "run", "compress/on-demand", "-p", "config=configs/tiny.yaml",
-                   "-p", f'overrides=["workdir={tmp / "work"}"]', "--watch", timeout=600)
-        assert run.returncode == 0, run.stdout[-3000:] + (tmp / "worker.log").read_text()[-3000:]
-        assert (tmp / "work" / "export").is_dir()
-        failing = _cli(env, "deployment", "run", "compress/on-demand", "-p", "config=configs/missing.yaml", "--watch",
-                       timeout=600)
-        assert failing.returncode == 1
+        _operator_loop(env, tmp)
     finally:
         _stop(worker)
+
+
+def _watch(env, tmp, *args) -> tuple[int, str]:
+    run = _cli(env, "deployment", "run", *args, "--watch", timeout=600)
+    out = " ".join((run.stdout + run.stderr).split())  # rich wraps long lines
+    return run.returncode, out + "\n--- worker log ---\n" + (tmp / "worker.log").read_text()[-3000:]
+
+
+def _aliases(env) -> dict:
+    from mlflow import MlflowClient
+
+    model = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_registered_model("tiny-llama")
+    return {k: str(v) for k, v in model.aliases.items()}
+
+
+def _served(url: str) -> str | None:
+    try:
+        data = httpx.get(url + "/v1/models", timeout=5).json()["data"]
+    except httpx.HTTPError:
+        return None
+    return str(data[0]["version"]) if data else None
+
+
+def _serve(env, tmp, model: str, name: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = _start([sys.executable, "-m", "serve", "--model", model, "--port", str(port),
+                   "--set", "serve.poll_interval_s=0.5", "--set", "serve.kv_memory_mb=8"], env, tmp / f"{name}.log")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while _served(url) is None:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp / f"{name}.log").read_text()[-2000:]
+        time.sleep(0.5)
+    return proc, url
+
+
+def _wait_served(url: str, version: str) -> None:
+    deadline = time.monotonic() + 60
+    while _served(url) != version:
+        assert time.monotonic() < deadline, f"{url} serves {_served(url)}, not {version}"
+        time.sleep(0.5)
+
+
+def _operator_loop(env, tmp):
+    work = f"workdir={tmp / 'work'}"
+    # compress/on-demand, accepted: the README's command (plus a scratch workdir).
+    rc, out = _watch(env, tmp, "compress/on-demand", "-p", "config=configs/tiny.yaml", "-p", f'overrides=["{work}"]')
+    assert rc == 0 and "Flow run finished successfully in 'Accepted'" in out, out[-4000:]
+    assert "tiny-llama v1 (baseline)" in out and "tiny-llama v2 (candidate, champion)" in out, out[-4000:]
+    assert "/#/experiments/" in out  # the MLflow link
+    assert (tmp / "work" / "export").is_dir()
+    assert _aliases(env) == {"baseline": "1", "candidate": "2", "champion": "2"}
+
+    # compress/on-demand, rejected by the gate: exit 1, the verdict and its reason on screen, no alias moves.
+    rc, out = _watch(env, tmp, "compress/on-demand", "-p", "config=configs/tiny.yaml",
+                     "-p", f'overrides=["{work}", "accept.min_top1_agreement=1.0", "accept.relax_trials=0"]')
+    assert rc == 1 and "Flow run finished in state 'Rejected'" in out, out[-4000:]
+    assert "min_top1_agreement" in out and "tiny-llama v3 (no alias)" in out, out[-4000:]
+    assert _aliases(env) == {"baseline": "1", "candidate": "2", "champion": "2"}
+
+    # Bad input: exit 1, the state names the error and the output names the key.
+    rc, out = _watch(env, tmp, "compress/on-demand", "-p", "config=configs/tiny.yaml",
+                     "-p", f'overrides=["{work}", "data.bogus=1"]')
+    assert rc == 1 and "Flow run finished in state 'ConfigError'" in out and "data.bogus: unknown key" in out, out[-4000:]
+    missing = _watch(env, tmp, "compress/on-demand", "-p", "config=configs/missing.yaml")
+    assert missing[0] == 1 and "configs/missing.yaml" in missing[1], missing[1][-4000:]
+
+    # deploy/on-demand against a live server that follows the alias; `-p version=1` is a JSON int, as typed.
+    live, live_url = _serve(env, tmp, "models:/tiny-llama@champion", "live")
+    pinned = None
+    try:
+        assert _served(live_url) == "2"
+        rc, out = _watch(env, tmp, "deploy/on-demand", "-p", "model_name=tiny-llama", "-p", "version=1",
+                         "-p", f"server_url={live_url}")
+        assert rc == 0 and "Flow run finished successfully in 'Deployed'" in out, out[-4000:]
+        assert "tiny-llama@champion: 2 -> 1; smoke test passed" in out, out[-4000:]
+        assert _aliases(env)["champion"] == "1" and _served(live_url) == "1"
+
+        # A server that does not pick the version up fails the smoke test: the alias moves back.
+        pinned, pinned_url = _serve(env, tmp, "models:/tiny-llama/1", "pinned")
+        rc, out = _watch(env, tmp, "deploy/on-demand", "-p", "model_name=tiny-llama", "-p", "version=2",
+                         "-p", f"server_url={pinned_url}", "-p", "wait_s=4")
+        assert rc == 1 and "Flow run finished in state 'Reverted'" in out, out[-4000:]
+        assert "tiny-llama@champion moved back to 1" in out, out[-4000:]
+        assert _aliases(env)["champion"] == "1"
+
+        # A rejected version is refused before anything moves.
+        rc, out = _watch(env, tmp, "deploy/on-demand", "-p", "model_name=tiny-llama", "-p", "version=3",
+                         "-p", f"server_url={live_url}")
+        assert rc == 1 and "Flow run finished in state 'RegistryError'" in out and "rejected" in out, out[-4000:]
+        assert _aliases(env)["champion"] == "1"
+
+        # rollback/on-demand: back to the version champion pointed at before; the live server follows.
+        rc, out = _watch(env, tmp, "rollback/on-demand", "-p", "model_name=tiny-llama")
+        assert rc == 0 and "Flow run finished successfully in 'RolledBack'" in out, out[-4000:]
+        assert "tiny-llama@champion: 1 -> 2" in out, out[-4000:]
+        assert _aliases(env)["champion"] == "2"
+        _wait_served(live_url, "2")
+    finally:
+        _stop(live)
+        if pinned is not None:
+            _stop(pinned)
