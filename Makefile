@@ -32,9 +32,16 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q tests
 
+# The MLflow UI on the project's store: `make ui UI_PORT=5001` when 5000 is taken. Run summaries link to
+# $MLFLOW_UI_URL (exported here, so a pipeline started from this Makefile links to this port).
+UI_PORT ?= 5000
+export MLFLOW_UI_URL ?= http://127.0.0.1:$(UI_PORT)
 ui: setup
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db --default-artifact-root $(CURDIR)/mlruns --host 127.0.0.1 --port 5000 --workers 1
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db --default-artifact-root $(CURDIR)/mlruns --host 127.0.0.1 --port $(UI_PORT) --workers 1
 
+# Log streaming on: `prefect deployment run ... --watch` then prints the run's logs (the verdict and its reasons).
+prefect-server: export PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED ?= true
+prefect-server: export PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED ?= true
 prefect-server: setup
 	$(BIN)/prefect server start --host 127.0.0.1
 

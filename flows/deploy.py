@@ -86,7 +86,7 @@ def deploy_flow(model_name: str, version: str | int | None = None, server_url: s
     """
     return flow_state(lambda: deploy(model_name, version, server_url, alias, wait_s, prompts, tracking_uri),
                       "Deployed", lambda d: f"{model_name}@{alias}: {d['previous']} -> {d['version']}; smoke test "
-                                            f"{d['smoke']}" + (f" on {server_url}" if d["smoke"] == "passed" else ""))
+                                            f"{d['smoke']}")
 
 
 def deploy(model_name: str, version: str | int | None, server_url: str | None, alias: str = "champion",
@@ -114,4 +114,4 @@ def deploy(model_name: str, version: str | int | None, server_url: str | None, a
         raise Reverted(f"smoke test of {model_name} v{version} on {server_url} failed ({e}); "
                        f"{model_name}@{alias} moved back to {previous}") from e
     log.info("smoke test passed: %s", texts)
-    return {"version": version, "previous": previous, "smoke": "passed", "texts": texts}
+    return {"version": version, "previous": previous, "smoke": f"passed on {server_url}", "texts": texts}

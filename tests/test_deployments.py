@@ -187,6 +187,15 @@ def _operator_loop(env, tmp):
         assert "tiny-llama@champion: 1 -> 2" in out, out[-4000:]
         assert _aliases(env)["champion"] == "2"
         _wait_served(live_url, "2")
+
+        # A pipeline run that promotes smoke-tests the server of its `serve` section when one serves the model.
+        port = live_url.rsplit(":", 1)[1]
+        rc, out = _watch(env, tmp, "compress/on-demand", "-p", "config=configs/tiny.yaml",
+                         "-p", f'overrides=["{work}", "serve.port={port}"]')
+        assert rc == 0 and "Flow run finished successfully in 'Accepted'" in out, out[-4000:]
+        assert f"champion 2 -> 4, smoke test passed on {live_url}" in out, out[-4000:]
+        assert _aliases(env) == {"baseline": "1", "candidate": "4", "champion": "4"}
+        assert _served(live_url) == "4"
     finally:
         _stop(live)
         if pinned is not None:
