@@ -384,6 +384,16 @@ def shoot(base: str, t: dict, out: Path, args: argparse.Namespace) -> list[Path]
     parent = t["parent"]
     parent_name = parent.info.run_name or parent.info.run_id
 
+    def columns_rendered(page, cols: list[str]) -> bool:
+        """The chosen columns are in the table (they come from MLflow's own stored state: version-specific)."""
+        try:
+            for col in cols:
+                page.locator(f".ag-header-cell[col-id={json.dumps(col)}]").first.wait_for(state="attached",
+                                                                                      timeout=10000)
+        except PlaywrightTimeout:
+            return False
+        return True
+
     def settle(page) -> None:
         """Network quiet, then the frame after it painted (the UI polls, so networkidle may never come)."""
         try:
@@ -448,9 +458,8 @@ def shoot(base: str, t: dict, out: Path, args: argparse.Namespace) -> list[Path]
             log(f"runs table: {url}")
             page.goto(url)
             page.get_by_text(parent_name, exact=True).first.wait_for(state="visible")
-            for col in t["columns"]:
-                page.locator(f".ag-header-cell[col-id={json.dumps(col)}]").first.wait_for(state="attached")
-            fit = page.evaluate(FIT_COLUMNS_JS, t["columns"]) if t["columns"] else None
+            columns_shown = columns_rendered(page, t["columns"])
+            fit = page.evaluate(FIT_COLUMNS_JS, t["columns"]) if t["columns"] and columns_shown else None
             if fit and fit["widths"]:  # wide enough for the header names: reload with the widths stored
                 for state in table_state.values():
                     state.update(columnOrder=fit["order"], columnWidths=fit["widths"])
@@ -465,8 +474,9 @@ def shoot(base: str, t: dict, out: Path, args: argparse.Namespace) -> list[Path]
                     page.locator(".ag-row", has_text=parent_name).first.locator(
                         "button[data-component-id*='runnamecellrenderer']").first.click()
                     first_stage.wait_for(state="visible")
-            for col in t["columns"]:
-                page.locator(f".ag-header-cell[col-id={json.dumps(col)}]").first.wait_for(state="attached")
+            if not columns_rendered(page, t["columns"]):
+                log(f"warning: the runs table does not show all of {', '.join(t['columns'])}: no such metric/param/tag "
+                    f"on these runs, or an MLflow UI that ignores the stored column choice")
             save(page, "1-runs-table.png")
 
             # 2. the pipeline (parent) run and its stage runs
