@@ -69,12 +69,17 @@ def ui_url(tracking_uri: str, configured: str | None = None) -> str:
     return os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
 
 
+# MLflow 3's UI opens in its GenAI view unless the link asks for "Model training" (a per-browser setting
+# otherwise; an experiment cannot choose), and that view hides the model registry.
+ML_VIEW = "?workflowType=machine_learning"
+
+
 def run_link(ui: str, experiment_id: str, run_id: str) -> str:
-    return f"{ui}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{ui}/#/experiments/{experiment_id}/runs/{run_id}{ML_VIEW}"
 
 
 def model_link(ui: str, model_name: str, version: str | None = None) -> str:
-    return f"{ui}/#/models/{model_name}" + (f"/versions/{version}" if version else "")
+    return f"{ui}/#/models/{model_name}" + (f"/versions/{version}" if version else "") + ML_VIEW
 
 
 def check_reachable(tracking_uri: str) -> None:
@@ -217,7 +222,8 @@ def promote(model_name: str, version: str | int, alias: str = "champion", verify
     if verify:
         verify_version(model_name, version)
     set_alias(model_name, alias, version)
-    set_tags(model_name, version, {"previous_" + alias: before.version if before else ""})
+    if before is not None:
+        set_tags(model_name, version, {"previous_" + alias: before.version})
     return before.version if before else None
 
 

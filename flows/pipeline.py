@@ -173,7 +173,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         if cfg.accept.enabled:
             k = stage_key(cfg, "accept", ["accept"], cand_key, k_exp)
             verdict = timer.run("accept", submit_stage, accept_task, cfg, "accept", k, parent_run_id=pid,
-                                candidate=candidate, baseline=teacher["artifact"], splits=loaded["splits"])
+                                candidate=candidate, baseline=teacher["artifact"], splits=loaded["splits"],
+                                evaluated=quant.get("evaluation") if cfg.quantize.enabled else None)
             for reason in verdict["reasons"]:
                 log.warning("acceptance: %s", reason)
         bench = None
@@ -189,9 +190,12 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             # `candidate` points only at versions that may be promoted: a rejected or blocked one is
             # registered (so it can be compared) but moves no alias.
             aliases = ["candidate"] if status != "rejected" and not blocked else []
-            tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash(),
-                    "reasons": "; ".join(verdict["reasons"]) if verdict else "",
-                    "promotion_blocked": blocked or ""}
+            tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash()}
+            # Only tags that say something: the UI shows an empty `promotion_blocked` as a badge.
+            if verdict and verdict["reasons"]:
+                tags["reasons"] = "; ".join(verdict["reasons"])
+            if blocked:
+                tags["promotion_blocked"] = blocked
             figures = {**(model_figures(verdict) if verdict else {}),
                        **({f"bench_{k}": v for k, v in {**bench["candidate"], **bench["ratios"]}.items()} if bench else {})}
             reg = timer.run("register", lambda: register_task(cfg, pid, candidate, aliases, tags, metrics=figures,
@@ -211,7 +215,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                                          f"{reg['name']}; set registry.server_url to smoke-test another)")
                 reg["aliases"] = reg["aliases"] + ["champion"]
                 log.info("deployed: %s", deployed)
-            mlflow.set_tags({"verdict": status, "promotion_blocked": blocked or ""})
+            mlflow.set_tags({"verdict": status, **({"promotion_blocked": blocked} if blocked else {})})
 
         for r in timer.rows:
             log_metrics({f"{r['stage']}_seconds": r["seconds"], **r["metrics"]})
