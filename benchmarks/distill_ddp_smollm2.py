@@ -1,7 +1,7 @@
 """SmolLM2-135M distillation on N torchrun ranks against one process, same config, same run: time per step and agreement.
 
-    .venv/bin/python benchmarks/distill_ddp_smollm2.py                     # 2 ranks vs 1 process, 6 steps
-    .venv/bin/python benchmarks/distill_ddp_smollm2.py --nproc 4 --steps 20 --batch-size 16   # on a 4-GPU node
+    .venv/bin/python -m benchmarks.distill_ddp_smollm2                     # 2 ranks vs 1 process, 6 steps
+    .venv/bin/python -m benchmarks.distill_ddp_smollm2 --nproc 4 --steps 20 --batch-size 16   # on a 4-GPU node
 
 Student: 25 % of the MLP neurons pruned (activation importance, no sensitivity scan). Both runs
 use compress.distill with the same DistillConfig; the ranks go through compress.distill_launch

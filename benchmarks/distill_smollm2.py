@@ -1,7 +1,7 @@
 """Distil a 25%-MLP-pruned SmolLM2-135M from the unpruned one on this CPU: the figures of docs/distillation.md.
 
-    .venv/bin/python benchmarks/distill_smollm2.py --compare-ce       # KD with the defaults, and CE alone (40 steps)
-    .venv/bin/python benchmarks/distill_smollm2.py --steps 60 --eval-every 20   # the demo budget
+    .venv/bin/python -m benchmarks.distill_smollm2 --compare-ce       # KD with the defaults, and CE alone (40 steps)
+    .venv/bin/python -m benchmarks.distill_smollm2 --steps 60 --eval-every 20   # the demo budget
 
 Student: compress.prune.prune_model, structured, 25% of the MLP neurons of every layer by
 activation importance on the calib split (no distillation, no fine-tuning). Data: the embedded

@@ -1,7 +1,7 @@
 """Sequential batch-1 decoding vs the engine's continuous batching, in generated tokens per second.
 
-    python benchmarks/engine_bench.py --artifact artifacts/<run>/fp32 --concurrency 1 8 32
-    python benchmarks/engine_bench.py --artifact <standard artifact> <gqa artifact>   # layouts side by side
+    python -m benchmarks.engine_bench --artifact artifacts/<run>/fp32 --concurrency 1 8 32
+    python -m benchmarks.engine_bench --artifact <standard artifact> <gqa artifact>   # layouts side by side
 
 Baseline ("sequential"): one request after another on the same ONNX graph, batch 1, the
 plain loop (present fed back as past, no block pool): what a server without batching does.

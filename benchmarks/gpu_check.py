@@ -1,7 +1,7 @@
 """The torch side of the project on a GPU, in one short run: what a lent GPU machine can verify in minutes.
 
-    python3 benchmarks/gpu_check.py --out "$OUT"          # on the GPU machine (needs torch, transformers, pydantic)
-    .venv/bin/python benchmarks/gpu_check.py --cpu        # the same plumbing on a CPU, for a dry run
+    python3 -m benchmarks.gpu_check --out "$OUT"          # on the GPU machine (needs torch, transformers, pydantic)
+    .venv/bin/python -m benchmarks.gpu_check --cpu        # the same plumbing on a CPU, for a dry run
 
 Checks, reported as one JSON (printed, and written to --out/gpu_check.json):
 
@@ -30,7 +30,6 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Decode step time, standard layout vs gqa layout, same model, same run (ratios hold on a shared machine).
 
-    python benchmarks/gqa_bench.py --standard .cache/bench/smollm2-fp32 --gqa .cache/bench/smollm2-gqa \
+    python -m benchmarks.gqa_bench --standard .cache/bench/smollm2-fp32 --gqa .cache/bench/smollm2-gqa \
         --batch 1 8 32 --past 128
 
 standard: session.run with right-sized past tensors [B, kv_heads, past, head_dim] (what serve/runner.py feeds

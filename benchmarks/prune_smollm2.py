@@ -1,10 +1,10 @@
 """Prune SmolLM2-135M several ways and measure each variant, without fine-tuning (docs/pruning.md).
 
-  .venv/bin/python benchmarks/prune_smollm2.py                       # every variant, then the table
-  .venv/bin/python benchmarks/prune_smollm2.py --only mlp25_kv1      # some variants (results cached per variant)
-  .venv/bin/python benchmarks/prune_smollm2.py --export mlp25_kv1    # also export it to ONNX, size + ORT check
-  .venv/bin/python benchmarks/prune_smollm2.py --table               # print the table from the cached results
-  .venv/bin/python benchmarks/prune_smollm2.py --stage mlp35         # what tasks/prune.py does, timed by part
+  .venv/bin/python -m benchmarks.prune_smollm2                       # every variant, then the table
+  .venv/bin/python -m benchmarks.prune_smollm2 --only mlp25_kv1      # some variants (results cached per variant)
+  .venv/bin/python -m benchmarks.prune_smollm2 --export mlp25_kv1    # also export it to ONNX, size + ORT check
+  .venv/bin/python -m benchmarks.prune_smollm2 --table               # print the table from the cached results
+  .venv/bin/python -m benchmarks.prune_smollm2 --stage mlp35         # what tasks/prune.py does, timed by part
 
 Data: compress.data.make_splits(tok, 'embedded', block_size=128, train_blocks=64, calib_blocks=16,
 eval_blocks=32). Importance and sensitivity read only the calib split; perplexity, KL and top-1 agreement
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 OUT = ROOT / ".cache" / "bench" / "prune"
 
 # name -> PruneConfig fields (over the defaults below)

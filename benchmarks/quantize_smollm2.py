@@ -1,8 +1,8 @@
 """Quantize SmolLM2-135M every way compress/quantize.py offers and measure each variant (docs/quantization.md).
 
-  .venv/bin/python benchmarks/quantize_smollm2.py                 # every variant, then the table
-  .venv/bin/python benchmarks/quantize_smollm2.py --only w8a8_sq  # one variant (results are cached per variant)
-  .venv/bin/python benchmarks/quantize_smollm2.py --table         # print the table from the cached results
+  .venv/bin/python -m benchmarks.quantize_smollm2                 # every variant, then the table
+  .venv/bin/python -m benchmarks.quantize_smollm2 --only w8a8_sq  # one variant (results are cached per variant)
+  .venv/bin/python -m benchmarks.quantize_smollm2 --table         # print the table from the cached results
 
 The fp32 teacher artifact is exported once to .cache/bench/smollm2-fp32 (dynamo, ~1-4 min) and reused.
 Each variant runs in its own process so its peak RSS is its own. Eval: 32 blocks of 128 tokens of the
@@ -214,7 +214,8 @@ def main() -> None:
         return
     for n in names:
         print(f"== {n}", flush=True)
-        subprocess.run([sys.executable, __file__, "--inproc", "--only", n], check=False)
+        subprocess.run([sys.executable, "-m", "benchmarks.quantize_smollm2", "--inproc", "--only", n], cwd=ROOT,
+                       check=False)
     print(table(load_rows()))
 
 

@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     s.set_defaults(fn=cmd_serve)
 
-    from benchmarks import kv_calc
+    from loadtest import kv_calc
 
     k = sub.add_parser("kv-calc", help="KV-cache memory for a model shape, context and concurrency (or what fits a budget)")
     kv_calc.add_arguments(k)

@@ -1,4 +1,4 @@
-"""What a user would run instead of the server, on the same requests: the baselines of benchmarks/run.py.
+"""What a user would run instead of the server, on the same requests: the baselines of loadtest/run.py.
 
 - ``hf_sequential``: transformers ``generate``, batch 1, one request after another (greedy).
 - ``hf_static``: transformers ``generate`` on left-padded batches of ``batch_size`` requests in
@@ -7,13 +7,13 @@
   loop, present fed back as past; ``batch_size=1`` is sequential ORT.
 - ``genai``: onnxruntime-genai's generator on a model folder made by its model builder. It needs
   the CPU ``onnxruntime`` wheel, which conflicts with this venv's onnxruntime-gpu, so it runs in
-  its own venv (``.cache/genai-venv``) as a subprocess: see ``benchmarks/genai_worker.py``.
+  its own venv (``.cache/genai-venv``) as a subprocess: see ``loadtest/genai_worker.py``.
 
 Every request generates exactly its ``max_tokens`` (EOS ignored, as the workload asks the server),
 and only those tokens count: a static batch's extra rows are waste. Latencies are service times:
 from the moment the request's batch starts (the baselines have no arrival process).
 
-Each baseline runs in a subprocess of its own (``python -m benchmarks.baselines KIND ...``), so
+Each baseline runs in a subprocess of its own (``python -m loadtest.baselines KIND ...``), so
 its peak RSS (kernel high-water mark) and CPU time are its own and torch's threads never compete
 with the server's.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.loadgen import BenchResult, RequestRecord, read_peak_rss
+from loadtest.loadgen import BenchResult, RequestRecord, read_peak_rss
 
 _ROOT = Path(__file__).resolve().parent.parent
 GENAI_PYTHON = _ROOT / ".cache" / "genai-venv" / "bin" / "python"
@@ -202,10 +202,10 @@ def run_isolated(kind: str, workload: list[dict], *, model_dir: str | None = Non
             why = genai_available()
             if why:
                 raise RuntimeError(why)
-            cmd = [str(GENAI_PYTHON), str(_ROOT / "benchmarks" / "genai_worker.py"), "--model", str(genai_model),
+            cmd = [str(GENAI_PYTHON), str(Path(__file__).with_name("genai_worker.py")), "--model", str(genai_model),
                    "--workload", str(wl), "--out", str(out), "--batch-size", str(batch_size)]
         else:
-            cmd = [sys.executable, "-m", "benchmarks.baselines", kind, "--workload", str(wl), "--out", str(out),
+            cmd = [sys.executable, "-m", "loadtest.baselines", kind, "--workload", str(wl), "--out", str(out),
                    "--batch-size", str(batch_size), "--threads", str(threads)]
             cmd += ["--model-dir", str(model_dir)] if kind.startswith("hf") else ["--artifact", str(artifact)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
@@ -231,10 +231,10 @@ def result_from_json(d: dict) -> BenchResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.baselines", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m loadtest.baselines", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=["hf", "ort"])
-    p.add_argument("--workload", required=True, help="JSON list of requests (benchmarks.workloads)")
+    p.add_argument("--workload", required=True, help="JSON list of requests (loadtest.workloads)")
     p.add_argument("--out", required=True, help="where to write the result JSON")
     p.add_argument("--model-dir", help="hf: a HF model folder or 'embedded'")
     p.add_argument("--artifact", help="ort: an artifact folder (layout standard)")

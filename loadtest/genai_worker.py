@@ -1,11 +1,11 @@
-"""onnxruntime-genai baseline, run by ``benchmarks.baselines.run_isolated`` inside ``.cache/genai-venv``.
+"""onnxruntime-genai baseline, run by ``loadtest.baselines.run_isolated`` inside ``.cache/genai-venv``.
 
 Standalone on purpose (no project imports): that venv holds the CPU ``onnxruntime`` wheel
 onnxruntime-genai needs, which must not meet this project's onnxruntime-gpu. Batch 1, greedy,
 exactly ``max_tokens`` new tokens per request (min_length = max_length), one request after another.
-Writes the result JSON that ``benchmarks.baselines.result_from_json`` reads.
+Writes the result JSON that ``loadtest.baselines.result_from_json`` reads.
 
-    .cache/genai-venv/bin/python benchmarks/genai_worker.py --model <builder output> --workload w.json --out r.json
+    .cache/genai-venv/bin/python loadtest/genai_worker.py --model <builder output> --workload w.json --out r.json
 """
 
 from __future__ import annotations

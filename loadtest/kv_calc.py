@@ -4,9 +4,9 @@ One token of K/V costs ``2 (K and V) x layers x kv_heads x head_dim x dtype byte
 holds ``context`` tokens (rounded up to whole blocks when the server pages them); ``concurrency``
 sequences hold that many times more. Weights and activations come on top.
 
-    python -m benchmarks.kv_calc --preset llama-2-7b --dtype float16 --context 4096 --concurrency 32
-    python -m benchmarks.kv_calc --manifest artifacts/.../manifest.json --context 2048 --budget-gib 1
-    python -m benchmarks.kv_calc --hf-config path/to/hf_folder --context 8192 --budget-gib 24 --json
+    python -m loadtest.kv_calc --preset llama-2-7b --dtype float16 --context 4096 --concurrency 32
+    python -m loadtest.kv_calc --manifest artifacts/.../manifest.json --context 2048 --budget-gib 1
+    python -m loadtest.kv_calc --hf-config path/to/hf_folder --context 8192 --budget-gib 24 --json
 
 From Python: ``kv_bytes_per_token``, ``kv_memory_bytes``, ``max_concurrency``, ``max_context``,
 ``shape_from_manifest``, ``shape_from_hf_config``; ``main(argv)`` is the CLI.
@@ -185,7 +185,7 @@ def _print(r: dict) -> None:
               f"{r.get('concurrency', 1):,} concurrent")
 
 
-def build_parser(prog: str = "python -m benchmarks.kv_calc") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m loadtest.kv_calc") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="KV-cache memory for a context and concurrency, "
                                 "or the max concurrency / context for a memory budget.")
     add_arguments(p)

@@ -405,7 +405,7 @@ def run_workload(base_url: str, workload: list[dict], concurrency: int | None = 
     only meaningful for a process that exists just to serve); else the sampled maximum.
     """
     if not workload:
-        raise ValueError("workload is empty: make one with benchmarks.workloads.make_workload(n_requests=...)")
+        raise ValueError("workload is empty: make one with loadtest.workloads.make_workload(n_requests=...)")
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1 or None (got {concurrency})")
     if request_rate is not None and request_rate <= 0:

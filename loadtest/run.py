@@ -1,7 +1,7 @@
 """The server against what a user would run instead, in one invocation, on the same model and requests.
 
-    python -m benchmarks.run --model-dir embedded --artifact .cache/bench/smollm2-fp32 --requests 16 --concurrency 1 16
-    python -m benchmarks.run --model-dir <hf folder> --artifact <artifact> --requests 32 --concurrency 32 \
+    python -m loadtest.run --model-dir embedded --artifact .cache/bench/smollm2-fp32 --requests 16 --concurrency 1 16
+    python -m loadtest.run --model-dir <hf folder> --artifact <artifact> --requests 32 --concurrency 32 \
         --genai-model .cache/bench/genai/int8 --systems server hf_sequential hf_static ort_static genai
 
 Systems (each on the same seeded workload, one after another, each in its own process):
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.loadgen import BenchResult
+from loadtest.loadgen import BenchResult
 
 SYSTEMS = ("server", "hf_sequential", "hf_static", "ort_sequential", "ort_static", "genai")
 
@@ -77,7 +77,7 @@ def kv_budget_mb(artifact: Path, workload: list[dict], concurrency: int, block_s
     undersized pool would measure preemption, not batching."""
     from tokenizers import Tokenizer
 
-    from benchmarks.kv_calc import kv_memory_bytes, shape_from_manifest
+    from loadtest.kv_calc import kv_memory_bytes, shape_from_manifest
 
     tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
     longest = max(len(tok.encode(q["prompt"], add_special_tokens=False).ids) + int(q["max_tokens"]) for q in workload)
@@ -86,7 +86,7 @@ def kv_budget_mb(artifact: Path, workload: list[dict], concurrency: int, block_s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default="embedded", help="HF model folder (or 'embedded') for the transformers baselines")
     p.add_argument("--artifact", required=True, help="artifact folder the server (and ort baselines) run")
@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import yaml
 
-    from benchmarks.baselines import genai_available, run_isolated
-    from benchmarks.serve_bench import benchmark_artifact
-    from benchmarks.workloads import fit_to_context, make_workload, summarize
+    from loadtest.baselines import genai_available, run_isolated
+    from loadtest.serve_bench import benchmark_artifact
+    from loadtest.workloads import fit_to_context, make_workload, summarize
 
     artifact = Path(a.artifact)
     man = json.loads((artifact / "manifest.json").read_text())

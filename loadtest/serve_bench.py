@@ -1,7 +1,7 @@
 """Benchmark one artifact behind the real HTTP server: the function the pipeline's benchmark stage calls.
 
-    from benchmarks.serve_bench import benchmark_artifact
-    from benchmarks.workloads import make_workload
+    from loadtest.serve_bench import benchmark_artifact
+    from loadtest.workloads import make_workload
     res = benchmark_artifact(artifact_dir, make_workload(16, seed=0), concurrency=8)
     res.metrics(); res.figure()
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.loadgen import BenchResult, run_workload
+from loadtest.loadgen import BenchResult, run_workload
 
 _ROOT = Path(__file__).resolve().parent.parent
 

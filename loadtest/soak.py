@@ -1,10 +1,10 @@
 """Soak: bounded mixed traffic against the server; counts every outcome, then checks that every KV block
 came back and how RSS moved (least-squares slope), with live model swaps under load.
 
-    python -m benchmarks.soak --minutes 10                       # tiny seeded model, server in this process
-    python -m benchmarks.soak --minutes 60 --swap-every 30       # longer, a forced reload every 30 s
-    python -m benchmarks.soak --model artifacts/export/<hash>/artifact --minutes 10
-    python -m benchmarks.soak --url http://127.0.0.1:8000 --minutes 10   # an external server (KV via /metrics)
+    python -m loadtest.soak --minutes 10                       # tiny seeded model, server in this process
+    python -m loadtest.soak --minutes 60 --swap-every 30       # longer, a forced reload every 30 s
+    python -m loadtest.soak --model artifacts/export/<hash>/artifact --minutes 10
+    python -m loadtest.soak --url http://127.0.0.1:8000 --minutes 10   # an external server (KV via /metrics)
 
 Traffic (``concurrency`` closed-loop clients, seeded): whole and streamed completions, chat, repeats
 (result cache), prompts sharing prefixes (prefix cache), streams the client drops after a few events,
@@ -331,7 +331,7 @@ def _tiny_artifact(root: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seconds", type=float, default=None, help="overrides --minutes")

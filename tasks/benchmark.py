@@ -9,9 +9,9 @@ import math
 
 from prefect import task
 
-from benchmarks.serve_bench import benchmark_artifact, ratios
-from benchmarks.workloads import fit_to_context, make_workload
 from compress.config import PipelineConfig
+from loadtest.serve_bench import benchmark_artifact, ratios
+from loadtest.workloads import fit_to_context, make_workload
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
 

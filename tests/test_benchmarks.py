@@ -1,4 +1,4 @@
-"""benchmarks/: seeded workloads, the HTTP load generator against the real server, benchmark_artifact, KV calculator."""
+"""loadtest/: seeded workloads, the HTTP load generator against the real server, benchmark_artifact, KV calculator."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from benchmarks import kv_calc
-from benchmarks.kv_calc import KVShape, kv_bytes_per_token, kv_memory_bytes, max_concurrency, max_context
-from benchmarks.workloads import fit_to_context, make_workload, summarize
+from loadtest import kv_calc
+from loadtest.kv_calc import KVShape, kv_bytes_per_token, kv_memory_bytes, max_concurrency, max_context
+from loadtest.workloads import fit_to_context, make_workload, summarize
 
 METRIC_KEYS = {"requests", "requests_ok", "requests_failed", "duration_s", "requests_per_s", "output_tokens",
                "output_tokens_per_s", "prompt_tokens", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
@@ -48,7 +48,7 @@ def test_workload_is_seeded_and_has_every_kind():
 def test_fit_to_context_keeps_the_shared_prefix(tiny_artifact):
     from tokenizers import Tokenizer
 
-    from benchmarks.workloads import pipeline_workload
+    from loadtest.workloads import pipeline_workload
 
     tok = Tokenizer.from_file(str(tiny_artifact / "tokenizer.json"))
     w = fit_to_context(make_workload(12, seed=1, shared_prefix_words=40), tiny_artifact, max_len=160)
@@ -128,7 +128,7 @@ def _check_sane(res, workload):
 
 
 def test_loadgen_against_in_process_server(tiny_artifact):
-    from benchmarks.loadgen import run_workload
+    from loadtest.loadgen import run_workload
     from compress.config import ServeConfig
     from serve.__main__ import BackgroundServer
     from serve.api import create_app
@@ -148,7 +148,7 @@ def test_loadgen_against_in_process_server(tiny_artifact):
 
 
 def test_benchmark_artifact_subprocess(tiny_artifact):
-    from benchmarks.serve_bench import benchmark_artifact, ratios
+    from loadtest.serve_bench import benchmark_artifact, ratios
 
     w = small_workload(tiny_artifact)
     res = benchmark_artifact(tiny_artifact, w, concurrency=8,
@@ -169,7 +169,7 @@ def test_benchmark_artifact_subprocess(tiny_artifact):
 # --- baselines and the comparison CLI ----------------------------------------------------------------------------
 
 def test_baselines_generate_exactly_max_tokens(tiny_artifact, tiny_model_dir):
-    from benchmarks.baselines import hf_generate, ort_static
+    from loadtest.baselines import hf_generate, ort_static
 
     w = small_workload(tiny_artifact, n=5, seed=2)
     want = sum(q["max_tokens"] for q in w)
@@ -186,7 +186,7 @@ def test_baselines_generate_exactly_max_tokens(tiny_artifact, tiny_model_dir):
 
 
 def test_run_cli_compares_server_and_baseline(tiny_artifact, tmp_path, capsys):
-    from benchmarks import run
+    from loadtest import run
 
     out = tmp_path / "res"
     assert run.main(["--artifact", str(tiny_artifact), "--requests", "6", "--concurrency", "3",

@@ -3,7 +3,7 @@ hang, every 4xx names the field or the limit), overload at 10x capacity (429 + R
 memory, every accepted request completes), a request that can never fit the KV pool (400 at admission),
 a model swap under load (no request lost) and a short soak (every KV block returned, RSS slope reported).
 
-The long soak is `python -m benchmarks.soak --minutes 10`; figures in docs/reliability.md.
+The long soak is `python -m loadtest.soak --minutes 10`; figures in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.soak import soak_server
 from compress.config import ServeConfig
+from loadtest.soak import soak_server
 from serve.__main__ import BackgroundServer
 from serve.api import create_app
 from serve.runner import CPU

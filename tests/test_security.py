@@ -177,7 +177,7 @@ def test_prompt_length_is_bounded_by_the_context(http):
 
 
 # ---- what gets loaded --------------------------------------------------------------------------------
-SCANNED = ["compress", "serve", "tasks", "flows", "benchmarks", "tests"]
+SCANNED = ["compress", "serve", "tasks", "flows", "loadtest", "benchmarks", "tests"]
 FORBIDDEN = {
     r"\bpickle\.loads?\(": "pickle.load",
     r"\b(c?Pickle|dill|cloudpickle|joblib|marshal)\.loads?\(": "a pickle-family loader",
