@@ -97,6 +97,7 @@ def quantize_with_acceptance(
     on_trial(i, record) is called after every trial (for MLflow child runs).
     """
     from compress.evaluate import evaluate_onnx
+    from compress.quant_sensitivity import float_groups_by_sensitivity
     from compress.quantize import Quantizer
 
     src = Path(src_artifact)
@@ -124,7 +125,7 @@ def quantize_with_acceptance(
             break
         already = set(extra)
         quantized = {g for g in q.groups() if not any(l.group == g for l in q.selected(extra)[1])}
-        nxt = [g for g in q.float_groups_by_sensitivity() if g not in already and g in quantized][: acfg.relax_groups_per_trial]
+        nxt = [g for g in float_groups_by_sensitivity(q) if g not in already and g in quantized][: acfg.relax_groups_per_trial]
         if not nxt:
             break  # nothing left to relax
         extra += nxt

@@ -230,7 +230,7 @@ def test_sensitivity_scan_keeps_most_sensitive_groups_float(tiny_artifact, tiny_
     assert {l.group for l in q.linears if l.module in rep.float_linears} == kept
     assert rep.quantized_linears == 14 - len(rep.float_linears)
     assert read_manifest(tmp_path / "sens")["quantization"]["float_groups"] == [g for g, _ in rep.sensitivity[:2]]
-    from compress.quantize import sensitivity_figure
+    from compress.quant_sensitivity import sensitivity_figure
 
     fig = sensitivity_figure(rep.sensitivity, kept=2)
     fig.savefig(tmp_path / "sens.png")
