@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-from compress.distill import REPORT, DistillError, DistillReport, per_rank_blocks, resolve_device
+from compress.distill import per_rank_blocks, resolve_device
+from compress.distill_checkpoint import REPORT
+from compress.distill_report import DistillError, DistillReport
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from compress.config import DistillConfig
-from compress.distill import TopK, distill, evaluate, kd_loss
+from compress.distill import distill
+from compress.distill_loss import TopK, evaluate, kd_loss
 from compress.schedules import alpha_at, lr_at, schedule_value, temperature_at
 from compress.tiny import build_tiny_llama
 

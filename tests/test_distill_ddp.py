@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from compress.config import ConfigError, DistillConfig, load_config
-from compress.distill import DistillError, _DataOrder, distill, step_chunks
+from compress.distill import _DataOrder, distill, step_chunks
+from compress.distill_report import DistillError
 from compress.distributed import Rank
 from compress.distill_launch import DistillJob, check_processes, launch_distill
 from compress.models import load_teacher
