@@ -18,11 +18,15 @@ from tasks.tracking import child_run, log_json, log_metrics, log_params
 @task(name="quantize", cache_key_fn=cache_key_fn, persist_result=True)
 def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, src_artifact: str,
                   splits: str) -> dict:
+    """The result's `evaluation`, when the accuracy-aware loop ran, holds the final candidate's and the source's
+    figures on the eval split, with `src_artifact` as the reference: the accept stage reuses them when it
+    gates against that same artifact instead of evaluating both again."""
     folder, done = open_stage(cfg, stage, key)
     if done is not None:
         return done
     data = load_splits(splits)
     out = folder / "artifact"
+    evaluation = None
     with child_run(parent_run_id, stage) as run:
         log_params({"quantize": cfg.quantize.model_dump()})
         trials: list[dict] = []
@@ -30,6 +34,8 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
             res = quantize_with_acceptance(src_artifact, out, data.calib, data.eval, cfg.quantize, cfg.accept,
                                            on_trial=lambda i, m: (log_metrics(m.get("metrics", {}), step=i), trials.append(m)))
             report, artifact = res.report, Path(res.artifact)
+            evaluation = {"reference": str(src_artifact), "splits": str(splits), "candidate": res.metrics,
+                          "baseline": res.baseline}
         else:
             report = quantize_artifact(src_artifact, out, data.calib, cfg.quantize)
             artifact = out
@@ -39,4 +45,4 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
             log_json({"float_linears": report.float_linears, "sensitivity": report.sensitivity, "trials": trials},
                      "quantize_report.json")
             mlflow.log_artifact(str(artifact / "manifest.json"))
-    return mark_done(folder, {"artifact": str(artifact), "metrics": metrics})
+    return mark_done(folder, {"artifact": str(artifact), "metrics": metrics, "evaluation": evaluation})
