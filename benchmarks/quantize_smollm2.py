@@ -35,7 +35,7 @@ VARIANTS: dict[str, dict] = {
     # "naive": every linear, no smoothing, ORT-style defaults
     "naive_static": dict(method="static", smoothquant_alpha=None, keep_float=[], quantize_embedding=False, reduce_range=False),
     "naive_dynamic": dict(method="dynamic", smoothquant_alpha=None, keep_float=[], quantize_embedding=False, reduce_range=False),
-    # FACTS.md's best static recipe: down_proj in float
+    # the best static recipe of the first probes (docs/facts.md): down_proj in float
     "static_keep_down": dict(method="static", smoothquant_alpha=None, keep_float=["down_proj"], keep_float_as="float", quantize_embedding=False),
     "static_sq": dict(method="static", smoothquant_alpha=0.5, keep_float=[]),
     "static_sq_auto": dict(method="static", smoothquant_alpha="auto", keep_float=[]),

@@ -324,7 +324,7 @@ def _kl(p: np.ndarray, q: np.ndarray) -> float:
 def entropy_range(st: ActStats, num_quantized_bins: int = 128) -> tuple[float, float]:
     """TensorRT-style KL calibration on |x|: the clipping threshold whose 128-level version is closest to the data.
 
-    ORT's entropy calibrator ignores num_bins (one threshold tried, see FACTS.md);
+    ORT's entropy calibrator ignores num_bins (one threshold tried, see docs/facts.md);
     this one scans thresholds over the whole |x| histogram.
     """
     if st.hist is None:

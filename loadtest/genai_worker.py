@@ -50,7 +50,7 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=1)
     a = p.parse_args()
     if a.batch_size != 1:
-        raise SystemExit("genai_worker runs batch 1 only (the baseline the issue asks for)")
+        raise SystemExit("genai_worker runs batch 1 only (the genai baseline is one request after another)")
     import onnxruntime_genai as og
 
     workload = json.load(open(a.workload))

@@ -179,7 +179,7 @@ class RequestHandle:
 
 @dataclass
 class EngineStats:
-    """A snapshot for /metrics (issue 8 turns these into Prometheus gauges, counters, histograms)."""
+    """A snapshot for /metrics (serve/metrics.py turns these into Prometheus gauges, counters, histograms)."""
 
     provider: str
     num_running: int

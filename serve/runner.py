@@ -31,7 +31,7 @@ Past tensors (per call group, reused across steps)
   when the batch grows), so the gather cost is amortised over a block.
   The buffer memory is a flat array that only grows; views of it are re-shaped in
   place, so steady state allocates nothing (fresh arrays per step cost ~50x the page
-  faults on this project's CPU, FACTS.md).
+  faults on this project's CPU, docs/facts.md).
 """
 
 from __future__ import annotations
