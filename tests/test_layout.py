@@ -52,3 +52,56 @@ def test_every_prefect_yaml_entrypoint_imports_from_its_own_folder():
                 f"assert callable(ns[{fn!r}]); import compress.registry")
         r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, f"{ep}: {r.stderr[-2000:]}"
+
+
+# Which package may import which (docs/architecture.md, "Layout and import rules"). Data flows one way,
+# configs -> flows -> tasks -> compress -> artifacts -> serve: the stage functions run without Prefect,
+# the load-testing library without the pipeline, and the server without torch.
+# benchmarks/ holds scripts that are not installed, so no installed package may import it.
+FORBIDDEN_IMPORTS = {
+    "compress": {"prefect", "flows", "tasks", "loadtest", "benchmarks"},
+    "tasks": {"flows", "benchmarks"},
+    "flows": {"benchmarks"},
+    "loadtest": {"flows", "tasks", "benchmarks"},
+    # TODO(serve stands alone): add "compress" here once serve/ reads its config and the manifest without
+    # compress/ (the rule: serve/ imports neither compress/ nor torch); today it imports compress.config,
+    # compress.artifact and compress.registry.
+    "serve": {"torch", "flows", "tasks", "benchmarks"},
+}
+
+
+def _imports(source: str, filename: str = "<string>") -> list[tuple[int, str]]:
+    """(line, top-level name) of every absolute import in the source, at any depth (lazy imports in
+    functions count), including importlib.import_module("x") and __import__("x") with a literal name."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name in ("import_module", "__import__"):
+                found.append((node.lineno, node.args[0].value.split(".")[0]))
+    return found
+
+
+def test_import_rules():
+    # The checker sees every kind of import it is meant to see.
+    probe = ("import torch.nn\nfrom prefect import task\nfrom . import sibling\n"
+             "def f():\n    from flows.cli import main\n    importlib.import_module('tasks.load')\n")
+    assert [n for _, n in _imports(probe)] == ["torch", "prefect", "flows", "tasks"]
+
+    broken = []
+    for pkg, forbidden in sorted(FORBIDDEN_IMPORTS.items()):
+        files = sorted((ROOT / pkg).rglob("*.py"))
+        assert files, f"{pkg}/ has no modules: is the rule still about a real package?"
+        for path in files:
+            for line, name in _imports(path.read_text(), str(path)):
+                if name in forbidden:
+                    broken.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not broken, "import rules (docs/architecture.md, Layout and import rules) broken:\n" + "\n".join(broken)
