@@ -50,15 +50,6 @@ def write_manifest(folder: str | Path, fields: dict[str, Any]) -> dict:
     return manifest
 
 
-def update_manifest(folder: str | Path, **fields: Any) -> dict:
-    """Merge fields into an existing manifest and re-hash the files."""
-    current = read_manifest(folder, verify=False)
-    current.pop("files", None)
-    current.pop("manifest_version", None)
-    current.update(fields)
-    return write_manifest(folder, current)
-
-
 def read_manifest(folder: str | Path, verify: bool = True) -> dict:
     folder = Path(folder)
     path = folder / MANIFEST

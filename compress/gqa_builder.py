@@ -347,20 +347,6 @@ def build_paged_model(model, num_blocks_dim: str = "num_blocks", block_size: int
     return _model(g, inputs, outputs, "paged_decoder")
 
 
-def check_paged_runs_here(m: onnx.ModelProto, providers=("CPUExecutionProvider",)):
-    """A session for a paged graph, or a clear error where the providers have no PagedAttention kernel."""
-    import onnxruntime as ort
-
-    try:
-        return ort.InferenceSession(m.SerializeToString(), providers=list(providers))
-    except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/NotImplemented types
-        if "PagedAttention" in str(e):
-            raise GqaBuildError(f"attention layout 'paged' needs com.microsoft.PagedAttention, which has only CUDA "
-                                f"kernels; providers {list(providers)} cannot run it: use layout 'gqa' on CPU "
-                                f"(onnxruntime said: {str(e).splitlines()[0][:200]})") from e
-        raise
-
-
 @dataclass
 class GqaBuildResult:
     folder: Path

@@ -133,11 +133,6 @@ def load_teacher(source: str = "embedded", gguf_file: str | None = None, cache_d
     return model, tok
 
 
-def load_from_config(cfg):
-    """cfg: a ModelConfig."""
-    return load_teacher(cfg.source, cfg.gguf_file, cfg.cache_dir, cfg.revision, cfg.trust_remote_code)
-
-
 def model_info(model) -> dict:
     c = model.config
     heads = c.num_attention_heads

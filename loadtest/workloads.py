@@ -142,14 +142,3 @@ def summarize(workload: list[dict]) -> dict:
     kinds = {k: sum(1 for r in workload if r["kind"] == k) for k in KINDS}
     return {"requests": len(workload), **kinds, "max_tokens_total": sum(int(r["max_tokens"]) for r in workload),
             "prompt_words_total": sum(len(r["prompt"].split()) for r in workload)}
-
-
-def pipeline_workload(artifact_dir: str | Path, n_requests: int = 16, seed: int = 0,
-                      max_len: int | None = 1024) -> list[dict]:
-    """The short fixed workload of the pipeline's benchmark stage: short prompts and outputs (16-64
-    words, 16-32 tokens), a 128-word shared prefix, repeats; fitted to the artifact's context.
-    The same for the candidate and the baseline (same tokenizer family), so their figures compare."""
-    man = json.loads((Path(artifact_dir) / "manifest.json").read_text())
-    ctx = int(man["max_positions"]) if max_len is None else min(max_len, int(man["max_positions"]))
-    w = make_workload(n_requests, seed, prompt_words=(16, 64), max_tokens=(16, 32), shared_prefix_words=128)
-    return fit_to_context(w, artifact_dir, ctx)

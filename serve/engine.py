@@ -207,10 +207,6 @@ class EngineStats:
     ttft_s: list[float] = field(default_factory=list, repr=False)  # recent samples (window)
     itl_s: list[float] = field(default_factory=list, repr=False)  # recent samples (window)
 
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-
 
 class _Req:
     """Engine-side state of one request."""

@@ -48,16 +48,19 @@ def test_workload_is_seeded_and_has_every_kind():
 def test_fit_to_context_keeps_the_shared_prefix(tiny_artifact):
     from tokenizers import Tokenizer
 
-    from loadtest.workloads import pipeline_workload
-
     tok = Tokenizer.from_file(str(tiny_artifact / "tokenizer.json"))
     w = fit_to_context(make_workload(12, seed=1, shared_prefix_words=40), tiny_artifact, max_len=160)
     lens = [len(tok.encode(r["prompt"], add_special_tokens=False).ids) + r["max_tokens"] for r in w]
     assert max(lens) <= 160 and max(lens) > 120   # cut to fit, not emptied
     heads = {r["prompt"][:100] for r in w if r["kind"] == "shared_prefix"}
     assert len(heads) == 1
-    p = pipeline_workload(tiny_artifact, 16, seed=0)
-    assert p == pipeline_workload(tiny_artifact, 16, seed=0) and len(p) == 16
+    # Without max_len: the artifact's own context (as the pipeline's benchmark stage calls it).
+    def pipeline_like():
+        return fit_to_context(make_workload(16, seed=0, prompt_words=(16, 64), max_tokens=(16, 32),
+                                            shared_prefix_words=128), tiny_artifact)
+
+    p = pipeline_like()
+    assert p == pipeline_like() and len(p) == 16
     assert max(len(tok.encode(r["prompt"], add_special_tokens=False).ids) + r["max_tokens"] for r in p) <= 512
 
 

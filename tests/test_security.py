@@ -220,6 +220,9 @@ def test_trust_remote_code_is_off_unless_the_config_turns_it_on(monkeypatch):
 
     from compress import models
 
+    def load_from_config(cfg: ModelConfig):
+        return models.load_teacher(cfg.source, cfg.gguf_file, cfg.cache_dir, cfg.revision, cfg.trust_remote_code)
+
     seen = []
 
     class Stop(Exception):
@@ -238,11 +241,11 @@ def test_trust_remote_code_is_off_unless_the_config_turns_it_on(monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake("model"))
     assert ModelConfig().trust_remote_code is False
     with pytest.raises(Stop):
-        models.load_from_config(ModelConfig(source="some/folder"))
+        load_from_config(ModelConfig(source="some/folder"))
     assert seen == [("tokenizer", False), ("model", False)]
     seen.clear()
     with pytest.raises(Stop):
-        models.load_from_config(load_config(None, ["model.source=x", "model.trust_remote_code=true"]).model)
+        load_from_config(load_config(None, ["model.source=x", "model.trust_remote_code=true"]).model)
     assert seen == [("tokenizer", True), ("model", True)]
 
 
