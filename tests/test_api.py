@@ -4,10 +4,8 @@ result cache, metrics, backpressure (429), bad input (4xx naming the field), dis
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
-import threading
 import time
 
 import httpx
@@ -20,6 +18,7 @@ from serve.api import create_app
 from serve.engine import Engine
 from serve.runner import CPU
 from serve.sampling import SamplingParams
+from step_gate import held_steps, seen_cancels
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,27 +84,8 @@ def engine_of(server):
     return server.app.state.manager.current.engine
 
 
-@contextlib.contextmanager
-def held_steps(eng, after: int = 0):
-    """The engine's steps (past the first ``after``) wait until the block is left: a 480-token tiny-model
-    request takes well under a second on a quiet machine, so a test that needs it still running must hold it."""
-    gate, execute, calls = threading.Event(), eng.runner.execute, [0]
-
-    def held(rows):
-        calls[0] += 1
-        if calls[0] > after:
-            gate.wait(30)
-        return execute(rows)
-
-    eng.runner.execute = held
-    try:
-        yield
-    finally:
-        gate.set()
-        eng.runner.execute = execute
-
-
-def wait_for(cond, timeout=10.0, what="condition"):
+def wait_for(cond, timeout=60.0, what="condition"):
+    """Poll ``cond``; the timeout only matters if something hangs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
@@ -284,15 +264,22 @@ def test_bad_chat_and_malformed_bodies(http):
 def test_disconnect_mid_stream_cancels_and_frees_blocks(server, http):
     eng = engine_of(server)
     cancelled0 = eng.stats().finish_reasons.get("cancelled", 0)
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        with held_steps(eng, after=1), c.stream("POST", "/v1/completions", json={
-                "prompt": "a long story", "max_tokens": 480, "ignore_eos": True, "stream": True}) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: {")
-            wait_for(lambda: eng.stats().num_running == 1, what="the request running")
-            st = eng.stats()
-            assert st.num_running == 1 and st.kv_blocks_used > 0
-        # leaving the block closes the connection mid-stream
+    # The second step is held until the server has seen the client go: else the rest of the 480 tokens
+    # (0.15 s on a quiet machine) may be generated before the disconnect is noticed ("length", not
+    # "cancelled"). Greedy, and a prompt whose first token has text of its own, so the first event is
+    # sent by the first step (a token that is a partial UTF-8 character sends nothing yet).
+    with held_steps(eng, after=1) as hold, seen_cancels(eng) as cancels:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json={
+                    "prompt": "a long story, told slowly", "max_tokens": 480, "temperature": 0,
+                    "ignore_eos": True, "stream": True}) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: {")
+                hold.wait_held()
+                st = eng.stats()
+                assert st.num_running == 1 and st.kv_blocks_used > 0
+            # leaving the block closes the connection mid-stream
+        cancels.wait(1)  # the server noticed while the request was still running
     wait_for(lambda: eng.stats().num_running == 0 and eng.stats().kv_blocks_used == 0, what="blocks freed")
     st = eng.stats()
     assert st.finish_reasons.get("cancelled", 0) == cancelled0 + 1  # cancelled, not run to the end
@@ -308,9 +295,24 @@ def test_disconnect_while_waiting_for_a_whole_completion_cancels_it(server):
     eng = engine_of(server)
     cancelled0 = eng.stats().finish_reasons.get("cancelled", 0)
     body = {"prompt": "no stream, no patience", "max_tokens": 480, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.15))
+
+    async def impatient_client():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            post = asyncio.create_task(c.post("/v1/completions", json=body))
+            await asyncio.to_thread(hold.wait_held)  # the request is in the engine, its first step held
+            # The client waits 0.15 s for an answer (its read timeout): none can come while the step is
+            # held. A real read timeout could also fire before the server has even read the body.
+            finished, _ = await asyncio.wait({post}, timeout=0.15)
+            assert not finished, "the server answered a request whose steps were held"
+            post.cancel()  # the client gives up: httpx closes the connection
+            with pytest.raises(asyncio.CancelledError):
+                await post
+
+    with held_steps(eng) as hold, seen_cancels(eng) as cancels:
+        asyncio.run(impatient_client())
+        cancels.wait(1)  # the server noticed the disconnect while the request was still running
     wait_for(lambda: eng.stats().finish_reasons.get("cancelled", 0) == cancelled0 + 1, what="the cancel")
+    wait_for(lambda: eng.stats().num_running == 0, what="the request to end")
     assert eng.stats().num_running == 0 and eng.stats().kv_blocks_used == 0
 
 
@@ -351,15 +353,20 @@ def test_full_queue_gives_429_and_admin_is_off_without_token(tiny_artifact):
     with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         assert c.post("/admin/reload", headers={"Authorization": "Bearer x"}).status_code == 404
         eng = srv.app.state.manager.current.engine
-        # The running request must not finish before the third one arrives.
-        with held_steps(eng), c.stream("POST", "/v1/completions", json=long) as a, \
-                c.stream("POST", "/v1/completions", json={**long, "prompt": "second"}) as b:
-            assert a.status_code == b.status_code == 200
-            wait_for(lambda: (eng.stats().num_running, eng.stats().num_waiting) == (1, 1), what="1 running, 1 waiting")
-            r = c.post("/v1/completions", json={"prompt": "third", "max_tokens": 4})
-            assert r.status_code == 429
-            assert int(r.headers["retry-after"]) >= 1
-            assert r.json()["error"]["code"] == "queue_full"
+        # The running request must not finish before the third one arrives; and the second is sent only
+        # once the first has left the waiting queue for its (held) first step, else it finds the queue
+        # full too (a 429 for the second, not the third, on a loaded machine).
+        with held_steps(eng) as hold, c.stream("POST", "/v1/completions", json=long) as a:
+            assert a.status_code == 200
+            hold.wait_held()
+            with c.stream("POST", "/v1/completions", json={**long, "prompt": "second"}) as b:
+                assert b.status_code == 200
+                wait_for(lambda: (eng.stats().num_running, eng.stats().num_waiting) == (1, 1),
+                         what="1 running, 1 waiting")
+                r = c.post("/v1/completions", json={"prompt": "third", "max_tokens": 4})
+                assert r.status_code == 429
+                assert int(r.headers["retry-after"]) >= 1
+                assert r.json()["error"]["code"] == "queue_full"
         wait_for(lambda: eng.stats().num_running == 0 and eng.stats().num_waiting == 0, what="queue drained")
         assert eng.stats().kv_blocks_used == 0
         assert c.post("/v1/completions", json={"prompt": "third", "max_tokens": 4}).status_code == 200
@@ -406,9 +413,9 @@ def test_python_m_serve_starts_serves_and_stops(tiny_artifact):
                 return False
 
         wait_for(ready, timeout=60, what="python -m serve to be ready")
-        r = httpx.post(url + "/v1/completions", json={"prompt": "cli", "max_tokens": 3})
+        r = httpx.post(url + "/v1/completions", json={"prompt": "cli", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        assert httpx.post(url + "/admin/reload").status_code == 404  # empty token = admin off
+        assert httpx.post(url + "/admin/reload", timeout=30).status_code == 404  # empty token = admin off
     finally:
         proc.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal it caught: -15 is a clean exit here.

@@ -14,6 +14,7 @@ from serve.engine import Engine
 from serve.runner import CPU, choose_providers
 from serve.sampling import SamplingError, SamplingParams
 from serve.scheduler import AdmissionError, QueueFullError, RequestTooLargeError
+from step_gate import held_steps, seen_cancels
 
 SPECIAL = 3  # ids 0..2 are the tiny tokenizer's special tokens
 
@@ -267,11 +268,14 @@ def test_cancel_returns_blocks(tiny_artifact):
 
 def test_cancel_while_the_thread_runs(tiny_artifact):
     with engine(tiny_artifact, start=True) as eng:
-        h = eng.add_request(random_prompts(1, 20, 20, seed=9)[0], SamplingParams.greedy(400, ignore_eos=True))
-        it = iter(h)
-        first = next(it)
-        assert first.token_id is not None
-        h.cancel()
+        # Steps after the first wait until the cancel is in: 400 tokens take a fraction of a second, so
+        # a loaded machine could otherwise run them all before this thread calls cancel().
+        with held_steps(eng, after=1):
+            h = eng.add_request(random_prompts(1, 20, 20, seed=9)[0], SamplingParams.greedy(400, ignore_eos=True))
+            it = iter(h)
+            first = next(it)
+            assert first.token_id is not None
+            h.cancel()
         rest = list(it)
         assert rest[-1].finish_reason == "cancelled"
         assert len(h.output_ids) < 400
@@ -416,12 +420,15 @@ def test_leaving_an_async_stream_early_cancels_the_request(tiny_artifact):
 
         async def main():
             h = await client()
-            for _ in range(200):
-                if h.finished:
-                    break
-                await asyncio.sleep(0.01)
+            # Leaving the loop closes the async generator soon after (the loop's asyncgen finalizer),
+            # and its finally cancels the request: wait for that, not for a number of sleeps.
+            await asyncio.to_thread(cancels.wait, 1)
             return h
 
-        h = asyncio.run(main())
+        # Steps after the second are held until the cancel is in: else a loaded machine could run all
+        # 400 tokens before the generator is closed.
+        with held_steps(eng, after=2), seen_cancels(eng) as cancels:
+            h = asyncio.run(main())
+        h.result(timeout=60)
         assert h.finish_reason == "cancelled" and len(h.output_ids) < 400
         assert eng.block_manager.num_used == 0
