@@ -3,9 +3,11 @@ lets an in-flight stream finish on the old model, rolls back, and drains old eng
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+import threading
 import time
 
 import httpx
@@ -18,6 +20,7 @@ from serve.engine import Engine
 from serve.model_source import ModelManager, ModelSourceError, parse_model_uri
 from serve.runner import CPU
 from serve.sampling import SamplingParams
+from step_gate import held_steps
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,13 +40,35 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-def wait_for(cond, timeout=15.0, what="condition"):
+def wait_for(cond, timeout=60.0, what="condition"):
+    """Poll ``cond``; the timeout only matters if something hangs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
             return time.monotonic()
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def alias_polls(mgr, poller_only: bool = True):
+    """Every alias poll (the poller thread's ``reload()``; with ``poller_only=False`` also the first-load
+    retries) from now on: [(monotonic start, ReloadResult)], each appended once that reload has returned.
+    Tests count polls instead of sleeping a number of poll intervals (a loaded machine polls less often)."""
+    polls, reload = [], mgr.reload
+
+    def counted(force=False):
+        t = time.monotonic()
+        res = reload(force)
+        if not poller_only or threading.current_thread().name == "alias-poller":
+            polls.append((t, res))
+        return res
+
+    mgr.reload = counted
+    try:
+        yield polls
+    finally:
+        del mgr.reload  # back to the class's method
 
 
 @pytest.fixture(scope="module")
@@ -146,12 +171,16 @@ def test_serves_the_champion(server, http, refs):
 def test_corrupt_version_is_refused_and_the_old_one_keeps_serving(server, http, refs, versions):
     from compress import registry
 
-    registry.set_alias(NAME, "champion", versions["v3"])
-    wait_for(lambda: metric(http.get("/metrics").text, "compressor:model_load_failures_total") >= 1,
-             what="the corrupt version's load failure")
     mgr = server.app.state.manager
+    with alias_polls(mgr) as polls:
+        registry.set_alias(NAME, "champion", versions["v3"])
+        # Until the failing poll has returned: the failure counter goes up a moment before last_error is set.
+        wait_for(lambda: any(res.error for _, res in polls), what="the corrupt version's load failure")
+    assert metric(http.get("/metrics").text, "compressor:model_load_failures_total") == 1
     assert "sha256" in mgr.last_error and "still serving version 1" in mgr.last_error
-    time.sleep(3 * POLL_S)  # several more polls: it is not retried, nothing changes
+    with alias_polls(mgr) as polls:  # three more polls: it is not retried, nothing changes
+        wait_for(lambda: len(polls) >= 3, what="three more alias polls")
+    assert all(not res.changed and res.previous == "1" for _, res in polls), polls
     assert metric(http.get("/metrics").text, "compressor:model_load_failures_total") == 1
     assert served(http) == "1" and http.get("/ready").status_code == 200
     assert greedy(http, "still here")["choices"][0]["text"] == expected(refs, "v1", "still here")
@@ -165,25 +194,43 @@ def test_alias_move_swaps_while_an_inflight_stream_finishes_on_the_old_model(ser
     want_old = expected(refs, "v1", prompt, n)
     greedy(http, "fill the cache")
     assert metric(http.get("/metrics").text, "compressor:result_cache_entries") >= 1
-    # Whether the server is still generating when the swap lands depends on socket buffers and timing;
-    # test_old_engine_drains_then_shuts_down checks the drain itself deterministically.
-    with httpx.Client(base_url=server.url, timeout=30) as slow:
+    mgr = server.app.state.manager
+    old_engine = mgr.current.engine
+    # The old engine's steps after the first are held until the swap has landed and been checked: the
+    # stream is provably still generating on the old model across the swap (unheld, its 450 tokens can
+    # be done in a fraction of a second, before the alias is even moved). The prompt's first greedy token
+    # has text of its own, so the first event comes from the first step.
+    with httpx.Client(base_url=server.url, timeout=30) as slow, held_steps(old_engine, after=1) as hold, \
+            alias_polls(mgr) as polls:
         body = {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         with slow.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             first = json.loads(next(lines)[6:])
             assert first["system_fingerprint"] == f"{NAME}-v1"
+            hold.wait_held()
+            wait_for(lambda: polls, what="an alias poll")  # any poll begun before `polls` existed is over
             t0 = time.monotonic()
             registry.set_alias(NAME, "champion", versions["v2"])
-            t1 = wait_for(lambda: served(http) == "2", what="the new version in /v1/models")
-            assert t1 - t0 < POLL_S + 5.0  # a poll interval plus download, verify, load, warm-up
+            # Until the poll that swapped has returned: /v1/models shows the new version a moment before
+            # the swap's callbacks (the result cache is emptied there) have run.
+            t1 = wait_for(lambda: any(res.changed for _, res in polls), what="a poll to swap the model")
+            assert served(http) == "2"
+            # Picked up by the poll under way when the alias moved or, at the latest, the next one
+            # (each poll: read the alias, then download, verify, load, warm up).
+            changed = [i for i, (_, res) in enumerate(polls) if res.changed]
+            next_poll = next((i for i, (start, _) in enumerate(polls) if start >= t0), len(polls))
+            assert len(changed) == 1 and changed[0] <= next_poll and polls[changed[0]][1].version == "2", polls
             text = http.get("/metrics").text
             assert metric(text, "compressor:served_model_version") == 2
             assert metric(text, "compressor:result_cache_entries") == 0  # emptied by the swap
+            # The stream is still running on the old model, which drains instead of stopping.
+            assert old_engine.stats().num_running == 1 and metric(text, "compressor:models_draining") == 1
             # New requests already go to the new model while the old stream is open.
             assert greedy(http, "swap me")["choices"][0]["text"] == expected(refs, "v2", "swap me")
+            hold.release()
             chunks = [first] + [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    print(f"\nalias moved -> new version served in {t1 - t0:.2f} s")
     assert all(c["system_fingerprint"] == f"{NAME}-v1" for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want_old
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
@@ -212,11 +259,11 @@ def test_the_deploy_flows_view_of_the_server(server, versions):
 
     assert served_version(server.url, NAME) == "1"
     registry.set_alias(NAME, "champion", versions["v2"])
-    wait_for_version(server.url, NAME, versions["v2"], timeout_s=15)
+    wait_for_version(server.url, NAME, versions["v2"], timeout_s=60)
     texts = smoke_test(server.url, NAME, ["swap me", "Hello"], max_tokens=6)
     assert len(texts) == 2 and all(texts)
     registry.set_alias(NAME, "champion", versions["v1"])
-    wait_for_version(server.url, NAME, versions["v1"], timeout_s=15)
+    wait_for_version(server.url, NAME, versions["v1"], timeout_s=60)
 
 
 def test_server_started_before_the_alias_exists_becomes_ready_when_it_does(versions, mlflow_store):
@@ -229,21 +276,24 @@ def test_server_started_before_the_alias_exists_becomes_ready_when_it_does(versi
     mlflow.MlflowClient().create_registered_model(name)
     mlflow.MlflowClient().create_model_version(name, src.source, run_id=src.run_id)
     app = create_app(f"models:/{name}@champion", cfg(poll_interval_s=POLL_S), tracking_uri=mlflow_store)
-    srv = BackgroundServer(app).start()
-    try:
-        with httpx.Client(base_url=srv.url, timeout=30) as c:
-            assert c.get("/health").status_code == 200
-            r = c.get("/ready")
-            assert r.status_code == 503 and "no alias 'champion'" in r.json()["error"]
-            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
-            assert c.get("/v1/models").json()["data"] == []
-            registry.set_alias(name, "champion", "1")
-            wait_for(lambda: c.get("/ready").status_code == 200, what="ready once the alias exists")
-            assert c.get("/v1/models").json()["data"][0]["version"] == "1"
-            assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
-    finally:
-        srv.stop()
+    with alias_polls(app.state.manager, poller_only=False) as attempts:
+        srv = BackgroundServer(app).start()
+        try:
+            with httpx.Client(base_url=srv.url, timeout=30) as c:
+                assert c.get("/health").status_code == 200
+                # /ready says why once the first load attempt has failed (it runs in the background).
+                wait_for(lambda: attempts, what="the first load attempt")
+                r = c.get("/ready")
+                assert r.status_code == 503 and "no alias 'champion'" in r.json()["error"]
+                r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+                assert c.get("/v1/models").json()["data"] == []
+                registry.set_alias(name, "champion", "1")
+                wait_for(lambda: c.get("/ready").status_code == 200, what="ready once the alias exists")
+                assert c.get("/v1/models").json()["data"][0]["version"] == "1"
+                assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        finally:
+            srv.stop()
 
 
 def test_old_engine_drains_then_shuts_down(tiny_artifact):
@@ -271,13 +321,17 @@ def test_drain_timeout_shuts_down_a_model_that_is_never_released(tiny_artifact):
     try:
         old = mgr.load_initial()
         mgr.acquire()
-        h = old.engine.add_request("forever", SamplingParams.greedy(480, ignore_eos=True))
-        t0 = time.monotonic()
-        mgr.reload(force=True)
-        assert mgr.wait_drained(10)
-        assert time.monotonic() - t0 >= 0.4
-        out = h.result(timeout=10)
-        assert out.finish_reason in ("cancelled", "length")  # cut short unless it happened to finish first
+        # Its steps after the first are held until the drain timeout shuts the engine down, so the request
+        # is still running then however fast the machine is (480 tokens take ~0.15 s unheld).
+        with held_steps(old.engine, after=1, until_shutdown=True) as hold:
+            h = old.engine.add_request("forever", SamplingParams.greedy(480, ignore_eos=True))
+            hold.wait_held()
+            t0 = time.monotonic()
+            mgr.reload(force=True)
+            assert mgr.wait_drained(30)
+            assert time.monotonic() - t0 >= 0.4
+        out = h.result(timeout=30)
+        assert out.finish_reason == "cancelled" and 1 <= len(out.output_ids) < 480  # cut short
         assert not old.engine.running
     finally:
         mgr.shutdown()
