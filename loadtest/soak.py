@@ -181,19 +181,35 @@ def _status_class(status: int) -> str:
 
 
 async def run_traffic(url: str, seconds: float, concurrency: int = 6, seed: int = 0, model: str | None = None,
-                      swap=None, swap_every_s: float = 0.0, report: SoakReport | None = None) -> SoakReport:
-    """Closed-loop mixed traffic for ``seconds``; ``swap`` (a blocking callable) runs every ``swap_every_s``."""
+                      swap=None, swap_every_s: float = 0.0, report: SoakReport | None = None,
+                      min_requests_per_client: int = 0) -> SoakReport:
+    """Closed-loop mixed traffic for ``seconds``; ``swap`` (a blocking callable) runs at every multiple of
+    ``swap_every_s`` up to ``seconds - 1``.
+
+    How much happens must not depend on how fast the machine is: the traffic goes on past ``seconds``
+    until every planned swap has run under it, and until each client has sent at least
+    ``min_requests_per_client`` requests. Each client's sequence of kinds is seeded, so its first N
+    requests are always the same kinds (a test can count on the classes they produce)."""
     report = report or SoakReport()
     classes, kinds = Counter(), Counter()
     names, weights = list(KINDS), list(KINDS.values())
     deadline = time.monotonic() + seconds
     t0 = time.monotonic()
+    n_swaps = int(max(0.0, seconds - 1) // swap_every_s) if swap is not None and swap_every_s > 0 else 0
+    swaps_done = asyncio.Event()
+    if n_swaps == 0:
+        swaps_done.set()
+
+    def more(sent: int) -> bool:
+        return time.monotonic() < deadline or sent < min_requests_per_client or not swaps_done.is_set()
 
     async def client_loop(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
         limits = httpx.Limits(max_connections=4, max_keepalive_connections=2)
         async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-            while time.monotonic() < deadline:
+            sent = 0
+            while more(sent):
+                sent += 1
                 kind = rng.choices(names, weights)[0]
                 try:
                     cls, detail, n = await _one(client, kind, rng, model)
@@ -210,16 +226,17 @@ async def run_traffic(url: str, seconds: float, concurrency: int = 6, seed: int 
                     await asyncio.sleep(0.2)
 
     async def swapper() -> None:
-        while True:
-            await asyncio.sleep(swap_every_s)
-            if time.monotonic() > deadline - 1:
-                return
-            s0 = time.monotonic()
-            await asyncio.to_thread(swap)
-            report.swaps.append(round(time.monotonic() - s0, 3))
+        try:
+            for k in range(1, n_swaps + 1):
+                await asyncio.sleep(max(0.0, t0 + k * swap_every_s - time.monotonic()))
+                s0 = time.monotonic()
+                await asyncio.to_thread(swap)
+                report.swaps.append(round(time.monotonic() - s0, 3))
+        finally:
+            swaps_done.set()  # also when a swap raised: the clients must not wait for it forever
 
     tasks = [asyncio.create_task(client_loop(i)) for i in range(concurrency)]
-    sw = asyncio.create_task(swapper()) if swap is not None and swap_every_s > 0 else None
+    sw = asyncio.create_task(swapper()) if n_swaps else None
     await asyncio.gather(*tasks)
     if sw is not None:
         sw.cancel()
@@ -308,14 +325,15 @@ def finish(report: SoakReport, samples: list[tuple[float, float]], kv: dict, war
 
 
 def soak_server(server, seconds: float, concurrency: int = 6, seed: int = 0, swap_every_s: float = 0.0,
-                model: str | None = None) -> SoakReport:
+                model: str | None = None, min_requests_per_client: int = 0) -> SoakReport:
     """Soak a BackgroundServer running in this process: swaps are forced reloads of its ModelManager."""
     import os
 
     manager = server.app.state.manager
     swap = (lambda: manager.reload(force=True)) if swap_every_s > 0 else None
     with RssSampler(os.getpid()) as rss:
-        report = asyncio.run(run_traffic(server.url, seconds, concurrency, seed, model, swap, swap_every_s))
+        report = asyncio.run(run_traffic(server.url, seconds, concurrency, seed, model, swap, swap_every_s,
+                                         min_requests_per_client=min_requests_per_client))
         kv = kv_check(manager)
     return finish(report, rss.samples, kv)
 
