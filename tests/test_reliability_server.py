@@ -368,7 +368,7 @@ def test_a_model_swap_under_load_loses_no_request(server):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == n_tokens
     assert after.status_code == 200 and after.json()["system_fingerprint"].endswith(f"-g{gen0 + 1}")
-    assert mgr.wait_drained(10) and len(mgr.live_models()) == 1
+    assert mgr.wait_drained(60) and len(mgr.live_models()) == 1
     print(f"\nswap under load: 6 streams + 8 requests, all complete; reload took {swap_s[0]:.2f} s; "
           f"{running_at_swap[0]} requests still on the old model when the new one took over")
 
