@@ -6,6 +6,7 @@ pipeline (parent) run, the registered model with its versions and aliases, and w
   1-runs-table.png         the experiment's runs table (the "Machine learning" view, not GenAI)
   2-pipeline-run.png       the newest parent run's page, with its stage (child) runs
   3-compare-versions.png   the model-version compare page: baseline, candidate, champion side by side
+  3b-compare-key-figures.png  the same, folded to the accuracy, size and speed figures
   4-registered-model.png   the registered model page: its versions and their aliases
 
 Not part of CI and not installed. It needs the ``ui`` extra (Playwright for Python) and a
@@ -275,6 +276,29 @@ def find_targets(url: str, experiment: str, model: str, run_id: str | None, vers
     }
 
 
+# Accuracy, size and speed: the figures the acceptance gate and the serving benchmark decide on.
+KEY_FIGURES = ["perplexity", "gate_perplexity_ratio", "top1_agreement", "size_bytes", "gate_size_ratio",
+               "decode_ms_per_token", "bench_output_tokens_per_s", "bench_output_tokens_per_s_ratio",
+               "bench_ttft_p50_s", "bench_ttft_p99_s", "bench_e2e_p50_s", "bench_e2e_p99_s", "bench_peak_rss_mb"]
+KEY_FIGURES_JS = """(keep) => {
+  for (const body of document.querySelectorAll('tbody.scrollable-table')) {
+    const rows = [...body.querySelectorAll('tr')];
+    const isParams = rows.some(r => ['role', 'verdict'].includes((r.querySelector('th') || {}).textContent?.trim()));
+    if (isParams) {  // of the params, only what the version is
+      for (const r of rows) r.style.display = ['role', 'verdict', 'quantize.method', 'config']
+        .includes((r.querySelector('th') || {}).textContent?.trim()) ? '' : 'none';
+      continue;
+    }
+    if (!rows.some(r => keep.includes((r.querySelector('th') || {}).textContent?.trim()))) continue;
+    for (const r of rows) {
+      const name = (r.querySelector('th') || {}).textContent?.trim();
+      r.style.display = keep.includes(name) ? '' : 'none';
+    }
+    body.style.maxHeight = 'none';
+  }
+}"""
+
+
 def column_key(name: str) -> str:
     """`gate_top1_agreement` or `metrics.gate_top1_agreement` -> the runs table's key metrics.`gate_top1_agreement`."""
     kind, _, key = name.partition(".")
@@ -504,6 +528,11 @@ def shoot(base: str, t: dict, out: Path, args: argparse.Namespace) -> list[Path]
             page.get_by_text(f"Comparing {len(compare)} Versions").first.wait_for(state="visible")
             page.get_by_text("Run ID:").first.wait_for(state="visible")
             save(page, "3-compare-versions.png", grow=True)
+            # The same page folded to what an operator decides on: the params that say what each version is,
+            # the metrics cut to the key figures (MLflow lists metrics alphabetically in a scroll box).
+            page.evaluate(KEY_FIGURES_JS, KEY_FIGURES)
+            page.set_viewport_size({"width": args.width, "height": max(args.height, 1450)})
+            save(page, "3b-compare-key-figures.png")
 
             # 4. the registered model: versions and aliases
             url = model_page_url(base, t["model"])
