@@ -4,6 +4,9 @@ Sources: the embedded corpus (CPython's ``pydoc_data.topics``, present on every
 CPython), local text/json/jsonl/csv/parquet files or folders, and hub datasets
 when online. The token stream is cut into fixed-length blocks; a seeded
 permutation assigns each block to exactly one split, so splits never overlap.
+
+A model that takes BOS (compress/special_tokens.py decides) gets it at the start of every block:
+BOS + block_size - 1 tokens of the stream; a model without BOS gets block_size tokens of the stream.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+# Part of the load stage's cache key: bump when the blocks cut from the same text and tokenizer change
+# (2: blocks start with BOS for models that take one).
+DATA_FORMAT = 2
 
 _EXT_TO_BUILDER = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -27,6 +34,7 @@ class DataSplits:
     eval: np.ndarray
     source: str
     total_tokens: int
+    bos_token_id: int | None = None  # the BOS every block starts with; None: the model takes no BOS
 
     def summary(self) -> dict:
         return {
@@ -41,12 +49,14 @@ class DataSplits:
     def save(self, path: str | Path) -> None:
         """Write the splits as one .npz (arrays and strings only, read back without pickle)."""
         np.savez(path, train=self.train, calib=self.calib, eval=self.eval, source=self.source,
-                 total_tokens=self.total_tokens)
+                 total_tokens=self.total_tokens, bos_token_id=-1 if self.bos_token_id is None else self.bos_token_id)
 
     @classmethod
     def load(cls, path: str | Path) -> "DataSplits":
         with np.load(path, allow_pickle=False) as z:
-            return cls(z["train"], z["calib"], z["eval"], str(z["source"]), int(z["total_tokens"]))
+            bos = int(z["bos_token_id"]) if "bos_token_id" in z.files else -1  # older files: no BOS
+            return cls(z["train"], z["calib"], z["eval"], str(z["source"]), int(z["total_tokens"]),
+                       None if bos < 0 else bos)
 
 
 def embedded_corpus() -> list[str]:
@@ -108,15 +118,26 @@ def load_texts(source: str, text_field: str = "text", subset: str | None = None,
     return _load_hub(source, subset, split, text_field)
 
 
-def tokenize_blocks(texts: list[str], tokenizer, block_size: int, eos_id: int | None) -> np.ndarray:
-    """Concatenate documents (separated by EOS) and cut into full blocks; the ragged tail is dropped."""
+def tokenize_blocks(texts: list[str], tokenizer, block_size: int, eos_id: int | None,
+                    bos_id: int | None = None) -> np.ndarray:
+    """Concatenate documents (separated by EOS) and cut into full blocks; the ragged tail is dropped.
+
+    bos_id: every block is [bos_id] + the next block_size - 1 tokens of the stream (a model that takes BOS
+    sees one at the start of every sequence, as in its training); None: block_size tokens of the stream.
+    """
+    if bos_id is not None and block_size < 2:
+        raise DataError(f"data.block_size {block_size}: a model that takes BOS needs blocks of at least 2 tokens")
     ids: list[int] = []
     for t in texts:
         ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
         if eos_id is not None:
             ids.append(eos_id)
-    n = len(ids) // block_size
-    return np.asarray(ids[: n * block_size], dtype=np.int64).reshape(n, block_size)
+    step = block_size if bos_id is None else block_size - 1
+    n = len(ids) // step
+    body = np.asarray(ids[: n * step], dtype=np.int64).reshape(n, step)
+    if bos_id is None:
+        return body
+    return np.concatenate([np.full((n, 1), bos_id, dtype=np.int64), body], axis=1)
 
 
 def make_splits(
@@ -131,8 +152,11 @@ def make_splits(
     subset: str | None = None,
     split: str = "train",
 ) -> DataSplits:
+    from compress.special_tokens import bos_id_of
+
     texts = load_texts(source, text_field, subset, split)
-    blocks = tokenize_blocks(texts, tokenizer, block_size, tokenizer.eos_token_id)
+    bos = bos_id_of(tokenizer)
+    blocks = tokenize_blocks(texts, tokenizer, block_size, tokenizer.eos_token_id, bos)
     need = train_blocks + calib_blocks + eval_blocks
     if len(blocks) < 3:
         raise DataError(f"data.source {source!r} yields only {len(blocks)} blocks of {block_size} tokens; use more text or a smaller data.block_size")
@@ -148,7 +172,8 @@ def make_splits(
     ev = order[:eval_blocks]
     ca = order[eval_blocks : eval_blocks + calib_blocks]
     tr = order[eval_blocks + calib_blocks : eval_blocks + calib_blocks + train_blocks]
-    return DataSplits(train=blocks[tr], calib=blocks[ca], eval=blocks[ev], source=source, total_tokens=int(blocks.size))
+    return DataSplits(train=blocks[tr], calib=blocks[ca], eval=blocks[ev], source=source, total_tokens=int(blocks.size),
+                      bos_token_id=bos)
 
 
 def splits_from_config(tokenizer, cfg) -> DataSplits:

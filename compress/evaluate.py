@@ -3,6 +3,12 @@
 perplexity and top-1 agreement come from batched prefill over the eval blocks
 (past = 0), the same positions torch_eval.perplexity scores; latency is batch-1
 greedy decode with the KV cache fed back, the way the server runs it.
+
+Scored positions, the same for every model: in each eval block of s tokens, the logits at positions
+0..s-2 predict the tokens at 1..s-1, so n blocks give n * (s - 1) scored tokens (``eval_tokens``). Block
+position 0 is never a target; for a model that takes BOS it holds the BOS (compress/data.py), so BOS is
+never scored and every scored token is text (the first text token is predicted from BOS); for a model
+without BOS it is the first text token, which has no context to predict it from.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ def _logits_batches(sess, blocks: np.ndarray, num_kv_heads: int, head_dim: int, 
 
 
 def _nll_and_argmax(logits: np.ndarray, ids: np.ndarray) -> tuple[float, np.ndarray]:
-    """Sum of next-token NLL over positions 0..s-2, and argmax at every position."""
+    """Sum of next-token NLL of the targets at positions 1..s-1 (position 0, BOS or not, is never scored),
+    and argmax at every position."""
     lg = logits[:, :-1].astype(np.float64)
     m = lg.max(-1, keepdims=True)
     lse = np.log(np.exp(lg - m).sum(-1)) + m[..., 0]

@@ -23,6 +23,7 @@ from torch import nn
 
 from compress.artifact import io_names, write_manifest
 from compress.models import model_info
+from compress.special_tokens import eos_ids_of, special_tokens
 
 log = logging.getLogger(__name__)
 
@@ -206,16 +207,8 @@ def name_linear_nodes(onnx_path: Path) -> int:
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config):
-        v = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(int(x) for x in v)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return sorted(ids)
+    """Every id that ends generation: compress.special_tokens.eos_ids_of."""
+    return eos_ids_of(model, tokenizer)
 
 
 def build_artifact(model: nn.Module, tokenizer, out_dir: str | Path, exporter: str = "dynamo", opset: int = 18,
@@ -237,7 +230,7 @@ def build_artifact(model: nn.Module, tokenizer, out_dir: str | Path, exporter: s
         "kv_dtype": "float32",
         "attention_layout": "standard",
         "io": io_names(info["num_layers"]),
-        "eos_token_ids": _eos_ids(model, tokenizer),
+        **special_tokens(tokenizer, model).manifest_fields(),  # add_bos_token, eos_token_ids, chat_template_adds_bos
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,
         "chat_template": getattr(tokenizer, "chat_template", None),

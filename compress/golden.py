@@ -67,11 +67,16 @@ class GoldenSet:
 
 @torch.no_grad()
 def record_golden(model, tokenizer, prompts: list[str], top_k: int = 8, new_tokens: int = 16) -> GoldenSet:
+    """prompt_ids are the prompts as the model expects them (BOS first when it takes one, see
+    compress/special_tokens.py); the ONNX check replays exactly these ids."""
+    from compress.special_tokens import special_tokens
+
     model.eval()
+    st = special_tokens(tokenizer, model)
     prompt_ids, conts, values, indices = [], [], [], []
     for p in prompts:
-        ids = tokenizer(p, add_special_tokens=False)["input_ids"]
-        if not ids:
+        ids = st.encode(tokenizer, p)
+        if len(ids) == len(st.prefix()):
             raise ValueError(f"golden.prompts: prompt {p!r} tokenizes to nothing; use a non-empty prompt")
         # HF's own cached greedy decode: a reference independent of the exported graph under test.
         # min_new_tokens keeps EOS from ending it early, so every model is compared on N tokens.

@@ -372,6 +372,7 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
     graph's block size is fixed and recorded in the manifest).
     """
     from compress.export import _eos_ids
+    from compress.special_tokens import special_tokens
 
     if layout not in ("gqa", "paged"):
         raise GqaBuildError(f"layout {layout!r}: the builder writes 'gqa' or 'paged' (the dynamo export writes 'standard')")
@@ -400,7 +401,7 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
         "kv_dtype": "float32" if layout == "gqa" else "float16",
         "attention_layout": layout,
         "io": gqa_io_names(info["num_layers"]) if layout == "gqa" else paged_io_names(info["num_layers"]),
-        "eos_token_ids": _eos_ids(model, tokenizer),
+        **special_tokens(tokenizer, model).manifest_fields(),  # add_bos_token, eos_token_ids, chat_template_adds_bos
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,
         "chat_template": getattr(tokenizer, "chat_template", None),

@@ -24,7 +24,8 @@ def _device_of(model) -> torch.device:
 
 @torch.no_grad()
 def perplexity(model, blocks: np.ndarray, batch_size: int = 4) -> float:
-    """exp(mean next-token cross-entropy) over every position of every block."""
+    """exp(mean next-token cross-entropy) over positions 1..s-1 of every block: the positions
+    compress.evaluate scores (position 0, which holds BOS for a model that takes one, is never a target)."""
     model.eval()
     dev = _device_of(model)
     total, count = 0.0, 0

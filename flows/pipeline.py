@@ -19,6 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from compress import registry
 from compress.config import PipelineConfig, load_config, project_root
+from compress.data import DATA_FORMAT
 from compress.export import EXPORT_FORMAT
 from flows.deploy import deploy_flow, served_version
 from flows.outcome import pipeline_state
@@ -123,7 +124,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         log_params(cfg.model_dump(mode="json"))
         log_json(cfg.model_dump(mode="json"), "config.json")
 
-        k_load = stage_key(cfg, "load", ["model", "data"])
+        k_load = stage_key(cfg, "load", ["model", "data"], f"data{DATA_FORMAT}")
         loaded = timer.run("load", submit_stage, load_task, cfg, "load", k_load, parent_run_id=pid)
         k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}")
         teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,

@@ -111,16 +111,20 @@ def make_workload(
 
 def fit_to_context(workload: list[dict], artifact_dir: str | Path, max_len: int | None = None) -> list[dict]:
     """A copy whose prompts are cut at the end (keeping a shared prefix shared) so prompt + max_tokens fits
-    ``max_len`` tokens (default: the artifact's ``max_positions``), counted with its tokenizer."""
+    ``max_len`` tokens (default: the artifact's ``max_positions``), counted with its tokenizer, plus the BOS
+    a model whose manifest says ``add_bos_token`` takes first (compress/special_tokens.py; the server is to add it).
+    Prompts stay text: the server tokenizes them."""
     from tokenizers import Tokenizer
 
     artifact_dir = Path(artifact_dir)
     tok = Tokenizer.from_file(str(artifact_dir / "tokenizer.json"))
+    manifest = json.loads((artifact_dir / "manifest.json").read_text())
     if max_len is None:
-        max_len = int(json.loads((artifact_dir / "manifest.json").read_text())["max_positions"])
+        max_len = int(manifest["max_positions"])
+    n_bos = 1 if manifest.get("add_bos_token") and manifest.get("bos_token_id") is not None else 0
     out = []
     for r in workload:
-        budget = max_len - int(r["max_tokens"]) - 1
+        budget = max_len - int(r["max_tokens"]) - 1 - n_bos
         if budget < 1:
             raise ValueError(f"request {r['id']}: max_tokens {r['max_tokens']} leaves no room in a context of {max_len}")
         prompt = r["prompt"]
