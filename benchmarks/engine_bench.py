@@ -82,7 +82,7 @@ def sequential_gqa(artifact: Path, prompts, max_tokens: int, threads: int) -> di
 
 
 def engine_run(artifact: Path, prompts, max_tokens: int, concurrency: int, threads: int, batch_cap: int) -> dict:
-    from compress.config import ServeConfig
+    from serve.config import ServeConfig
     from serve.engine import Engine
     from serve.sampling import SamplingParams
 

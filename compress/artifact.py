@@ -1,31 +1,20 @@
-"""The artifact folder and its manifest.json: the contract between pipeline and server.
+"""Writing an artifact folder's manifest.json (the reading side is serve/artifact.py, the server's).
 
-Standard library only, because the server (which never imports torch) reads it too.
-Every file in the folder is listed with its sha256 so a truncated or swapped
-file is caught before anything is promoted or served.
+Every file in the folder is listed with its size and sha256 so a truncated or swapped file is
+caught before anything is promoted or served.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+# Re-exported: the pipeline reads and verifies manifests through this module too.
+from serve.artifact import MANIFEST, MANIFEST_VERSION, ArtifactError, read_manifest, sha256_file, verify_files
 
-
-class ArtifactError(ValueError):
-    """An artifact folder that is incomplete or corrupt."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+__all__ = ["MANIFEST", "MANIFEST_VERSION", "ArtifactError", "io_names", "read_manifest", "sha256_file",
+           "verify_files", "write_manifest"]
 
 
 def io_names(num_layers: int) -> dict[str, list[str]]:
@@ -48,29 +37,3 @@ def write_manifest(folder: str | Path, fields: dict[str, Any]) -> dict:
     manifest = {"manifest_version": MANIFEST_VERSION, **fields, "files": files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
-
-
-def read_manifest(folder: str | Path, verify: bool = True) -> dict:
-    folder = Path(folder)
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise ArtifactError(f"{folder}: no {MANIFEST}; this is not an artifact folder written by the pipeline")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"{path}: not valid JSON ({e})") from None
-    if verify:
-        verify_files(folder, manifest)
-    return manifest
-
-
-def verify_files(folder: Path, manifest: dict) -> None:
-    for rel, meta in manifest.get("files", {}).items():
-        p = folder / rel
-        if not p.is_file():
-            raise ArtifactError(f"{folder}: {rel} listed in the manifest is missing")
-        size = p.stat().st_size
-        if size != meta["bytes"]:
-            raise ArtifactError(f"{folder}: {rel} has {size} bytes, the manifest says {meta['bytes']} (truncated or replaced)")
-        if sha256_file(p) != meta["sha256"]:
-            raise ArtifactError(f"{folder}: {rel} does not match its sha256 in the manifest (corrupt or replaced)")

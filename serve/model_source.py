@@ -13,7 +13,7 @@ Live swap, as the deploy and rollback flows rely on it:
 4. A version that fails to load is logged and remembered; the server keeps serving the
    old one and does not retry that version on every poll (POST /admin/reload does).
 
-The registry is reached only through ``compress.registry`` (which imports MLflow lazily),
+The registry is reached only through ``serve.registry_client`` (which imports MLflow lazily),
 so serving a local folder needs no MLflow at all.
 """
 
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from compress.config import ServeConfig
+from serve.config import ServeConfig
 from serve.engine import Engine, EngineStats
 from serve.sampling import SamplingParams
 
@@ -93,7 +93,7 @@ def parse_model_uri(uri: str) -> ModelSpec:
 
 
 @dataclass
-class Fetched:
+class LocalVersion:
     """A version on local disk, ready for an Engine."""
 
     name: str
@@ -117,11 +117,11 @@ class ModelSource:
         self._configured = False
 
     def _registry(self):
-        from compress import registry
+        from serve import registry_client as registry
 
         if not self._configured:
             os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no tqdm bars in server logs
-            registry.configure(self.tracking_uri)
+            registry.connect(self.tracking_uri)
             self._configured = True
         return registry
 
@@ -139,10 +139,10 @@ class ModelSource:
                                    f"MLFLOW_TRACKING_URI")
         return str(v.version)
 
-    def fetch(self, version: str | None) -> Fetched:
+    def fetch(self, version: str | None) -> LocalVersion:
         spec = self.spec
         if not spec.is_registry:
-            return Fetched(self.served_name, None, None, spec.path, downloaded=False)
+            return LocalVersion(self.served_name, None, None, spec.path, downloaded=False)
         if self._download_root is None:
             self._download_root = Path(tempfile.mkdtemp(prefix="compressor-serve-"))
         dst = self._download_root / f"{spec.name}-v{version}-{time.monotonic_ns()}"
@@ -152,7 +152,7 @@ class ModelSource:
         except Exception as e:
             shutil.rmtree(dst, ignore_errors=True)
             raise ModelSourceError(f"downloading {spec.name} version {version} failed: {type(e).__name__}: {e}") from e
-        return Fetched(self.served_name, str(version), spec.alias, Path(path), downloaded=True)
+        return LocalVersion(self.served_name, str(version), spec.alias, Path(path), downloaded=True)
 
     def cleanup(self) -> None:
         if self._own_root and self._download_root is not None:

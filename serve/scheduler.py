@@ -71,7 +71,7 @@ _epochs = itertools.count(1)
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One request's token state as the scheduler sees it."""
 
     request_id: str
@@ -115,7 +115,7 @@ class Sequence:
 
 @dataclass
 class ScheduledSeq:
-    seq: Sequence
+    seq: SequenceState
     start: int  # first position computed this step (= tokens already in the cache)
     num_tokens: int
 
@@ -132,7 +132,7 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[SequenceState] = field(default_factory=list)
     num_tokens: int = 0
 
     @property
@@ -155,8 +155,8 @@ class Scheduler:
         self.policy = policy
         self.watermark_blocks = int(block_manager.num_blocks * watermark)
         self.clock = clock
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []  # kept sorted by arrival (oldest first)
+        self.waiting: list[SequenceState] = []
+        self.running: list[SequenceState] = []  # kept sorted by arrival (oldest first)
         self.num_preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------
@@ -177,7 +177,7 @@ class Scheduler:
                 f"KV cache of {cap} tokens ({self.bm.num_blocks} blocks of {self.bm.block_size}); "
                 f"lower max_tokens or raise serve.kv_memory_mb")
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         self.check_admissible(seq.prompt_len, seq.params.max_tokens)
         if len(self.waiting) >= self.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later",
@@ -203,7 +203,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted_any = False
 
-        def grow(seq: Sequence, n: int) -> bool:
+        def grow(seq: SequenceState, n: int) -> bool:
             """Make room for n more tokens of a running seq; preempt youngest-first. False if seq itself went."""
             nonlocal budget, preempted_any
             while not self.bm.allocate(seq, seq.num_computed + n):
@@ -245,7 +245,7 @@ class Scheduler:
         out.num_tokens = sum(r.num_tokens for r in out.scheduled)
         return out
 
-    def _waiting_order(self, now: float) -> list[Sequence]:
+    def _waiting_order(self, now: float) -> list[SequenceState]:
         aged = [s for s in self.waiting if now - s.arrival >= self.max_wait_s]
         rest = [s for s in self.waiting if now - s.arrival < self.max_wait_s]
         aged.sort(key=lambda s: s.arrival)
@@ -284,13 +284,13 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _insert_running(self, seq: Sequence) -> None:
+    def _insert_running(self, seq: SequenceState) -> None:
         i = len(self.running)
         while i > 0 and self.running[i - 1].arrival > seq.arrival:
             i -= 1
         self.running.insert(i, seq)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         self.bm.free(seq)
         self.running.remove(seq)
         seq.num_computed = 0
@@ -306,7 +306,7 @@ class Scheduler:
         seq.num_computed = row.start + row.num_tokens
         self.bm.commit(seq, seq.token_ids, seq.num_computed)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: SequenceState, reason: str) -> None:
         """Finished or cancelled: blocks go back at once."""
         if seq.status is SeqStatus.RUNNING:
             self.bm.free(seq)

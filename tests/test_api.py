@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from compress.config import ServeConfig
 from serve.__main__ import BackgroundServer, main
 from serve.api import create_app
+from serve.config import ServeConfig
 from serve.engine import Engine
 from serve.runner import CPU
 from serve.sampling import SamplingParams

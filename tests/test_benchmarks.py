@@ -136,9 +136,9 @@ def _check_sane(res, workload):
 
 def test_loadgen_against_in_process_server(tiny_artifact):
     from loadtest.loadgen import run_workload
-    from compress.config import ServeConfig
     from serve.__main__ import BackgroundServer
     from serve.api import create_app
+    from serve.config import ServeConfig
 
     w = small_workload(tiny_artifact)
     app = create_app(str(tiny_artifact), ServeConfig(providers=["CPUExecutionProvider"], num_blocks=256),

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from compress.config import ServeConfig
+from serve.config import ServeConfig
 from serve.engine import Engine
 from serve.runner import CPU, choose_providers
 from serve.sampling import SamplingError, SamplingParams

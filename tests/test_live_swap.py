@@ -13,9 +13,9 @@ import time
 import httpx
 import pytest
 
-from compress.config import ServeConfig
 from serve.__main__ import BackgroundServer
 from serve.api import create_app
+from serve.config import ServeConfig
 from serve.engine import Engine
 from serve.model_source import ModelManager, ModelSourceError, parse_model_uri
 from serve.runner import CPU

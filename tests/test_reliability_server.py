@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compress.config import ServeConfig
 from loadtest.soak import soak_server
 from serve.__main__ import BackgroundServer
 from serve.api import create_app
+from serve.config import ServeConfig
 from serve.runner import CPU
 from step_gate import SAFETY_S, held_steps
 

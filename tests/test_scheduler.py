@@ -11,7 +11,7 @@ from serve.scheduler import (
     QueueFullError,
     RequestTooLargeError,
     Scheduler,
-    Sequence,
+    SequenceState,
     SeqStatus,
 )
 
@@ -32,7 +32,7 @@ def make(num_blocks=64, block_size=4, **kw):
 
 
 def seq(rid, n_prompt, max_tokens=4, arrival=0.0, first=1):
-    return Sequence(rid, list(range(first, first + n_prompt)), SamplingParams.greedy(max_tokens), arrival=arrival)
+    return SequenceState(rid, list(range(first, first + n_prompt)), SamplingParams.greedy(max_tokens), arrival=arrival)
 
 
 def fake_step(s: Scheduler, out, finished: list | None = None):
@@ -206,7 +206,7 @@ def test_admission_errors():
     with pytest.raises(RequestTooLargeError, match="KV cache of 32 tokens"):
         s.add(seq("pool", 30, max_tokens=10))
     with pytest.raises(RequestTooLargeError, match="empty"):
-        s.add(Sequence("e", [], SamplingParams.greedy(2), arrival=0))
+        s.add(SequenceState("e", [], SamplingParams.greedy(2), arrival=0))
     s.add(seq("a", 4))
     s.add(seq("b", 4))
     with pytest.raises(QueueFullError, match="waiting queue is full") as ei:

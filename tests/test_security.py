@@ -280,8 +280,9 @@ def test_the_server_never_unpickles_anything_in_an_artifact(tiny_artifact, tmp_p
 
 
 def test_serve_imports_neither_torch_nor_transformers():
-    code = ("import sys, serve.api, serve.engine, serve.model_source, serve.__main__; "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = ("import sys, serve.api, serve.engine, serve.model_source, serve.__main__, serve.config, "
+            "serve.artifact, serve.registry_client; "
+            "print(sorted(m for m in ('torch', 'transformers', 'compress') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"

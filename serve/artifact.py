@@ -1,0 +1,53 @@
+"""The artifact folder's manifest.json, as the server reads it: the contract between pipeline and server.
+
+The server owns the reading side (format constants, read, sha256 verify); compress/artifact.py
+writes manifests against these same constants. Standard library only. Every file in the folder is
+listed with its sha256 so a truncated or swapped file is caught before anything is promoted or served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+class ArtifactError(ValueError):
+    """An artifact folder that is incomplete or corrupt."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(folder: str | Path, verify: bool = True) -> dict:
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{folder}: no {MANIFEST}; this is not an artifact folder written by the pipeline")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path}: not valid JSON ({e})") from None
+    if verify:
+        verify_files(folder, manifest)
+    return manifest
+
+
+def verify_files(folder: Path, manifest: dict) -> None:
+    for rel, meta in manifest.get("files", {}).items():
+        p = folder / rel
+        if not p.is_file():
+            raise ArtifactError(f"{folder}: {rel} listed in the manifest is missing")
+        size = p.stat().st_size
+        if size != meta["bytes"]:
+            raise ArtifactError(f"{folder}: {rel} has {size} bytes, the manifest says {meta['bytes']} (truncated or replaced)")
+        if sha256_file(p) != meta["sha256"]:
+            raise ArtifactError(f"{folder}: {rel} does not match its sha256 in the manifest (corrupt or replaced)")

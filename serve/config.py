@@ -1,0 +1,159 @@
+"""The server's configuration: the ``serve`` and ``mlflow`` sections of the pipeline's YAML.
+
+The server owns these sections (compress/config.py's PipelineConfig embeds them), so it reads a
+config file without the pipeline: ``load_serve_config`` validates only ``serve:`` and ``mlflow:``
+and leaves the other sections to ``compressor run``. Same rules and error style as the pipeline's
+loader (which reuses the helpers here): unknown keys are errors that name the key and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user: which key, what is allowed."""
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, so a typo names the key instead of being ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class MlflowConfig(Section):
+    # None = $MLFLOW_TRACKING_URI, else sqlite under <project>/mlruns (absolute path).
+    tracking_uri: str | None = None
+    experiment: str = "llm-compression"
+    # Where people open the UI, for the links in run summaries and Prefect states. None = the tracking
+    # server itself when tracking_uri is http(s), else $MLFLOW_UI_URL, else http://127.0.0.1:5000 (`make ui`).
+    ui_url: str | None = None
+
+
+class ServeConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    # KV pool: sized from this budget (bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes)
+    # unless num_blocks is set. The runner's per-step past buffers come on top (see docs/serving.md).
+    kv_memory_mb: int = Field(256, ge=1)
+    num_blocks: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1, le=1024)
+    enable_prefix_caching: bool = True
+    max_batch_size: int = Field(16, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    # None = the model's max positions from the manifest (a larger value is capped to it).
+    max_model_len: int | None = Field(None, ge=2)
+    max_waiting: int = Field(64, ge=1)
+    max_wait_s: float = Field(2.0, gt=0)
+    # Order of the waiting queue for requests younger than max_wait_s.
+    scheduling_policy: Literal["fcfs", "shortest_first"] = "fcfs"
+    result_cache_size: int = Field(1024, ge=0)
+    poll_interval_s: float = Field(10.0, gt=0)
+    providers: list[str] = Field(default_factory=lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    # onnxruntime intra-op threads; 0 = onnxruntime's default (one per physical core).
+    intra_op_threads: int = Field(0, ge=0)
+    # Check every artifact file against its sha256 in the manifest before serving.
+    verify_artifact: bool = True
+    # How many recent TTFT / inter-token latency samples the stats snapshot keeps.
+    latency_window: int = Field(2048, ge=1)
+    # HTTP server (serve/api.py): largest accepted request body; bigger ones get 413.
+    max_request_bytes: int = Field(1_048_576, ge=1024)
+    # After a live swap, how long in-flight requests may keep the old model before it is shut down anyway.
+    drain_timeout_s: float = Field(300.0, gt=0)
+    # Environment variable holding the bearer token for /admin/*; unset or empty = admin endpoints off.
+    admin_token_env: str = "COMPRESSOR_ADMIN_TOKEN"
+
+
+# The sections this module reads; `python -m serve --set` refuses keys outside them, which would do nothing.
+SERVER_SECTIONS = ("serve", "mlflow")
+
+
+@dataclass
+class ServerConfig:
+    """What ``python -m serve --config X`` reads of a config file."""
+
+    serve: ServeConfig
+    mlflow: MlflowConfig
+
+
+def format_errors(err: ValidationError, origin: str, prefix: tuple = ()) -> str:
+    """A pydantic error as lines naming each key (dotted, from the top of the file) and what to do."""
+    lines = [f"invalid configuration ({origin}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in (*prefix, *e["loc"])) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key; check the spelling (see configs/default.yaml for every key)")
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+            lines.append(f"  {key}: {e['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. --set distill.steps=10")
+    key, raw = item.split("=", 1)
+    # YAML parsing gives ints, floats, bools, lists ("[a, b]") and null the way a user would write them.
+    value = yaml.safe_load(raw) if raw != "" else ""
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path | None) -> tuple[dict, str]:
+    """The config file's top-level mapping (empty without a path) and its origin for error messages."""
+    if path is None:
+        return {}, "defaults"
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found; pass a path such as configs/default.yaml")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections at the top level")
+    return data, str(p)
+
+
+def load_serve_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ServerConfig:
+    """The ``serve`` and ``mlflow`` sections of a YAML config (or the defaults), with KEY=VALUE overrides."""
+    for item in overrides or []:
+        section = item.split("=", 1)[0].strip().split(".")[0]
+        if "=" in item and section not in SERVER_SECTIONS:
+            raise ConfigError(f"override {item!r}: the server reads only the {' and '.join(SERVER_SECTIONS)} "
+                              f"sections; use e.g. --set serve.max_waiting=8")
+    data, origin = read_yaml(path)
+    data = apply_overrides(data, overrides or [])
+    sections = {}
+    for name, model in (("serve", ServeConfig), ("mlflow", MlflowConfig)):
+        raw = data.get(name) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"invalid configuration ({origin}):\n  {name}: must be a mapping of keys")
+        try:
+            sections[name] = model.model_validate(raw)
+        except ValidationError as e:
+            raise ConfigError(format_errors(e, origin, (name,))) from None
+    return ServerConfig(**sections)
+
+
+def project_root() -> Path:
+    """The checkout (or install prefix) holding serve/ and compress/: where mlruns/ and configs/ live."""
+    return Path(__file__).resolve().parent.parent

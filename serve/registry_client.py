@@ -1,0 +1,92 @@
+"""The server's read-only view of the MLflow model registry: which version an alias names, and its files.
+
+Only what serving a ``models:/`` URI needs: resolve the tracking store, check it is reachable,
+look up a version or alias, download a version's artifact folder. MLflow is imported lazily, inside
+the functions, so serving a local folder needs no MLflow at all. The pipeline's registry
+(compress/registry.py: register, promote, roll back) builds on these same functions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from serve.config import project_root
+
+
+class RegistryError(RuntimeError):
+    pass
+
+
+def default_tracking_uri() -> str:
+    db = project_root() / "mlruns" / "mlflow.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    # Absolute: a worker started elsewhere must find the same store.
+    return f"sqlite:///{db}"
+
+
+def resolve_tracking_uri(configured: str | None = None) -> str:
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+
+
+def check_reachable(tracking_uri: str) -> None:
+    """Fail early, with the URI, when the tracking server cannot be reached."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=5).read()
+    except Exception as e:
+        raise RegistryError(
+            f"MLflow tracking server {tracking_uri} is unreachable ({type(e).__name__}: {e}); start it "
+            f"(make ui) or unset MLFLOW_TRACKING_URI to use the local store under mlruns/"
+        ) from None
+
+
+def connect(tracking_uri: str | None = None) -> str:
+    """Point mlflow at the store (configured, else $MLFLOW_TRACKING_URI, else <project>/mlruns); returns the URI."""
+    import mlflow
+
+    uri = resolve_tracking_uri(tracking_uri)
+    # Before any MLflow call: MLflow's own HTTP client retries a dead server for minutes.
+    check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
+@dataclass
+class Version:
+    name: str
+    version: str
+    run_id: str | None
+    source: str
+    tags: dict
+    aliases: list[str]
+
+
+def client():
+    from mlflow import MlflowClient
+
+    return MlflowClient()
+
+
+def get_version(model_name: str, version: str | int) -> Version:
+    mv = client().get_model_version(model_name, str(version))
+    return Version(mv.name, str(mv.version), mv.run_id, mv.source, dict(mv.tags), list(mv.aliases))
+
+
+def version_for_alias(model_name: str, alias: str) -> Version | None:
+    try:
+        mv = client().get_model_version_by_alias(model_name, alias)
+    except Exception:
+        return None
+    return get_version(model_name, mv.version)
+
+
+def download(model_uri: str, dst: str | Path | None = None) -> Path:
+    """models:/NAME@alias or models:/NAME/3 -> a local artifact folder."""
+    import mlflow
+
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dst) if dst else None))

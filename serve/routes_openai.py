@@ -1,0 +1,251 @@
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (JSON or SSE stream) and /v1/models.
+
+Every request leases the model that is current when it arrives (serve/model_source.py) and keeps
+it until its last byte is sent, so a live swap never cuts a response short. Deterministic requests
+are answered from the result cache when they can be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from serve.api_schemas import ApiError, ChatCompletionRequest, CompletionRequest, error_body, parse, read_json
+from serve.app_state import AppState, app_state
+from serve.chat_template import render_chat
+from serve.engine import RequestHandle
+from serve.model_source import LoadedModel
+from serve.result_cache import CachedResult, cache_key
+from serve.sampling import SamplingError, SamplingParams
+from serve.scheduler import AdmissionError, QueueFullError, RequestTooLargeError
+from serve.streaming import DisconnectAwareStream, call_at_end, sse
+
+OWNED_BY = "compressor"
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    return await generate(request, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    return await generate(request, chat=True)
+
+
+def model_card(lm: LoadedModel) -> dict:
+    return {"id": lm.name, "object": "model", "created": int(lm.loaded_at), "owned_by": OWNED_BY,
+            "version": lm.version, "alias": lm.alias, "uri": lm.uri, "max_model_len": lm.engine.max_model_len}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    lm = app_state(request).manager.current
+    return {"object": "list", "data": [model_card(lm)] if lm is not None else []}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    lm = app_state(request).manager.current
+    if lm is None or model_id not in (lm.name, lm.uri):
+        raise ApiError(404, f"the model {model_id!r} does not exist", "not_found_error", "model",
+                       "model_not_found")
+    return model_card(lm)
+
+
+# ---- generation --------------------------------------------------------------------------------
+def check_model(lm: LoadedModel, requested: str | None) -> None:
+    if requested not in (None, "", lm.name, lm.uri):
+        raise ApiError(404, f"the model {requested!r} does not exist; this server serves {lm.name!r}",
+                       "not_found_error", "model", "model_not_found")
+
+
+def admit(lm: LoadedModel, prompt, params: SamplingParams, rid: str) -> RequestHandle:
+    try:
+        return lm.engine.add_request(prompt, params, request_id=rid)
+    except QueueFullError as e:
+        retry = max(1, round(e.retry_after_s))
+        raise ApiError(429, str(e), "rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(retry)}) from None
+    except RequestTooLargeError as e:
+        raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+    except SamplingError as e:
+        field = str(e).split(" ", 1)[0]
+        raise ApiError(400, str(e), param=field if field in SamplingParams.__dataclass_fields__ else None) from None
+    except AdmissionError as e:
+        raise ApiError(400, str(e), param="prompt") from None
+
+
+def fingerprint(lm: LoadedModel) -> str:
+    return f"{lm.name}-v{lm.version}" if lm.version is not None else f"{lm.name}-g{lm.generation}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def wait_result(handle: RequestHandle, request: Request):
+    """The whole output; a client that disconnects meanwhile cancels the request."""
+    async def watch() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                handle.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await handle.aresult()
+    finally:
+        watcher.cancel()
+
+
+async def generate(request: Request, chat: bool):
+    """/v1/completions and /v1/chat/completions: lease the model, answer from the result cache or the
+    engine, as one JSON body or as a stream of events."""
+    t0 = time.perf_counter()
+    state = app_state(request)
+    manager, cache = state.manager, state.cache
+    body = parse(ChatCompletionRequest if chat else CompletionRequest,
+                 await read_json(request, state.config.max_request_bytes))
+    lm = state.lease()
+    try:
+        check_model(lm, body.model)
+        if chat:
+            text = render_chat(lm, body.messages)
+            # The template writes the special tokens itself; the tokenizer must not add a second BOS.
+            prompt_ids = lm.engine.tokenizer.encode(text, add_special_tokens=False).ids
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            if max_tokens is None:
+                # OpenAI's chat default: as long as the context allows (and the KV pool can ever hold).
+                bm = lm.engine.block_manager
+                room = min(lm.engine.max_model_len, bm.num_blocks * bm.block_size)
+                max_tokens = max(1, room - len(prompt_ids))
+        else:
+            prompt = body.prompt
+            prompt_ids = lm.engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+            max_tokens = body.max_tokens
+        params = body.sampling(max_tokens)
+        try:
+            params.validate()
+        except SamplingError as e:
+            field = str(e).split(" ", 1)[0]
+            raise ApiError(400, str(e), param=field) from None
+        key = cache_key(lm.key, prompt_ids, params)
+        hit = cache.get(key)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        meta = dict(id=rid, created=int(time.time()), model=lm.name, system_fingerprint=fingerprint(lm))
+        if hit is not None:
+            handle = None
+        else:
+            handle = admit(lm, prompt_ids, params, rid)
+    except BaseException:
+        manager.release(lm)
+        raise
+    headers = {"X-Result-Cache": "hit" if hit is not None else ("miss" if key is not None else "off")}
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        gen = stream_events(chat, meta, handle, hit, len(prompt_ids), include_usage)
+        # no-cache / no buffering: proxies must pass each event on as it comes
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return DisconnectAwareStream(call_at_end(gen, lambda ok: done(state, lm, handle, key, len(prompt_ids), t0,
+                                                                    ok)),
+                                     media_type="text/event-stream", headers=headers)
+    try:
+        if hit is None:
+            out = await wait_result(handle, request)
+            if out.finish_reason == "error":
+                raise ApiError(500, f"generation failed: {out.error}", "server_error", code="engine_error")
+            if out.finish_reason == "cancelled":
+                raise ApiError(503, "the request was cancelled (the server is shutting down or the model was "
+                               "unloaded)", "service_unavailable", code="cancelled")
+            result = CachedResult(out.text, tuple(out.output_ids), out.finish_reason, len(prompt_ids))
+            if not lm.retired:  # an answer from a swapped-out model would only occupy space
+                cache.put(key, result)
+        else:
+            result = hit
+        state.metrics.e2e.labels(lm.name).observe(time.perf_counter() - t0)
+    finally:
+        manager.release(lm)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+                  "finish_reason": result.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        obj = "text_completion"
+    return JSONResponse({**meta, "object": obj, "choices": [choice],
+                         "usage": usage(len(prompt_ids), result.completion_tokens)}, headers=headers)
+
+
+def done(state: AppState, lm: LoadedModel, handle: RequestHandle | None, key, prompt_tokens: int, t0: float,
+         ok: bool) -> None:
+    """End of a stream, however it ended: cancel an unfinished request, cache a finished one, free the lease."""
+    try:
+        if handle is not None:
+            if not handle.finished:
+                handle.cancel()
+            elif ok and not lm.retired:
+                state.cache.put(key, CachedResult(handle.text, tuple(handle.output_ids), handle.finish_reason or "",
+                                            prompt_tokens))
+        if ok:
+            state.metrics.e2e.labels(lm.name).observe(time.perf_counter() - t0)
+    finally:
+        state.manager.release(lm)
+
+
+def stream_events(chat: bool, meta: dict, handle: RequestHandle | None, hit: CachedResult | None,
+                  prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE events of one response, from the engine's token events or from a cached result."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, finish: str | None, first: bool = False) -> dict:
+        if chat:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        out = {**meta, "object": obj, "choices": [c]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    async def events() -> AsyncIterator[str]:
+        if chat:
+            yield sse(chunk("", None, first=True))
+        if hit is not None:
+            if hit.text:
+                yield sse(chunk(hit.text, None))
+            finish, completion_tokens = hit.finish_reason, hit.completion_tokens
+        else:
+            finish = None
+            async for ev in handle:
+                if ev.text:
+                    yield sse(chunk(ev.text, None))
+                if ev.finished:
+                    finish = ev.finish_reason
+            if finish == "error":
+                yield sse(error_body(f"generation failed: {handle.error}", "server_error", code="engine_error"))
+                yield sse("[DONE]")
+                return
+            completion_tokens = len(handle.output_ids)
+        yield sse(chunk(None, finish))
+        if include_usage:
+            yield sse({**meta, "object": obj, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield sse("[DONE]")
+
+    return events()
