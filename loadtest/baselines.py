@@ -82,20 +82,28 @@ def hf_generate(model_dir: str, workload: list[dict], batch_size: int = 1, threa
     import torch
 
     from compress.models import load_teacher
+    from compress.special_tokens import special_tokens
 
     if threads:
         torch.set_num_threads(threads)
     model, tok = load_teacher(model_dir)
     tok.padding_side = "left"
+    # The prompts as the server encodes them: BOS first when the model takes one (the decision the
+    # artifact's manifest records), the text without the tokenizer's own special tokens.
+    st = special_tokens(tok, model)
+
+    def encode(prompts: list[str]) -> dict:
+        return tok.pad({"input_ids": [st.encode(tok, p) for p in prompts]}, padding=True, return_tensors="pt")
+
     recs = _records(workload)
     # Warm-up outside the clock, as the server gets one.
     with torch.inference_mode():
-        model.generate(**tok(["Warm-up."], return_tensors="pt", add_special_tokens=False), max_new_tokens=2,
-                       min_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
+        model.generate(**encode(["Warm-up."]), max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                       pad_token_id=tok.pad_token_id)
     t0, c0 = time.perf_counter(), time.process_time()
     for b in range(0, len(workload), batch_size):
         batch = workload[b:b + batch_size]
-        enc = tok([q["prompt"] for q in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = encode([q["prompt"] for q in batch])
         want = [int(q["max_tokens"]) for q in batch]
         clock = _Clock()
         t_b = time.perf_counter()
@@ -115,6 +123,8 @@ def ort_static(artifact_dir: str | Path, workload: list[dict], batch_size: int =
     """The artifact's ONNX graph in a plain left-padded static-batch loop (no block pool, no scheduler)."""
     import onnxruntime as ort
     from tokenizers import Tokenizer
+
+    from serve.tokenizer import encode_prompt
 
     artifact_dir = Path(artifact_dir)
     man = json.loads((artifact_dir / "manifest.json").read_text())
@@ -162,12 +172,13 @@ def ort_static(artifact_dir: str | Path, workload: list[dict], batch_size: int =
             pos = pos[:, -1:] + 1
             mask = np.concatenate([mask, np.ones((B, 1), np.int64)], 1)
 
-    generate([tok.encode("Warm-up.", add_special_tokens=False).ids], 2, None)
+    # The prompts as the server encodes them (BOS first when the manifest says add_bos_token).
+    generate([encode_prompt(tok, man, "Warm-up.")], 2, None)
     recs = _records(workload)
     t0, c0 = time.perf_counter(), time.process_time()
     for b in range(0, len(workload), batch_size):
         batch = workload[b:b + batch_size]
-        prompts = [tok.encode(q["prompt"], add_special_tokens=False).ids for q in batch]
+        prompts = [encode_prompt(tok, man, q["prompt"]) for q in batch]
         want = [int(q["max_tokens"]) for q in batch]
         clock: list[float] = []
         t_b = time.perf_counter()

@@ -78,9 +78,13 @@ def kv_budget_mb(artifact: Path, workload: list[dict], concurrency: int, block_s
     from tokenizers import Tokenizer
 
     from loadtest.kv_calc import kv_memory_bytes, shape_from_manifest
+    from serve.artifact import read_manifest
+    from serve.tokenizer import encode_prompt
 
     tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
-    longest = max(len(tok.encode(q["prompt"], add_special_tokens=False).ids) + int(q["max_tokens"]) for q in workload)
+    man = read_manifest(artifact, verify=False)
+    # Counted as the server encodes them: BOS included when the manifest says add_bos_token.
+    longest = max(len(encode_prompt(tok, man, q["prompt"])) + int(q["max_tokens"]) for q in workload)
     need = kv_memory_bytes(shape_from_manifest(artifact), longest, concurrency, block_size)
     return max(256, int(1.1 * need / 2**20) + 1)
 

@@ -112,7 +112,7 @@ def make_workload(
 def fit_to_context(workload: list[dict], artifact_dir: str | Path, max_len: int | None = None) -> list[dict]:
     """A copy whose prompts are cut at the end (keeping a shared prefix shared) so prompt + max_tokens fits
     ``max_len`` tokens (default: the artifact's ``max_positions``), counted with its tokenizer, plus the BOS
-    a model whose manifest says ``add_bos_token`` takes first (compress/special_tokens.py; the server is to add it).
+    a model whose manifest says ``add_bos_token`` takes first (compress/special_tokens.py; the server adds it).
     Prompts stay text: the server tokenizes them."""
     from tokenizers import Tokenizer
 

@@ -25,6 +25,7 @@ from serve.result_cache import CachedResult, cache_key
 from serve.sampling import SamplingError, SamplingParams
 from serve.scheduler import AdmissionError, QueueFullError, RequestTooLargeError
 from serve.streaming import DisconnectAwareStream, call_at_end, sse
+from serve.tokenizer import encode_chat, encode_prompt
 
 OWNED_BY = "compressor"
 
@@ -122,8 +123,8 @@ async def generate(request: Request, chat: bool):
         check_model(lm, body.model)
         if chat:
             text = render_chat(lm, body.messages)
-            # The template writes the special tokens itself; the tokenizer must not add a second BOS.
-            prompt_ids = lm.engine.tokenizer.encode(text, add_special_tokens=False).ids
+            # The template writes the special tokens itself; BOS only if the model takes one and it did not.
+            prompt_ids = encode_chat(lm.engine.tokenizer, lm.manifest, text)
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:
                 # OpenAI's chat default: as long as the context allows (and the KV pool can ever hold).
@@ -132,7 +133,9 @@ async def generate(request: Request, chat: bool):
                 max_tokens = max(1, room - len(prompt_ids))
         else:
             prompt = body.prompt
-            prompt_ids = lm.engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+            # Text gets the model's BOS (manifest add_bos_token); token ids are taken as sent (as vLLM does).
+            prompt_ids = (encode_prompt(lm.engine.tokenizer, lm.manifest, prompt) if isinstance(prompt, str)
+                          else [int(t) for t in prompt])
             max_tokens = body.max_tokens
         params = body.sampling(max_tokens)
         try:

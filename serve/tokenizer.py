@@ -1,4 +1,5 @@
-"""Tokenizer loading and incremental detokenization for the server (``tokenizers`` only, no transformers)."""
+"""Tokenizer loading, prompt encoding (BOS as the model expects it) and incremental detokenization for
+the server (``tokenizers`` only, no transformers)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,33 @@ def load_tokenizer(artifact_dir: str | Path) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the artifact has no {TOKENIZER_FILE}; re-export it with the pipeline")
     return Tokenizer.from_file(str(path))
+
+
+# ---- BOS: the rule compress/special_tokens.py decided and wrote to the manifest ------------------
+def bos_id(manifest: dict) -> int | None:
+    """The BOS id every sequence starts with: ``bos_token_id`` when the manifest says ``add_bos_token``,
+    else None (also for manifests written before the field: no BOS, as before). Mirrors
+    compress/special_tokens.py ``from_manifest`` (serve/ does not import compress/)."""
+    bos = manifest.get("bos_token_id")
+    return int(bos) if manifest.get("add_bos_token") and bos is not None else None
+
+
+def encode_prompt(tokenizer: Tokenizer, manifest: dict, text: str) -> list[int]:
+    """Plain prompt text as the model expects it: BOS (when it takes one) + the text's tokens, encoded
+    without the tokenizer's own special tokens (as HF ``add_special_tokens`` and vLLM do)."""
+    bos = bos_id(manifest)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    return ([bos] if bos is not None else []) + ids
+
+
+def encode_chat(tokenizer: Tokenizer, manifest: dict, text: str) -> list[int]:
+    """Text rendered by the chat template: encoded without special tokens (the template writes them), with a
+    BOS put first only when the model takes one and the template did not write it already (never two)."""
+    bos = bos_id(manifest)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if bos is not None and (not ids or ids[0] != bos):
+        ids = [bos] + ids
+    return ids
 
 
 class IncrementalDetokenizer:
