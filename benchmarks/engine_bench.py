@@ -33,46 +33,11 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[li
     return [rng.integers(100, vocab - 1, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
-def sequential(artifact: Path, manifest: dict, prompts, max_tokens: int, threads: int) -> dict:
-    from serve.runner import make_session
+def sequential(artifact: Path, prompts, max_tokens: int, threads: int) -> dict:
+    """The batch-1 loop: the layout's offline driver (compress/lm_driver.py), one request after another."""
+    from compress.lm_driver import load_lm
 
-    sess = make_session(artifact / manifest.get("onnx_file", "model.onnx"), ["CPUExecutionProvider"], threads)
-    L, H, D = manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"]
-    past_names = [n for n in manifest["io"]["inputs"] if n.startswith("past_key_values.")]
-    out_names = ["logits", *[n for n in manifest["io"]["outputs"] if n.startswith("present.")]]
-    outputs = []
-    t0, c0 = time.perf_counter(), time.process_time()
-    for p in prompts:
-        past = [np.zeros((1, H, 0, D), np.float32) for _ in range(2 * L)]
-        ids = list(p)
-        new = list(p)
-        gen = []
-        for _ in range(max_tokens):
-            n = len(new)
-            feeds = {
-                "input_ids": np.array([new], np.int64),
-                "attention_mask": np.ones((1, len(ids)), np.int64),
-                "position_ids": np.arange(len(ids) - n, len(ids), dtype=np.int64)[None, :],
-                **dict(zip(past_names, past)),
-            }
-            res = sess.run(out_names, feeds)
-            tok = int(np.argmax(res[0][0, -1]))
-            past = res[1:]
-            gen.append(tok)
-            ids.append(tok)
-            new = [tok]
-        outputs.append(gen)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    toks = sum(len(g) for g in outputs)
-    return {"mode": "sequential batch-1", "concurrency": 1, "requests": len(prompts), "tokens": toks,
-            "wall_s": wall, "cpu_s": cpu, "tok_s": toks / wall, "tok_per_cpu_s": toks / cpu, "outputs": outputs}
-
-
-def sequential_gqa(artifact: Path, prompts, max_tokens: int, threads: int) -> dict:
-    """The batch-1 loop for layout 'gqa': one in-place KV buffer per request (compress.gqa_lm)."""
-    from compress.gqa_lm import GqaLM
-
-    lm = GqaLM(artifact, threads or None, verify=False)
+    lm = load_lm(artifact, threads or None, verify=False)
     t0, c0 = time.perf_counter(), time.process_time()
     outputs = [lm.greedy(list(p), max_tokens) for p in prompts]
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -148,9 +113,7 @@ def main(argv=None) -> int:
     results = []
     base: dict[Path, dict] = {}
     for a in args.artifact:
-        seq = sequential_gqa if manifests[a].get("attention_layout") == "gqa" else \
-            lambda *x: sequential(x[0], manifests[a], *x[1:])
-        b = seq(a, prompts[:args.baseline_requests], args.max_tokens, args.threads)
+        b = sequential(a, prompts[:args.baseline_requests], args.max_tokens, args.threads)
         b["artifact"], b["layout"] = str(a), manifests[a].get("attention_layout", "standard")
         base[a] = b
         results.append(b)

@@ -130,16 +130,17 @@ def latency_interleaved(rounds: int = 4, steps: int = 16) -> None:
     hits all variants alike; stored as decode_ms_interleaved in each result."""
     import numpy as np
 
-    from compress.evaluate import greedy, make_session
+    from compress.lm_driver import load_lm
 
     rows = load_rows()
     arts = {n: (FP32 if n == "fp32" else BENCH / n) for n in rows if (FP32 if n == "fp32" else BENCH / n).is_dir()}
-    sessions = {n: make_session(a / "model.onnx", THREADS) for n, a in arts.items()}
-    times: dict[str, list[float]] = {n: [] for n in sessions}
+    drivers = {n: load_lm(a, THREADS, verify=False) for n, a in arts.items()}
+    times: dict[str, list[float]] = {n: [] for n in drivers}
     prompt = list(range(1000, 1032))
     for _ in range(rounds):
-        for n, sess in sessions.items():
-            _, t = greedy(sess, prompt, steps + 2, 3, 64, 30)
+        for n, lm in drivers.items():
+            t: list[float] = []
+            lm.greedy(prompt, steps + 2, step_seconds=t)
             times[n] += t[2:]
     for n, t in times.items():
         row = rows[n]

@@ -23,6 +23,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader
 
+from serve.onnx_session import CPU, make_session
+
 HIST_BINS = 2048
 
 # ORT linear roles grouped the way they share an input inside one decoder layer.
@@ -212,17 +214,6 @@ class CalibrationResult:
     extra: dict = field(default_factory=dict)
 
 
-def _session(model: onnx.ModelProto, threads: int | None):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    if threads:
-        so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    # The graph is large (>2 GB protobuf limit is not the issue; speed is): hand ORT the bytes once.
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
 def collect_stats(
     model: onnx.ModelProto,
     tensors: list[str],
@@ -254,7 +245,8 @@ def collect_stats(
         sha = hashlib.sha256(np.ascontiguousarray(np.asarray(blocks, np.int64)).tobytes()).hexdigest()
         return CalibrationResult(fp, len(blocks), sha, time.perf_counter() - t0, 0)
     calib = calibration_model(model, tensors)
-    sess = _session(calib, threads)
+    # The graph is large (>2 GB protobuf limit is not the issue; speed is): hand ORT the bytes once.
+    sess = make_session(calib, (CPU,), threads, log_severity=3)
     names = [i.name for i in sess.get_inputs()]
     reader = PrefillReader(blocks, names, num_kv_heads, head_dim, batch_size)
     stats: dict[str, ActStats] = {}

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compress.gqa_lm import GqaLM, load_lm
-from compress.onnx_lm import OnnxLM
+from compress.lm_driver import LanguageModelDriver, load_lm
 
 
 class GoldenMismatch(AssertionError):
@@ -167,7 +166,7 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return n
 
 
-def compare_onnx(lm: OnnxLM | GqaLM | str | Path, golden: GoldenSet, max_abs_error: float = 1e-2, off_threshold: float = 1e-2,
+def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_abs_error: float = 1e-2, off_threshold: float = 1e-2,
                  max_off_count: int = 0, min_top1_agreement: float = 1.0, min_prefix_match: float = 1.0,
                  check_batched: bool = True, pad_id: int = 0) -> GoldenReport:
     """Check an ONNX artifact against golden outputs; report.failures names prompt and position."""

@@ -1,6 +1,6 @@
-"""A minimal numpy driver for a GroupQueryAttention decoder graph (layout ``gqa``).
+"""The language-model driver for layout ``gqa`` (compress/lm_driver.py): a GroupQueryAttention decoder graph.
 
-Same interface as compress.onnx_lm.OnnxLM (logits, logits_left_padded, greedy), so golden
+Same interface as compress.onnx_lm.OnnxLM (compress.lm_driver.LanguageModelDriver), so golden
 validation and evaluation can run either layout. The KV cache is one preallocated buffer per
 layer [batch, kv_heads, max_len, head_dim] bound through IOBinding as both past and present:
 ORT writes the new K/V in place at seqlens_k and nothing is copied between steps.
@@ -8,13 +8,12 @@ ORT writes the new K/V in place at seqlens_k and nothing is copied between steps
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Sequence
 
 import numpy as np
 import onnxruntime as ort
 
-from compress.artifact import read_manifest
-from compress.onnx_lm import greedy_token, make_session
+from compress.lm_driver import LanguageModelDriver, Past
 
 
 class GqaCache:
@@ -48,23 +47,11 @@ def bind_step(binding: ort.IOBinding, past_names: list[str], present_names: list
     binding.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
 
 
-class GqaLM:
-    def __init__(self, artifact_dir: str | Path, threads: int | None = None, verify: bool = True):
-        self.folder = Path(artifact_dir)
-        self.manifest = read_manifest(self.folder, verify=verify)
-        if self.manifest.get("attention_layout") != "gqa":
-            raise ValueError(f"{self.folder}: attention_layout is {self.manifest.get('attention_layout')!r}; "
-                             "GqaLM drives 'gqa' artifacts (use compress.onnx_lm.OnnxLM for 'standard')")
-        self.session = make_session(self.folder / self.manifest.get("onnx_file", "model.onnx"), threads)
-        self.num_layers = self.manifest["num_layers"]
-        self.kv_heads = self.manifest["num_kv_heads"]
-        self.head_dim = self.manifest["head_dim"]
-        self.vocab = self.manifest["vocab_size"]
-        self.past_names = [n for n in self.manifest["io"]["inputs"] if n.startswith("past_key_values.")]
-        self.present_names = [n for n in self.manifest["io"]["outputs"] if n.startswith("present.")]
+class GqaLM(LanguageModelDriver):
+    layout = "gqa"
 
     def new_cache(self, batch: int, max_len: int) -> GqaCache:
-        return GqaCache(self.num_layers, batch, self.kv_heads, max_len, self.head_dim)
+        return GqaCache(self.num_layers, batch, self.kv_heads, max_len, self.head_dim, self.kv_dtype)
 
     def forward(self, input_ids: np.ndarray, seqlens_k: np.ndarray, cache: GqaCache, keep: int = 0) -> np.ndarray:
         """Run new tokens [batch, seq]; row b's cache ends at seqlens_k[b] (inclusive) afterwards.
@@ -84,11 +71,20 @@ class GqaLM:
         self.session.run_with_iobinding(binding)
         return logits
 
-    def logits(self, ids: list[int] | np.ndarray) -> np.ndarray:
-        """Prefill logits [seq, vocab] for one sequence."""
+    def prefill(self, ids: Sequence[int], room: int = 0, last_only: bool = False) -> tuple[np.ndarray, Past]:
         ids = np.asarray(ids, np.int64)[None]
-        cache = self.new_cache(1, ids.shape[1])
-        return self.forward(ids, np.array([ids.shape[1] - 1]), cache)[0]
+        n = ids.shape[1]
+        cache = self.new_cache(1, n + room)
+        return self.forward(ids, np.array([n - 1]), cache, keep=1 if last_only else 0)[0], Past(cache, n)
+
+    def decode(self, ids: Sequence[int], past: Past) -> tuple[np.ndarray, Past]:
+        ids = np.asarray(ids, np.int64)[None]
+        n = past.length + ids.shape[1]
+        return self.forward(ids, np.array([n - 1]), past.kv)[0], Past(past.kv, n)
+
+    def prefill_batch(self, blocks: np.ndarray) -> np.ndarray:
+        b, s = blocks.shape
+        return self.forward(blocks, np.full(b, s - 1), self.new_cache(b, s))
 
     def logits_left_padded(self, seqs: list[list[int]], pad_id: int = 0) -> list[np.ndarray]:
         """One batch of several prompts (the golden batched check); returns each row's logits at its real positions.
@@ -102,35 +98,3 @@ class GqaLM:
         cache = self.new_cache(len(seqs), n)
         logits = self.forward(ids, np.array([len(s) - 1 for s in seqs]), cache)
         return [logits[i, :len(s)] for i, s in enumerate(seqs)]
-
-    def greedy(self, prompt: list[int], new_tokens: int, eos_ids: list[int] | None = None,
-               suppress_ids: list[int] | None = None) -> list[int]:
-        """Greedy continuation: prefill once, then one token per step, in place in one buffer.
-
-        suppress_ids are never picked (as generate() holds EOS off until min_new_tokens).
-        """
-        ids = np.asarray(prompt, np.int64)[None]
-        n = ids.shape[1]
-        cache = self.new_cache(1, n + new_tokens)
-        logits = self.forward(ids, np.array([n - 1]), cache, keep=1)  # the prompt's last position only
-        out: list[int] = []
-        for _ in range(new_tokens):
-            tok = greedy_token(logits[0, -1], suppress_ids)
-            out.append(tok)
-            if eos_ids and tok in eos_ids:
-                break
-            n += 1
-            logits = self.forward(np.array([[tok]]), np.array([n - 1]), cache)
-        return out
-
-
-def load_lm(artifact_dir: str | Path, threads: int | None = None, verify: bool = True):
-    """The driver matching the artifact's attention layout (OnnxLM for 'standard', GqaLM for 'gqa')."""
-    from compress.onnx_lm import OnnxLM
-
-    layout = read_manifest(artifact_dir, verify=False).get("attention_layout", "standard")
-    if layout == "gqa":
-        return GqaLM(artifact_dir, threads, verify)
-    if layout == "standard":
-        return OnnxLM(artifact_dir, threads, verify)
-    raise ValueError(f"{artifact_dir}: attention_layout {layout!r} has no offline driver (have 'standard', 'gqa')")

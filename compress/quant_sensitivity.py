@@ -66,28 +66,27 @@ def candidate_ranking(q: Quantizer) -> list[str]:
 
 def sensitivity_scan(q: Quantizer, trials: int | None = None, blocks: int | None = None) -> list[tuple[str, float]]:
     """Quantize one group at a time; score = mean KL(float || group-quantized) on calib blocks. Most sensitive first."""
-    from compress.evaluate import _logits_batches, make_session
+    from compress.lm_driver import lm_for_model
 
     q.prepare()
     trials = q.cfg.sensitivity_trials if trials is None else trials
     if trials <= 0 or q.calib is None:
         return []
     data = q.calib[: blocks or q.cfg.sensitivity_blocks]
-    kv = (int(q.manifest["num_kv_heads"]), int(q.manifest["head_dim"]))
-    ref_sess = make_session(q.model, q.threads)
-    ref = [_log_softmax(x) for x in _logits_batches(ref_sess, data, *kv)]
-    del ref_sess
+    ref_lm = lm_for_model(q.model, q.manifest, q.threads)
+    ref = [_log_softmax(x) for x in ref_lm.prefill_batches(data)]
+    del ref_lm
     by_group = _by_group(q.selected()[0])
     results = []
     for g in candidate_ranking(q)[:trials]:
         t0 = time.perf_counter()
-        sess = make_session(q.build(by_group[g], embedding=False, fallback=False), q.threads)
+        lm = lm_for_model(q.build(by_group[g], embedding=False, fallback=False), q.manifest, q.threads)
         kl, n = 0.0, 0
-        for r, x in zip(ref, _logits_batches(sess, data, *kv)):
+        for r, x in zip(ref, lm.prefill_batches(data)):
             lp = _log_softmax(x)
             kl += float((np.exp(r) * (r - lp)).sum())
             n += r.shape[0] * r.shape[1]
-        del sess
+        del lm
         results.append((g, kl / max(n, 1)))
         q.on_event("sensitivity", {"group": g, "kl": kl / max(n, 1), "seconds": time.perf_counter() - t0})
     results.sort(key=lambda x: -x[1])

@@ -21,25 +21,24 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from serve.kv_cache import DTYPE_BYTES  # the one KV dtype table, shared with the server
+from serve.kv_cache import dtype_bytes as _table_bytes
+
 GiB = 1024 ** 3
 MiB = 1024 ** 2
 
-DTYPE_BYTES: dict[str, float] = {
-    "float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
-    "float8": 1, "fp8": 1, "int8": 1, "uint8": 1, "int4": 0.5,
-}
-
 
 def dtype_bytes(dtype: str | float) -> float:
-    """Bytes per element: a dtype name (float32, float16, bfloat16, int8, fp8, int4) or a number."""
+    """Bytes per element: a dtype name (float32, float16, bfloat16, int8, fp8, int4; the server's table,
+    serve.kv_cache.DTYPE_BYTES) or a number."""
     if isinstance(dtype, (int, float)):
         if dtype <= 0:
             raise ValueError(f"dtype bytes must be > 0 (got {dtype})")
         return float(dtype)
     try:
-        return float(DTYPE_BYTES[dtype.lower()])
-    except KeyError:
-        raise ValueError(f"unknown KV dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)} or a number of bytes") from None
+        return _table_bytes(dtype)
+    except ValueError as e:
+        raise ValueError(f"{e} or a number of bytes") from None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,30 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
+# The one KV dtype table (loadtest/kv_calc.py sizes with it too): bytes per element by ONNX/numpy dtype
+# name, with the usual short aliases. The runners' numpy pools hold SERVED_KV_DTYPES only.
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+    "float8": 1, "fp8": 1, "int8": 1, "uint8": 1, "int4": 0.5,
+}
+SERVED_KV_DTYPES = ("float32", "float16")
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of a KV dtype name (case-insensitive); ValueError naming the known ones."""
+    try:
+        return float(DTYPE_BYTES[str(dtype).lower()])
+    except KeyError:
+        raise ValueError(f"unknown KV dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
+
+
+def served_kv_dtype(manifest: dict) -> str:
+    """The manifest's kv_dtype (default float32) if the runners' numpy pools can hold it, else ValueError."""
+    kv_dtype = manifest.get("kv_dtype", "float32")
+    if kv_dtype not in SERVED_KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r} not supported (have {sorted(SERVED_KV_DTYPES)})")
+    return kv_dtype
+
 
 ROOT_HASH = b""
 
@@ -51,9 +74,12 @@ class KVCacheSpec:
     @property
     def dtype_bytes(self) -> int:
         try:
-            return DTYPE_BYTES[self.dtype]
-        except KeyError:
+            b = dtype_bytes(self.dtype)
+        except ValueError:
             raise ValueError(f"kv dtype {self.dtype!r}: supported are {sorted(DTYPE_BYTES)}") from None
+        if b != int(b):
+            raise ValueError(f"kv dtype {self.dtype!r}: {b} bytes per element; the block pool holds whole bytes")
+        return int(b)
 
     @property
     def bytes_per_token(self) -> int:

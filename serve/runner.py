@@ -44,16 +44,23 @@ from pathlib import Path
 
 import numpy as np
 
+from serve.kv_cache import served_kv_dtype
+# CPU, CUDA, choose_providers and make_session stay importable from here (engine, tests, benchmarks).
+from serve.onnx_session import CPU, CUDA, artifact_session, choose_providers, kv_io_names, make_session  # noqa: F401
+
 log = logging.getLogger(__name__)
-
-CUDA = "CUDAExecutionProvider"
-CPU = "CPUExecutionProvider"
-
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 class RunnerError(RuntimeError):
     pass
+
+
+def kv_spec(manifest: dict) -> tuple[type, list[str], list[str]]:
+    """The KV pool's numpy dtype (the manifest's kv_dtype, serve.kv_cache's table) and the past/present names."""
+    try:
+        return getattr(np, served_kv_dtype(manifest)), *kv_io_names(manifest)
+    except ValueError as e:
+        raise RunnerError(str(e)) from None
 
 
 @dataclass
@@ -65,51 +72,6 @@ class RunRow:
     start: int  # tokens already in the cache = first new position
     token_ids: Sequence[int]  # the new tokens, positions start .. start+n-1
     want_logits: bool = True
-
-
-def choose_providers(requested: Sequence[str]) -> list[str]:
-    """Requested providers this onnxruntime build has; CPU always last as the fallback."""
-    import onnxruntime as ort
-
-    available = set(ort.get_available_providers())
-    chosen = [p for p in requested if p in available and p != CPU]
-    missing = [p for p in requested if p not in available]
-    if missing:
-        log.info("execution providers not in this onnxruntime build, skipped: %s", ", ".join(missing))
-    return [*chosen, CPU]
-
-
-def make_session(model_path: str | Path, providers: Sequence[str], intra_op_threads: int = 0):
-    """An InferenceSession on the first requested provider that actually works, else CPU.
-
-    onnxruntime-gpu lists CUDA as available even without a GPU or CUDA libraries, then
-    falls back to CPU at session creation; we check which provider the session really got.
-    """
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if intra_op_threads > 0:
-        opts.intra_op_num_threads = intra_op_threads
-    chosen = choose_providers(providers)
-    sess = None
-    if chosen != [CPU]:
-        prev = ort.get_default_logger_severity() if hasattr(ort, "get_default_logger_severity") else 2
-        ort.set_default_logger_severity(4)  # the failed CUDA load would log errors; we log our own line
-        try:
-            sess = ort.InferenceSession(str(model_path), sess_options=opts, providers=chosen)
-        except Exception as e:  # noqa: BLE001 - any provider failure means: fall back
-            log.warning("session with %s failed (%s: %s); falling back to CPU", chosen, type(e).__name__, e)
-            sess = None
-        finally:
-            ort.set_default_logger_severity(prev)
-        if sess is not None and sess.get_providers()[0] == CPU:
-            log.warning("%s requested but unusable here (no GPU or CUDA/cuDNN libraries); running on CPU",
-                        ", ".join(chosen[:-1]))
-    if sess is None:
-        sess = ort.InferenceSession(str(model_path), sess_options=opts, providers=[CPU])
-    log.info("onnxruntime session on %s (onnxruntime %s)", sess.get_providers()[0], ort.__version__)
-    return sess
 
 
 class _PastBuffer:
@@ -179,23 +141,14 @@ class Runner:
         layout = manifest.get("attention_layout", "standard")
         if layout != "standard":
             raise RunnerError(f"attention layout {layout!r} is not supported by this runner (only 'standard')")
-        kv_dtype = manifest.get("kv_dtype", "float32")
-        if kv_dtype not in _NP_DTYPES:
-            raise RunnerError(f"kv_dtype {kv_dtype!r} not supported (have {sorted(_NP_DTYPES)})")
-        self.dtype = _NP_DTYPES[kv_dtype]
+        self.dtype, self.past_names, self.present_names = kv_spec(manifest)
         self.num_layers = int(manifest["num_layers"])
         self.kv_heads = int(manifest["num_kv_heads"])
         self.head_dim = int(manifest["head_dim"])
         self.vocab_size = int(manifest["vocab_size"])
         self.block_size = block_size
         self.num_blocks = num_blocks
-        io = manifest.get("io") or {}
-        self.past_names = [n for n in io.get("inputs", []) if n.startswith("past_key_values.")]
-        self.present_names = [n for n in io.get("outputs", []) if n.startswith("present.")]
-        if len(self.past_names) != 2 * self.num_layers or len(self.present_names) != 2 * self.num_layers:
-            raise RunnerError("manifest io names do not list past/present K and V for every layer")
-        self.session = make_session(Path(artifact_dir) / manifest.get("onnx_file", "model.onnx"), providers,
-                                    intra_op_threads)
+        self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads)
         self.provider = self.session.get_providers()[0]
         self.output_names = ["logits", *self.present_names]
         n_kv = 2 * self.num_layers

@@ -36,11 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-from serve.runner import CPU, CUDA, RunnerError, RunRow, make_session
+from serve.runner import CPU, CUDA, RunnerError, RunRow, artifact_session, kv_spec
 
 log = logging.getLogger(__name__)
 
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 CAP_STEP = 256
 
 
@@ -53,10 +52,7 @@ class GqaRunner:
         layout = manifest.get("attention_layout")
         if layout != "gqa":
             raise RunnerError(f"attention layout {layout!r}: GqaRunner runs 'gqa' artifacts (serve.runner.Runner runs 'standard')")
-        kv_dtype = manifest.get("kv_dtype", "float32")
-        if kv_dtype not in _NP_DTYPES:
-            raise RunnerError(f"kv_dtype {kv_dtype!r} not supported (have {sorted(_NP_DTYPES)})")
-        self.dtype = _NP_DTYPES[kv_dtype]
+        self.dtype, self.past_names, self.present_names = kv_spec(manifest)
         self.num_layers = int(manifest["num_layers"])
         self.kv_heads = int(manifest["num_kv_heads"])
         self.head_dim = int(manifest["head_dim"])
@@ -64,13 +60,7 @@ class GqaRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_len = int(max_model_len or manifest.get("max_positions") or 2048)
-        io = manifest.get("io") or {}
-        self.past_names = [n for n in io.get("inputs", []) if n.startswith("past_key_values.")]
-        self.present_names = [n for n in io.get("outputs", []) if n.startswith("present.")]
-        if len(self.past_names) != 2 * self.num_layers or len(self.present_names) != 2 * self.num_layers:
-            raise RunnerError("manifest io names do not list past/present K and V for every layer")
-        self.session = make_session(Path(artifact_dir) / manifest.get("onnx_file", "model.onnx"), providers,
-                                    intra_op_threads)
+        self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads)
         self.provider = self.session.get_providers()[0]
         if self.provider != CPU:
             # The buffers below are host numpy arrays bound by pointer; a device EP would need OrtValues on

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serve.runner import CPU, CUDA, RunnerError, RunRow, make_session
+from serve.runner import CPU, CUDA, RunnerError, RunRow, artifact_session
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,7 @@ class PagedRunner:
             raise RunnerError("attention layout 'paged' (PagedAttention) runs only on CUDAExecutionProvider; "
                               "add it to serve.providers or serve the 'gqa' artifact on CPU")
         try:
-            self.session = make_session(Path(artifact_dir) / manifest.get("onnx_file", "model.onnx"), providers,
-                                        intra_op_threads)
+            self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads)
         except Exception as e:  # noqa: BLE001 - without CUDA the session falls back to CPU, which cannot load it
             raise RunnerError(f"attention layout 'paged' (PagedAttention, CUDA only) could not be loaded on "
                               f"{list(providers)}: no usable CUDA EP here? ({type(e).__name__}: {str(e)[:200]})") from e

@@ -179,7 +179,7 @@ def test_quantize_gqa_artifact(tiny_artifact, gqa_artifact, tiny_splits, tmp_pat
     dynamic_token also covers the opset: the gqa graph is opset 17, where ReduceMax takes axes as an attribute.
     """
     from compress.artifact import read_manifest
-    from compress.gqa_lm import load_lm
+    from compress.lm_driver import load_lm
     from compress.quantize import quantize_artifact
 
     kind = {"method": "dynamic", "activation_granularity": "token"} if method == "dynamic_token" else {"method": method}

@@ -13,7 +13,8 @@ from onnx import numpy_helper
 from compress.artifact import read_manifest
 from compress.calibration import find_linears
 from compress.config import QuantizeConfig
-from compress.evaluate import _logits_batches, make_session, prefill_logits
+from compress.evaluate import prefill_logits
+from compress.lm_driver import lm_for_model, load_lm
 from compress.quantize import QuantizeError, Quantizer, has_vnni, quantize_artifact, resolve_reduce_range
 from compress.smoothquant import apply_smoothquant
 
@@ -176,9 +177,7 @@ def test_dynamic_per_token_int8(tiny_artifact, tiny_splits, fp32_logits, tmp_pat
     assert _rel_err(logits, fp32_logits) < 0.03 and _agreement(logits, fp32_logits) > 0.95
     assert _rel_err(logits, fp32_logits) < _rel_err(per_tensor, fp32_logits)
     # batch-1 decode on the rewritten graph (ranks 3 -> 2 -> 3 reshapes) matches prefill
-    from compress.evaluate import greedy
-    sess = make_session(tmp_path / "tok" / "model.onnx")
-    toks, _ = greedy(sess, tiny_splits.eval[0][:8].tolist(), 4, 2, 16, 2)
+    toks = load_lm(tmp_path / "tok", verify=False).greedy(tiny_splits.eval[0][:8].tolist(), 4)
     assert len(toks) == 4 and toks[0] == int(logits[0, 7].argmax())
 
 
@@ -207,7 +206,7 @@ def test_smoothquant_is_exact_in_float_and_flattens_outliers(tiny_artifact, tiny
     q = Quantizer(tiny_artifact, tiny_splits.calib, cfg)
     q.prepare()
     assert q.smoothed == 6 and q.inv_scales
-    smoothed = np.concatenate(list(_logits_batches(make_session(q.model), tiny_splits.eval, 2, 16)))
+    smoothed = np.concatenate(list(lm_for_model(q.model, q.manifest).prefill_batches(tiny_splits.eval, 2)))
     np.testing.assert_allclose(smoothed, fp32_logits, rtol=1e-4, atol=1e-3)
     for t, inv in q.inv_scales.items():
         st = q.stats[t]

@@ -1,0 +1,153 @@
+"""One interface over an exported decoder graph, one driver per attention layout (offline, numpy, batch-1 decode).
+
+``LanguageModelDriver`` is what golden validation (compress/golden.py), evaluation (compress/evaluate.py:
+perplexity, agreement, golden prefix, decode latency), quantization sensitivity and the benchmarks run:
+
+* ``prefill(ids, room, last_only) -> (logits, past)`` and ``decode(ids, past) -> (logits, past)``: one
+  sequence through the KV cache; ``past`` is a ``Past`` the driver owns (``room`` = tokens that will follow);
+* ``prefill_batch(blocks)``: logits ``[n, s, vocab]`` of equal-length rows with no past (perplexity);
+* ``logits_left_padded(seqs)``: one batch of ragged prompts (the golden batched check);
+* ``logits(ids)``, ``prefill_batches(blocks)`` and ``greedy(...)`` are written once, here, on top.
+
+The drivers: ``compress.onnx_lm.OnnxLM`` (layout ``standard``: past in, present out) and
+``compress.gqa_lm.GqaLM`` (layout ``gqa``: one in-place buffer per layer). ``load_lm(folder)`` picks the one
+the manifest's ``attention_layout`` names; ``lm_for_model(model, manifest)`` runs an in-memory graph.
+Sessions come from serve.onnx_session.make_session (CPU EP, errors-only log), as the server's do.
+The server's batched runners (serve/runner*.py) manage their own KV and do not use these.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from compress.artifact import read_manifest
+from serve.kv_cache import served_kv_dtype
+from serve.onnx_session import CPU, artifact_session, kv_io_names, make_session
+
+
+def greedy_token(logits: np.ndarray, suppress_ids: list[int] | None = None) -> int:
+    """argmax of one position's logits, never one of suppress_ids."""
+    if suppress_ids:
+        logits = logits.copy()
+        logits[suppress_ids] = -np.inf
+    return int(np.argmax(logits))
+
+
+@dataclass
+class Past:
+    """One sequence's KV state as a driver keeps it: ``kv`` is layout-specific, ``length`` the tokens it holds."""
+
+    kv: Any
+    length: int
+
+
+class LanguageModelDriver:
+    layout: ClassVar[str] = ""
+
+    def __init__(self, artifact_dir: str | Path, threads: int | None = None, verify: bool = True):
+        self.folder = Path(artifact_dir)
+        manifest = read_manifest(self.folder, verify=verify)
+        self._check_layout(manifest, self.folder)
+        self._setup(manifest, artifact_session(self.folder, manifest, (CPU,), threads, log_severity=3))
+
+    @classmethod
+    def from_model(cls, model, manifest: dict, threads: int | None = None) -> LanguageModelDriver:
+        """A driver over an in-memory graph (an onnx.ModelProto, or bytes) with the artifact's manifest."""
+        cls._check_layout(manifest, "model")
+        self = cls.__new__(cls)
+        self.folder = None
+        self._setup(manifest, make_session(model, (CPU,), threads, log_severity=3))
+        return self
+
+    @classmethod
+    def _check_layout(cls, manifest: dict, where) -> None:
+        layout = manifest.get("attention_layout", "standard")
+        if layout != cls.layout:
+            raise ValueError(f"{where}: attention_layout is {layout!r}; {cls.__name__} drives {cls.layout!r} "
+                             "artifacts (compress.lm_driver.load_lm picks the driver)")
+
+    def _setup(self, manifest: dict, session) -> None:
+        self.manifest = manifest
+        self.session = session
+        self.num_layers = int(manifest["num_layers"])
+        self.kv_heads = int(manifest["num_kv_heads"])
+        self.head_dim = int(manifest["head_dim"])
+        self.vocab = int(manifest["vocab_size"])
+        self.kv_dtype = getattr(np, served_kv_dtype(manifest))
+        self.past_names, self.present_names = kv_io_names(manifest)
+
+    # -- per layout -------------------------------------------------------------------------------------------
+    def prefill(self, ids: Sequence[int], room: int = 0, last_only: bool = False) -> tuple[np.ndarray, Past]:
+        """Logits [len(ids), vocab] (or [1, vocab] if last_only) of one sequence, and its past with room for
+        ``room`` more tokens."""
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int], past: Past) -> tuple[np.ndarray, Past]:
+        """Append ``ids`` to ``past``: their logits [len(ids), vocab] and the longer past."""
+        raise NotImplementedError
+
+    def prefill_batch(self, blocks: np.ndarray) -> np.ndarray:
+        """Logits [n, s, vocab] of n rows of s tokens each, no past."""
+        raise NotImplementedError
+
+    def logits_left_padded(self, seqs: list[list[int]], pad_id: int = 0) -> list[np.ndarray]:
+        """One batch of ragged prompts; each row's logits at its real positions."""
+        raise NotImplementedError
+
+    # -- written once ------------------------------------------------------------------------------------------
+    def logits(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Prefill logits [seq, vocab] for one unpadded sequence."""
+        return self.prefill(ids)[0]
+
+    def prefill_batches(self, blocks: np.ndarray, batch_size: int = 4) -> Iterator[np.ndarray]:
+        """prefill_batch over ``blocks`` [n, s] in batches of ``batch_size`` rows."""
+        blocks = np.asarray(blocks, np.int64)
+        for i in range(0, len(blocks), batch_size):
+            yield self.prefill_batch(blocks[i:i + batch_size])
+
+    def greedy(self, prompt: Sequence[int], new_tokens: int, eos_ids: Sequence[int] | None = None,
+               suppress_ids: list[int] | None = None, step_seconds: list[float] | None = None) -> list[int]:
+        """Greedy continuation through the KV cache: prefill once, then one token per step.
+
+        suppress_ids are never picked (as generate() holds EOS off until min_new_tokens); each decode
+        step's seconds are appended to ``step_seconds`` when given (no step runs after the last token).
+        """
+        logits, past = self.prefill(prompt, room=new_tokens, last_only=True)
+        out: list[int] = []
+        for _ in range(new_tokens):
+            tok = greedy_token(logits[-1], suppress_ids)
+            out.append(tok)
+            if (eos_ids and tok in eos_ids) or len(out) == new_tokens:
+                break
+            t0 = time.perf_counter()
+            logits, past = self.decode([tok], past)
+            if step_seconds is not None:
+                step_seconds.append(time.perf_counter() - t0)
+        return out
+
+
+def _driver_class(manifest: dict, where) -> type[LanguageModelDriver]:
+    from compress.gqa_lm import GqaLM
+    from compress.onnx_lm import OnnxLM
+
+    layout = manifest.get("attention_layout", "standard")
+    drivers = {OnnxLM.layout: OnnxLM, GqaLM.layout: GqaLM}
+    if layout not in drivers:
+        raise ValueError(f"{where}: attention_layout {layout!r} has no offline driver (have {', '.join(map(repr, drivers))})")
+    return drivers[layout]
+
+
+def load_lm(artifact_dir: str | Path, threads: int | None = None, verify: bool = True) -> LanguageModelDriver:
+    """The driver matching the artifact's attention layout (OnnxLM for 'standard', GqaLM for 'gqa')."""
+    return _driver_class(read_manifest(artifact_dir, verify=False), artifact_dir)(artifact_dir, threads, verify)
+
+
+def lm_for_model(model, manifest: dict, threads: int | None = None) -> LanguageModelDriver:
+    """The driver for an in-memory graph laid out as ``manifest`` says."""
+    return _driver_class(manifest, "model").from_model(model, manifest, threads)
