@@ -22,6 +22,11 @@ Names follow the exported graph's so quantization selects the same nodes: MatMul
 ``/model/layers/N/self_attn/q_proj/MatMul`` with weights ``model.layers.N.self_attn.q_proj.weight_t``
 ([in, out]), and each carries the ``pkg.torch.onnx.name_scopes`` metadata compress.calibration reads.
 A tied lm_head is ``MatMul(x, Transpose(embedding))`` so the table is stored once.
+
+One job, one module although over 400 lines: writing our own attention-op decoder graph
+from torch weights. The ``gqa`` graph and the ``paged`` one (``build_paged_model``) differ only
+in the attention node and its inputs; both are written by the same decoder, norm, linear and
+rotary helpers and saved by the same artifact writer, so they stay together.
 """
 
 from __future__ import annotations

@@ -27,6 +27,11 @@ all layers, so the *count* is the same in every layer while *which* neurons and
 heads go is chosen per layer. Protected layers are never dropped; they lose the
 same number of neurons/heads as the others (a per-layer width would need a
 custom config class, which ``from_pretrained`` and the exporter do not know).
+
+One job, one module although over 400 lines: structured pruning end to end (score, plan,
+slice or mask, restore). Score, plan and apply share the per-layer geometry and index
+conventions, and the shared helpers at the top live here on purpose (the one-way import
+graph above); a split would only move them into a module every pruning module imports.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ Token counts come from the server's ``usage`` chunk. Load is closed-loop (``conc
 sending back to back) or open-loop (``request_rate``: seeded Poisson arrivals, optionally capped
 by ``concurrency``). A sampler thread polls ``/metrics`` (KV usage, running/waiting) and the
 server process's RSS and CPU time while the load runs.
+
+One job, one module although over 400 lines: measuring one run of a workload. The request
+records, the /metrics-and-RSS sampler and the client driver share one clock and fill one
+``BenchResult``, whose ``metrics()`` and ``figure()`` are the only way the rest of loadtest/
+reads them; split apart, each piece would only be used by the others.
 """
 
 from __future__ import annotations

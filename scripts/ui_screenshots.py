@@ -20,6 +20,10 @@ browser download (``playwright install``) is not used.
 
 The PNG paths go to stdout, one a line; progress goes to stderr. Exit status 1 with a message
 when the store, the experiment, its runs or the registered model are missing.
+
+One job, one script although over 400 lines: the docs' MLflow UI screenshots. Finding the
+targets, the UI-state URLs and the page scripts (JS strings) exist only for the shots taken
+in ``shoot``; it is a standalone, uninstalled tool, and splitting it would make it a package.
 """
 
 from __future__ import annotations

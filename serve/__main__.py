@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
     from serve.api import create_app
     from serve.config import ConfigError, load_serve_config
-    from serve.model_source import ModelManager, ModelSourceError
+    from serve.model_resolver import ModelSourceError
+    from serve.model_source import ModelManager
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

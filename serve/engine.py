@@ -19,213 +19,42 @@ and on the last one the ``finish_reason``: ``stop`` (eos, stop id or stop string
 ``length`` (max_tokens), ``cancelled`` or ``error``). Text that might be the start of a
 stop string is held back until it is known not to be; the text never includes the stop
 string itself. The stop token's id is reported (and counted) but adds no text.
+
+One job: run the steps (schedule, run the model, sample, stream) and own the requests'
+lifecycle. The parts it drives live beside it: serve/request_handle.py (what the caller
+iterates), serve/in_flight.py (one request's state and the text each token adds) and
+serve/engine_stats.py (counters and the /metrics snapshot).
+
+Invariants (``check_invariants``): an in-flight request is keyed by its own id, its sequence
+is waiting or running (never finished) and its handle has had no final event; the block
+pool's, each request's and the counters' own invariants hold.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import queue
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from serve.artifact import read_manifest
 from serve.config import ServeConfig
+from serve.engine_stats import EngineCounters, EngineStats
+from serve.in_flight import InFlightRequest
 from serve.kv_cache import BlockManager, KVCacheSpec, num_blocks_for_budget
+from serve.request_handle import RequestHandle, RequestOutput, TokenEvent
 from serve.runner import Runner, RunRow
-from serve.sampling import SamplingParams, find_stop, sample_token
-from serve.scheduler import AdmissionError, Scheduler, SchedulerOutput, SequenceState
+from serve.sampling import SamplingParams, sample_token
+from serve.scheduler import AdmissionError, Scheduler, SchedulerOutput, SeqStatus, SequenceState
 from serve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class TokenEvent:
-    request_id: str
-    token_id: int | None  # None on a final event that carries no token (cancelled, error)
-    text: str  # text delta
-    index: int  # number of output tokens so far, this one included
-    finish_reason: str | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    finish_reason: str | None
-    error: str | None = None
-    ttft_s: float | None = None
-    num_cached_prompt_tokens: int = 0
-    num_preemptions: int = 0
-
-
-class RequestHandle:
-    """What ``add_request`` returns: iterate it (sync or async) for token events; cancel it.
-
-    Leaving an ``async for`` over the handle before the last event (a disconnected client,
-    a cancelled task, a ``break``) cancels the request, so its blocks go back at once.
-    """
-
-    def __init__(self, engine: Engine, request_id: str, prompt_ids: list[int], params: SamplingParams):
-        self._engine = engine
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.output_ids: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.ttft_s: float | None = None
-        self.num_cached_prompt_tokens = 0
-        self.num_preemptions = 0
-        self._q: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-        self._done = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._aevent: asyncio.Event | None = None
-
-    # called by the engine thread
-    def _push(self, ev: TokenEvent) -> None:
-        if ev.token_id is not None:
-            self.output_ids.append(ev.token_id)
-        self.text += ev.text
-        if ev.finish_reason is not None:
-            self.finish_reason = ev.finish_reason
-            self.error = ev.error
-        self._q.put(ev)
-        if ev.finish_reason is not None:
-            self._done.set()
-        loop, aev = self._loop, self._aevent
-        if loop is not None and aev is not None:
-            try:
-                loop.call_soon_threadsafe(aev.set)
-            except RuntimeError:  # the consumer's loop is closed: nobody is listening
-                pass
-
-    @property
-    def finished(self) -> bool:
-        return self._done.is_set()
-
-    def cancel(self) -> None:
-        self._engine.cancel(self.request_id)
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        while True:
-            if not self._engine.running and self._q.empty():
-                self._engine._drive_until(self._done)
-            ev = self._q.get()
-            yield ev
-            if ev.finished:
-                return
-
-    async def _aiter(self) -> AsyncIterator[TokenEvent]:
-        if self._aevent is None:
-            self._aevent = asyncio.Event()
-            self._loop = asyncio.get_running_loop()
-        aev = self._aevent
-        try:
-            while True:
-                try:
-                    ev = self._q.get_nowait()
-                except queue.Empty:
-                    aev.clear()
-                    try:
-                        ev = self._q.get_nowait()  # re-check: a push may have landed before clear()
-                    except queue.Empty:
-                        await aev.wait()
-                        continue
-                yield ev
-                if ev.finished:
-                    return
-        finally:
-            # The consumer went away (client disconnected, task cancelled, loop broken): free the blocks.
-            if not self._done.is_set():
-                self.cancel()
-
-    def __aiter__(self) -> AsyncIterator[TokenEvent]:
-        return self._aiter()
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        """Block until the request finishes; the whole output."""
-        if not self._engine.running:
-            self._engine._drive_until(self._done)
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
-        return self._output()
-
-    async def aresult(self) -> RequestOutput:
-        async for _ in self:
-            pass
-        return self._output()
-
-    def _output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason,
-                             self.error, self.ttft_s, self.num_cached_prompt_tokens, self.num_preemptions)
-
-
-@dataclass
-class EngineStats:
-    """A snapshot for /metrics (serve/metrics.py turns these into Prometheus gauges, counters, histograms)."""
-
-    provider: str
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_blocks_cached: int
-    kv_usage_pct: float
-    kv_usage_peak_pct: float  # highest kv_usage_pct since the engine started
-    block_size: int
-    prefix_queries: int  # prompt tokens looked up in the prefix cache (counter)
-    prefix_hits: int  # of those, tokens found cached (counter)
-    preemptions: int  # counter
-    steps: int  # counter
-    batch_fill_ratio: float  # mean over steps of sequences per step / max_batch_size
-    token_fill_ratio: float  # mean over steps of tokens per step / max_num_batched_tokens
-    requests_added: int
-    requests_finished: int  # any reason
-    finish_reasons: dict[str, int]
-    requests_rejected: int
-    prompt_tokens: int  # counter: prompt tokens of finished requests
-    generated_tokens: int  # counter
-    computed_tokens: int  # counter: tokens run through the model (prefill chunks + decodes)
-    ttft_s: list[float] = field(default_factory=list, repr=False)  # recent samples (window)
-    itl_s: list[float] = field(default_factory=list, repr=False)  # recent samples (window)
-
-
-class InFlightRequest:
-    """Engine-side state of one request from admission to finish: its scheduler sequence, the caller's
-    handle, its sampler's generator and the detokenizer that turns its tokens into streamed text."""
-
-    __slots__ = ("seq", "handle", "rng", "detok", "stop_ids", "emitted", "first_token_t", "last_token_t",
-                 "max_stop_len")
-
-    def __init__(self, seq: SequenceState, handle: RequestHandle, detok: IncrementalDetokenizer,
-                 stop_ids: frozenset[int]):
-        self.seq = seq
-        self.handle = handle
-        self.rng = seq.params.make_generator()
-        self.detok = detok
-        self.stop_ids = stop_ids
-        self.emitted = 0  # characters of detok.text already sent
-        self.first_token_t: float | None = None
-        self.last_token_t: float | None = None
-        self.max_stop_len = max((len(s) for s in seq.params.stop), default=0)
+__all__ = ["Engine", "EngineStats", "RequestHandle", "RequestOutput", "TokenEvent"]
 
 
 class Engine:
@@ -270,21 +99,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        # stats
-        win = config.latency_window
-        self._ttft: deque[float] = deque(maxlen=win)
-        self._itl: deque[float] = deque(maxlen=win)
-        # since the last pop_latency_samples(); bounded in case nobody pops
-        self._new_ttft: deque[float] = deque(maxlen=65536)
-        self._new_itl: deque[float] = deque(maxlen=65536)
-        self._steps = 0
-        self._rows_sum = 0
-        self._tokens_sum = 0
-        self._added = 0
-        self._rejected = 0
-        self._finished: dict[str, int] = {}
-        self._prompt_tokens = 0
-        self._generated = 0
+        self._counters = EngineCounters(config.latency_window)  # stats, updated with the lock held
         if start:
             self.start()
 
@@ -340,11 +155,11 @@ class Engine:
             try:
                 self.scheduler.add(seq)
             except Exception:
-                self._rejected += 1
+                self._counters.rejected += 1
                 raise
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
             self._reqs[rid] = InFlightRequest(seq, handle, detok, stop_ids)
-            self._added += 1
+            self._counters.added += 1
             self._cv.notify_all()
         return handle
 
@@ -411,9 +226,7 @@ class Engine:
                     if req is not None:
                         events.append(self._finish(req, "error", error))
             events += self._apply_aborts()
-            self._steps += 1
-            self._rows_sum += len(out.scheduled)
-            self._tokens_sum += out.num_tokens
+            self._counters.record_step(len(out.scheduled), out.num_tokens)
         self._emit(events)
         return len(out.scheduled)
 
@@ -467,14 +280,14 @@ class Engine:
         self.scheduler.finish(seq, reason)
         self._reqs.pop(seq.request_id, None)
         self._aborts.discard(seq.request_id)
-        self._finished[reason] = self._finished.get(reason, 0) + 1
-        self._prompt_tokens += seq.prompt_len
+        self._counters.record_finish(reason, seq.prompt_len)
         req.handle.num_preemptions = seq.num_preemptions
         ev = TokenEvent(seq.request_id, token_id, text, seq.num_output, reason, error)
         return req.handle, ev
 
     def _process(self, out: SchedulerOutput, logits: list[np.ndarray | None], events: list) -> None:
         now = time.monotonic()
+        counters = self._counters
         for row, lg in zip(out.scheduled, logits):
             seq = row.seq
             self.scheduler.commit(row)
@@ -485,47 +298,17 @@ class Engine:
                 continue  # cancelled while running: do not sample, _apply_aborts finishes it
             tok = sample_token(lg, seq.params, req.rng, seq.token_ids)
             seq.token_ids.append(tok)
-            self._generated += 1
+            counters.generated += 1
             if req.first_token_t is None:
                 req.first_token_t = now
                 ttft = now - seq.arrival
                 req.handle.ttft_s = ttft
                 req.handle.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
-                self._ttft.append(ttft)
-                self._new_ttft.append(ttft)
+                counters.record_ttft(ttft)
             else:
-                itl = now - req.last_token_t
-                self._itl.append(itl)
-                self._new_itl.append(itl)
+                counters.record_itl(now - req.last_token_t)
             req.last_token_t = now
-            reason = None
-            detok = req.detok
-            stop_at = -1
-            if tok in req.stop_ids:
-                reason = "stop"
-            else:
-                before = len(detok.text)
-                detok.add(tok)
-                if seq.params.stop:
-                    stop_at = find_stop(detok.text, seq.params.stop, before)
-                    if stop_at != -1:
-                        reason = "stop"
-            if reason is None and (seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len):
-                reason = "length"
-            if reason is not None and stop_at == -1:
-                before = len(detok.text)
-                detok.flush()
-                if seq.params.stop:
-                    stop_at = find_stop(detok.text, seq.params.stop, before)
-            text = detok.text
-            if stop_at != -1:
-                end = stop_at
-            elif reason is None and req.max_stop_len > 1:
-                end = max(req.emitted, len(text) - (req.max_stop_len - 1))  # hold back a possible stop start
-            else:
-                end = len(text)
-            delta = text[req.emitted:end]
-            req.emitted = max(req.emitted, end)
+            reason, delta = req.add_token(tok, self.max_model_len)
             if reason is not None:
                 events.append(self._finish(req, reason, token_id=tok, text=delta))
             else:
@@ -539,40 +322,19 @@ class Engine:
     # ---- stats -----------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         with self._lock:
-            bm = self.block_manager
-            steps = max(self._steps, 1)
-            return EngineStats(
-                provider=self.runner.provider,
-                num_running=self.scheduler.num_running,
-                num_waiting=self.scheduler.num_waiting,
-                kv_blocks_total=bm.num_blocks,
-                kv_blocks_used=bm.num_used,
-                kv_blocks_free=bm.num_free,
-                kv_blocks_cached=bm.num_cached,
-                kv_usage_pct=100.0 * bm.usage,
-                kv_usage_peak_pct=100.0 * bm.peak_usage,
-                block_size=bm.block_size,
-                prefix_queries=bm.prefix_queries,
-                prefix_hits=bm.prefix_hits,
-                preemptions=self.scheduler.num_preemptions,
-                steps=self._steps,
-                batch_fill_ratio=self._rows_sum / (steps * self.scheduler.max_batch_size),
-                token_fill_ratio=self._tokens_sum / (steps * self.scheduler.max_num_batched_tokens),
-                requests_added=self._added,
-                requests_finished=sum(self._finished.values()),
-                finish_reasons=dict(self._finished),
-                requests_rejected=self._rejected,
-                prompt_tokens=self._prompt_tokens,
-                generated_tokens=self._generated,
-                computed_tokens=self._tokens_sum,
-                ttft_s=list(self._ttft),
-                itl_s=list(self._itl),
-            )
+            return self._counters.snapshot(self.runner.provider, self.scheduler, self.block_manager)
+
+    def check_invariants(self) -> None:
+        """Consistency of the requests, the block pool and the counters (tests; call between steps)."""
+        with self._lock:
+            self.block_manager.check_invariants()
+            self._counters.check_invariants()
+            for rid, req in self._reqs.items():
+                assert req.seq.request_id == rid and not req.handle.finished, rid
+                assert req.seq.status is not SeqStatus.FINISHED, rid
+                req.check_invariants()
 
     def pop_latency_samples(self) -> tuple[list[float], list[float]]:
         """TTFT and inter-token latency samples recorded since the last call (for histograms)."""
         with self._lock:
-            ttft, itl = list(self._new_ttft), list(self._new_itl)
-            self._new_ttft.clear()
-            self._new_itl.clear()
-            return ttft, itl
+            return self._counters.pop_latency_samples()

@@ -95,6 +95,22 @@ def check_clean(eng: Engine):
     assert bm.num_used == 0, "blocks still held after every request ended"
     assert bm.num_used + bm.num_free == bm.num_blocks
     assert not eng.has_work()
+    eng.check_invariants()
+
+
+def test_invariants_hold_between_steps(tiny_artifact):
+    """Engine, request and counter invariants after every step, with stop strings holding text back."""
+    eng = engine(tiny_artifact, max_batch_size=4, max_num_batched_tokens=24)
+    handles = [eng.add_request(p, SamplingParams.greedy(12, ignore_eos=True, stop=["\x00never", "zz"]))
+               for p in random_prompts(6, 4, 20, seed=5)]
+    while eng.has_work():
+        eng.step()
+        eng.check_invariants()
+    assert all(h.finished for h in handles)
+    st = eng.stats()
+    assert st.requests_added == st.requests_finished == 6 and st.generated_tokens == sum(
+        len(h.output_ids) for h in handles)
+    check_clean(eng)
 
 
 def test_greedy_matches_a_plain_torch_loop(tiny, tiny_artifact):

@@ -17,7 +17,8 @@ from serve.__main__ import BackgroundServer
 from serve.api import create_app
 from serve.config import ServeConfig
 from serve.engine import Engine
-from serve.model_source import ModelManager, ModelSourceError, parse_model_uri
+from serve.model_resolver import ModelSourceError, parse_model_uri
+from serve.model_source import ModelManager
 from serve.runner import CPU
 from serve.sampling import SamplingParams
 from step_gate import held_steps
