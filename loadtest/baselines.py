@@ -121,9 +121,9 @@ def hf_generate(model_dir: str, workload: list[dict], batch_size: int = 1, threa
 
 def ort_static(artifact_dir: str | Path, workload: list[dict], batch_size: int = 1, threads: int = 0) -> BenchResult:
     """The artifact's ONNX graph in a plain left-padded static-batch loop (no block pool, no scheduler)."""
-    import onnxruntime as ort
     from tokenizers import Tokenizer
 
+    from serve.onnx_session import artifact_session
     from serve.tokenizer import encode_prompt
 
     artifact_dir = Path(artifact_dir)
@@ -131,11 +131,7 @@ def ort_static(artifact_dir: str | Path, workload: list[dict], batch_size: int =
     if man.get("attention_layout", "standard") != "standard":
         raise ValueError(f"{artifact_dir}: ort_static drives the 'standard' layout only "
                          f"(this artifact is {man['attention_layout']!r}); pass a standard-layout artifact")
-    so = ort.SessionOptions()
-    if threads:
-        so.intra_op_num_threads = threads
-    sess = ort.InferenceSession(str(artifact_dir / man.get("onnx_file", "model.onnx")), so,
-                                providers=["CPUExecutionProvider"])
+    sess = artifact_session(artifact_dir, man, threads=threads)
     tok = Tokenizer.from_file(str(artifact_dir / "tokenizer.json"))
     L, H, D = man["num_layers"], man["num_kv_heads"], man["head_dim"]
     pad = int(man.get("pad_token_id") or 0)
