@@ -50,7 +50,7 @@ from serve.request_handle import RequestHandle, RequestOutput, TokenEvent
 from serve.runner import Runner, RunRow
 from serve.sampling import SamplingParams, sample_token
 from serve.scheduler import AdmissionError, Scheduler, SchedulerOutput, SeqStatus, SequenceState
-from serve.tokenizer import IncrementalDetokenizer, load_tokenizer
+from serve.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        """Prompt text as the model expects it (BOS by the manifest's rule), as the HTTP routes encode it."""
+        return encode_prompt(self.tokenizer, self.manifest, text)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> RequestHandle:
