@@ -9,7 +9,7 @@ The parts, each in its own module:
 - serve/chat_template.py: messages -> prompt text (sandboxed Jinja)
 - serve/streaming.py: server-sent events
 - serve/app_state.py: what the routes share (manager, result cache, metrics, config, admin token)
-- serve/routes_openai.py: /v1/completions, /v1/chat/completions, /v1/models
+- serve/routes_openai.py: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version
 - serve/routes_admin.py: /health, /ready, /metrics, /admin/reload
 
 Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.

@@ -128,90 +128,137 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# vLLM/OpenAI parameters this server does not implement: refused (400, code unsupported_parameter) unless
+# absent or at a value that changes nothing (name -> is the value harmless). Nothing is accepted and ignored.
+def _off(v) -> bool:
+    return v is None or v is False or v == [] or v == {} or v == ""
+
+
+UNSUPPORTED_PARAMS: dict[str, Any] = {
+    "n": lambda v: v in (None, 1),
+    "best_of": lambda v: v in (None, 1),
+    "suffix": _off,
+    "use_beam_search": _off,
+    "length_penalty": lambda v: v in (None, 1, 1.0),
+    "prompt_logprobs": _off,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
+    "guided_decoding_backend": _off, "guided_whitespace_pattern": _off, "structural_tag": _off,
+    "structured_outputs": _off,
+    "tools": _off,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": _off,
+    "function_call": lambda v: v in (None, "none"),
+    "logits_processors": _off,
+    "allowed_token_ids": _off,
+    "bad_words": _off,
+    "spaces_between_special_tokens": lambda v: v in (None, True),
+    "return_tokens_as_token_ids": _off,
+    "prompt_embeds": _off,
+    "documents": _off,
+    "chat_template": _off,
+    "mm_processor_kwargs": _off,
+    "priority": lambda v: v in (None, 0),
+    "modalities": lambda v: v in (None, ["text"]),
+    "audio": _off,
+    "prediction": _off,
+    "reasoning_effort": _off,
+    "web_search_options": _off,
+    "store": _off,
+}
+UNSUPPORTED_CHAT_PARAMS: dict[str, Any] = {
+    "echo": _off,  # vLLM's chat echo (repeat the last message) is not implemented
+    "add_special_tokens": _off,  # chat default False: the template writes the special tokens
+}
+
+
+def refuse_unsupported(data: dict, chat: bool) -> None:
+    """A 400 naming the first parameter this server does not implement, if the body sets one."""
+    table = {**UNSUPPORTED_PARAMS, **(UNSUPPORTED_CHAT_PARAMS if chat else {})}
+    for name, harmless in table.items():
+        if name in data and not harmless(data[name]):
+            raise ApiError(400, f"{name}: not supported by this server (got {data[name]!r}); see "
+                           "docs/serving-api.md for the parameters it honours", param=name,
+                           code="unsupported_parameter")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False
+
+
 class _SamplingRequest(BaseModel):
-    # Unknown fields are ignored (clients send extras such as `user`); fields we cannot honour are refused below.
+    # Unknown fields are ignored (clients send extras such as `user`); known vLLM/OpenAI parameters this
+    # server does not implement are refused by refuse_unsupported before parsing.
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)  # -1 (vLLM) and 0 both mean off
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
     repetition_penalty: float = Field(1.0, gt=0, le=10)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("not supported (use repetition_penalty)")
-        return v
+    n: int = 1  # > 1 refused by refuse_unsupported
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v):
+    def _bias_keys(cls, v):
         if v:
-            raise ValueError("not supported")
+            for k, b in v.items():
+                if not k.strip().isdigit():
+                    raise ValueError(f"keys must be token ids (got {k!r})")
+                if not -100 <= b <= 100:
+                    raise ValueError(f"biases must be in [-100, 100] (got {b!r} for {k})")
         return v
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v):
+        if v == 0:
+            raise ValueError("must be >= 1, or -1 for the model's context")
+        return v
+
+    def sampling(self, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0),
                               top_p=self.top_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
-                              stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
+                              stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                              min_tokens=self.min_tokens, min_p=self.min_p, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1)  # null: as long as the context allows
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("logprobs", "suffix")
-    @classmethod
-    def _unsupported(cls, v):
-        if v:
-            raise ValueError("not supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return v
+    logprobs: int | None = Field(None, ge=0, le=20)
+    add_special_tokens: bool = True  # False: a text prompt gets no BOS
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
             if len(v) != 1:
-                raise ValueError("one prompt per request is supported (got a batch of "
-                                 f"{len(v)}); send them as separate requests")
+                raise ApiError(400, "prompt: a list of several prompts is not supported by this server (got "
+                               f"{len(v)}); send them as separate requests", param="prompt",
+                               code="unsupported_parameter")
             v = v[0]
         if isinstance(v, str) and v == "" or isinstance(v, list) and not v:
             raise ValueError("the prompt is empty")
@@ -241,16 +288,35 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("not supported")
-        return v
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ReloadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     force: bool = False
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a ``prompt`` (BOS as /v1/completions adds it) or ``messages`` (as /v1/chat/completions
+    renders them)."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

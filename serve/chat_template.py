@@ -25,7 +25,14 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
-def render_chat(lm: LoadedModel, messages: list[ChatMessage]) -> str:
+def render_chat(lm: LoadedModel, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+    """The prompt text. ``continue_final_message`` (vLLM/HF): no generation prompt, and the text ends right
+    after the last message's content, so the model continues it; ``template_kwargs`` are passed to the
+    template (vLLM's ``chat_template_kwargs``), under the names it reserves for itself."""
+    if continue_final_message and add_generation_prompt:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                       param="continue_final_message")
     source = lm.chat_template
     if not source:
         raise ApiError(400, f"model {lm.name} has no chat template in its manifest; use /v1/completions",
@@ -40,8 +47,18 @@ def render_chat(lm: LoadedModel, messages: list[ChatMessage]) -> str:
             special[key.removesuffix("_id")] = tok.id_to_token(int(tid)) or ""
     eos = (lm.manifest.get("eos_token_ids") or [None])[0]
     special["eos_token"] = tok.id_to_token(int(eos)) or "" if eos is not None else ""
+    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in ("messages", "add_generation_prompt")}
+    kwargs.update(special)
     try:
-        return _compile_template(source).render(messages=[{"role": m.role, "content": m.text()} for m in messages],
-                                                add_generation_prompt=True, **special)
+        text = _compile_template(source).render(messages=[{"role": m.role, "content": m.text()} for m in messages],
+                                                add_generation_prompt=add_generation_prompt, **kwargs)
     except TemplateError as e:
         raise ApiError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
+    if continue_final_message:
+        last = messages[-1].text()
+        at = text.rfind(last) if last else -1
+        if at == -1:
+            raise ApiError(400, "continue_final_message: the rendered template does not contain the last "
+                           "message's content", param="continue_final_message")
+        text = text[:at + len(last)]
+    return text

@@ -48,7 +48,7 @@ from serve.in_flight import InFlightRequest
 from serve.kv_cache import BlockManager, KVCacheSpec, num_blocks_for_budget
 from serve.request_handle import RequestHandle, RequestOutput, TokenEvent
 from serve.runner import Runner, RunRow
-from serve.sampling import SamplingParams, sample_token
+from serve.sampling import SamplingError, SamplingParams, sample_token, token_logprobs
 from serve.scheduler import AdmissionError, Scheduler, SchedulerOutput, SeqStatus, SequenceState
 from serve.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
 
@@ -146,6 +146,8 @@ class Engine:
         vocab = self.runner.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise AdmissionError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise SamplingError(f"logit_bias token ids must be in [0, {vocab})")
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(self, rid, prompt_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
@@ -158,7 +160,7 @@ class Engine:
             except Exception:
                 self._counters.rejected += 1
                 raise
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             self._reqs[rid] = InFlightRequest(seq, handle, detok, stop_ids)
             self._counters.added += 1
             self._cv.notify_all()
@@ -276,14 +278,14 @@ class Engine:
         return events
 
     def _finish(self, req: InFlightRequest, reason: str, error: str | None = None, token_id: int | None = None,
-                text: str = "") -> tuple[RequestHandle, TokenEvent]:
+                text: str = "", logprobs=None) -> tuple[RequestHandle, TokenEvent]:
         seq = req.seq
         self.scheduler.finish(seq, reason)
         self._reqs.pop(seq.request_id, None)
         self._aborts.discard(seq.request_id)
         self._counters.record_finish(reason, seq.prompt_len)
         req.handle.num_preemptions = seq.num_preemptions
-        ev = TokenEvent(seq.request_id, token_id, text, seq.num_output, reason, error)
+        ev = TokenEvent(seq.request_id, token_id, text, seq.num_output, reason, error, logprobs)
         return req.handle, ev
 
     def _process(self, out: SchedulerOutput, logits: list[np.ndarray | None], events: list) -> None:
@@ -297,7 +299,10 @@ class Engine:
             req = self._reqs[seq.request_id]
             if seq.request_id in self._aborts:
                 continue  # cancelled while running: do not sample, _apply_aborts finishes it
-            tok = sample_token(lg, seq.params, req.rng, seq.token_ids)
+            params = seq.params
+            tok = sample_token(lg, params, req.rng, seq.token_ids, seq.prompt_len, req.stop_ids)
+            # log-probs from the raw logits of the same row the sampler saw (vLLM's default raw_logprobs)
+            lp = token_logprobs(lg, tok, params.logprobs) if params.logprobs is not None else None
             seq.token_ids.append(tok)
             counters.generated += 1
             if req.first_token_t is None:
@@ -311,9 +316,9 @@ class Engine:
             req.last_token_t = now
             reason, delta = req.add_token(tok, self.max_model_len)
             if reason is not None:
-                events.append(self._finish(req, reason, token_id=tok, text=delta))
+                events.append(self._finish(req, reason, token_id=tok, text=delta, logprobs=lp))
             else:
-                events.append((req.handle, TokenEvent(seq.request_id, tok, delta, seq.num_output)))
+                events.append((req.handle, TokenEvent(seq.request_id, tok, delta, seq.num_output, logprobs=lp)))
 
     @staticmethod
     def _emit(events) -> None:

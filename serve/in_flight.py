@@ -9,13 +9,14 @@ string; ``length``: max_tokens or the context limit) and which text delta to str
 Invariants: ``0 <= emitted <= len(detok.text)``; ``emitted`` never decreases; the streamed text
 never contains a stop string, and text that might still become the start of one is held back
 (at most ``max_stop_len - 1`` characters) until it is known not to be. A stop token's id adds
-no text. ``check_invariants`` verifies the first two.
+no text; with ``include_stop_str_in_output`` the matched stop string ends the text. Before
+``min_tokens`` tokens no stop id or stop string ends the request. ``check_invariants`` verifies the first two.
 """
 
 from __future__ import annotations
 
 from serve.request_handle import RequestHandle
-from serve.sampling import find_stop
+from serve.sampling import find_stop_span
 from serve.scheduler import SequenceState
 from serve.tokenizer import IncrementalDetokenizer
 
@@ -45,14 +46,17 @@ class InFlightRequest:
         params = seq.params
         reason = None
         detok = self.detok
-        stop_at = -1
-        if tok in self.stop_ids:
+        stop_at = stop_len = -1
+        # min_tokens (as vLLM): the first min_tokens tokens are never stop ids (the sampler masks them), and
+        # stop strings count once that many tokens were generated
+        may_stop = seq.num_output >= params.min_tokens
+        if tok in self.stop_ids and seq.num_output > params.min_tokens:
             reason = "stop"
         else:
             before = len(detok.text)
             detok.add(tok)
-            if params.stop:
-                stop_at = find_stop(detok.text, params.stop, before)
+            if params.stop and may_stop:
+                stop_at, stop_len = find_stop_span(detok.text, params.stop, before)
                 if stop_at != -1:
                     reason = "stop"
         if reason is None and (seq.num_output >= params.max_tokens or len(seq.token_ids) >= max_model_len):
@@ -60,11 +64,11 @@ class InFlightRequest:
         if reason is not None and stop_at == -1:
             before = len(detok.text)
             detok.flush()
-            if params.stop:
-                stop_at = find_stop(detok.text, params.stop, before)
+            if params.stop and may_stop:
+                stop_at, stop_len = find_stop_span(detok.text, params.stop, before)
         text = detok.text
         if stop_at != -1:
-            end = stop_at
+            end = stop_at + (stop_len if params.include_stop_str_in_output else 0)
         elif reason is None and self.max_stop_len > 1:
             end = max(self.emitted, len(text) - (self.max_stop_len - 1))  # hold back a possible stop start
         else:

@@ -35,6 +35,8 @@ class TokenEvent:
     index: int  # number of output tokens so far, this one included
     finish_reason: str | None = None
     error: str | None = None
+    # with params.logprobs set: (the token's log-prob, [(id, log-prob)] the top params.logprobs, best first)
+    logprobs: tuple[float, list[tuple[int, float]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -52,6 +54,7 @@ class RequestOutput:
     ttft_s: float | None = None
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
+    logprobs: list | None = None  # one TokenEvent.logprobs per output token, when params.logprobs is set
 
 
 class RequestHandle:
@@ -67,6 +70,7 @@ class RequestHandle:
         self.prompt_ids = prompt_ids
         self.params = params
         self.output_ids: list[int] = []
+        self.logprobs: list | None = [] if params.logprobs is not None else None
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -82,6 +86,8 @@ class RequestHandle:
     def _push(self, ev: TokenEvent) -> None:
         if ev.token_id is not None:
             self.output_ids.append(ev.token_id)
+            if self.logprobs is not None and ev.logprobs is not None:
+                self.logprobs.append(ev.logprobs)
         self.text += ev.text
         if ev.finish_reason is not None:
             self.finish_reason = ev.finish_reason
@@ -154,4 +160,5 @@ class RequestHandle:
 
     def _output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason,
-                             self.error, self.ttft_s, self.num_cached_prompt_tokens, self.num_preemptions)
+                             self.error, self.ttft_s, self.num_cached_prompt_tokens, self.num_preemptions,
+                             list(self.logprobs) if self.logprobs is not None else None)

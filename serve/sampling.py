@@ -1,7 +1,10 @@
 """Sampling parameters and the per-token sampler (numpy only).
 
-Order of operations on one row of logits, as in Hugging Face ``generate``:
-repetition penalty → (greedy: argmax) → temperature → top-k → top-p → draw.
+Order of operations on one row of logits, as vLLM (v1) does it:
+min_tokens (stop ids masked) → logit_bias → penalties (repetition over prompt + output, then
+frequency and presence over the output) → (greedy: argmax) → temperature → min_p → top-k → top-p → draw.
+Log-probs (``logprobs``) are the log-softmax of the raw model logits, before any of this (vLLM's
+default ``raw_logprobs``): ``token_logprobs``.
 
 Reproducibility: a request with a ``seed`` gets its own ``numpy.random.Generator``;
 each generated token consumes exactly one uniform draw from it, and candidates are
@@ -32,6 +35,14 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings; the text returned ends before them
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the model's eos ids
     ignore_eos: bool = False
+    min_tokens: int = 0  # stop ids and stop strings are ignored until this many tokens were generated
+    min_p: float = 0.0  # 0 = off; keep tokens whose probability is >= min_p * the top token's
+    presence_penalty: float = 0.0  # OpenAI/vLLM: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # None = off; k = the chosen token's log-prob and the top k (0..20)
 
     @classmethod
     def greedy(cls, max_tokens: int = 16, **kw) -> SamplingParams:
@@ -62,6 +73,19 @@ class SamplingParams:
             raise SamplingError(f"at most 16 stop strings (got {len(self.stop)})")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingError("stop_token_ids must be non-negative integers")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}] "
+                                f"(got {self.min_tokens!r})")
+        if not (0.0 <= float(self.min_p) <= 1.0):
+            raise SamplingError(f"min_p must be in [0, 1] (got {self.min_p!r})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= float(getattr(self, name)) <= 2.0):
+                raise SamplingError(f"{name} must be in [-2, 2] (got {getattr(self, name)!r})")
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if any(t < 0 or not -100.0 <= v <= 100.0 for t, v in self.logit_bias.items()):
+            raise SamplingError("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise SamplingError(f"logprobs must be an integer in [0, 20] (got {self.logprobs!r})")
         return self
 
     def make_generator(self) -> np.random.Generator:
@@ -80,12 +104,60 @@ def apply_repetition_penalty(logits: np.ndarray, token_ids: Sequence[int], penal
     return logits
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None,
-                 token_ids: Sequence[int] = ()) -> int:
-    """Pick the next token from one row of logits ``[vocab]``."""
+def apply_frequency_presence_penalties(logits: np.ndarray, output_ids: Sequence[int], frequency: float,
+                                       presence: float) -> np.ndarray:
+    """OpenAI/vLLM rule over the *generated* tokens only: logit -= frequency * count + presence * (count > 0)."""
+    if (frequency == 0.0 and presence == 0.0) or len(output_ids) == 0:
+        return logits
+    ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
+    keep = (ids >= 0) & (ids < logits.shape[-1])
+    ids, counts = ids[keep], counts[keep]
+    logits = logits.copy()
+    logits[ids] -= (frequency * counts + presence).astype(logits.dtype)
+    return logits
+
+
+def process_logits(logits: np.ndarray, params: SamplingParams, token_ids: Sequence[int] = (),
+                   prompt_len: int | None = None, stop_ids: Sequence[int] = ()) -> np.ndarray:
+    """The logits the draw sees, before temperature: min_tokens (``stop_ids`` masked while fewer than
+    ``min_tokens`` tokens were generated), logit_bias, then the penalties. ``token_ids`` is prompt + output;
+    ``prompt_len`` splits them (None: all of ``token_ids`` counts as output)."""
     logits = np.asarray(logits, dtype=np.float32)
+    start = 0 if prompt_len is None else prompt_len
+    output_ids = token_ids[start:]
+    if params.min_tokens and len(output_ids) < params.min_tokens and len(stop_ids):
+        ids = np.asarray([t for t in stop_ids if 0 <= t < logits.shape[-1]], dtype=np.int64)
+        logits = logits.copy()
+        logits[ids] = -np.inf
+    if params.logit_bias:
+        ids = np.asarray([t for t in params.logit_bias if t < logits.shape[-1]], dtype=np.int64)
+        logits = logits.copy()
+        logits[ids] += np.asarray([params.logit_bias[int(t)] for t in ids], dtype=np.float32)
     if params.repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, token_ids, params.repetition_penalty)
+    return apply_frequency_presence_penalties(logits, output_ids, params.frequency_penalty,
+                                              params.presence_penalty)
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """(log-prob of ``token``, the ``k`` most likely (id, log-prob), best first, ties by id) from the
+    log-softmax of the raw ``logits`` row (float64)."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max()
+    lp = x - (m + np.log(np.exp(x - m).sum()))
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        k = min(k, lp.shape[0])
+        cand = np.argpartition(-lp, k - 1)[:k]
+        cand = cand[np.lexsort((cand, -lp[cand]))]
+        top = [(int(t), float(lp[t])) for t in cand]
+    return float(lp[token]), top
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None,
+                 token_ids: Sequence[int] = (), prompt_len: int | None = None, stop_ids: Sequence[int] = ()) -> int:
+    """Pick the next token from one row of logits ``[vocab]`` (see ``process_logits`` for the arguments)."""
+    logits = process_logits(logits, params, token_ids, prompt_len, stop_ids)
     if params.is_greedy:
         return int(np.argmax(logits))
     x = logits.astype(np.float64) / float(params.temperature)
@@ -98,6 +170,11 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     # Deterministic order: probability descending, then token id ascending.
     order = np.lexsort((cand, -cx))
     cand, cx = cand[order], cx[order]
+    finite = np.isfinite(cx)
+    if params.min_p > 0.0:  # relative to the top token, which every candidate set keeps
+        finite &= cx - cx[0] >= np.log(params.min_p)
+    if not finite.all() and finite.any():
+        cand, cx = cand[finite], cx[finite]
     p = np.exp(cx - cx[0])
     p /= p.sum()
     if params.top_p < 1.0:
@@ -118,9 +195,15 @@ def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
 
     ``start`` lets the caller search only where new text could complete a match.
     """
-    best = -1
+    return find_stop_span(text, stops, start)[0]
+
+
+def find_stop_span(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, int]:
+    """(index, length) of the earliest stop string as ``find_stop`` finds it (the longest at that index),
+    or (-1, 0)."""
+    best, length = -1, 0
     for s in stops:
         i = text.find(s, max(0, start - len(s) + 1))
-        if i != -1 and (best == -1 or i < best):
-            best = i
-    return best
+        if i != -1 and (best == -1 or i < best or i == best and len(s) > length):
+            best, length = i, len(s)
+    return best, length

@@ -46,9 +46,9 @@ class Tap:
 
         self.rows, self._mod, self._orig = {}, mod, mod.sample_token
 
-        def tapped(logits, params, rng, token_ids=()):
+        def tapped(logits, params, rng, token_ids=(), *rest):
             self.rows[tuple(token_ids)] = np.array(logits, np.float32, copy=True)
-            return self._orig(logits, params, rng, token_ids)
+            return self._orig(logits, params, rng, token_ids, *rest)
 
         mod.sample_token = tapped
         return self
