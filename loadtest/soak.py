@@ -41,7 +41,7 @@ KINDS = {"complete": 5, "stream": 4, "chat": 2, "repeat": 2, "stream_drop": 2, "
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega the quick brown fox jumps over lazy dog once upon a time").split()
 BAD_BODIES = [b"{not json", b"[1, 2]", b'{"prompt": "x", "temperature": "hot"}', b'{"max_tokens": 4}',
-              b'{"prompt": "x", "max_tokens": 100000}', b'{"prompt": "\\ud800"}', b'{"prompt": "x", "n": 3}']
+              b'{"prompt": "x", "max_tokens": 100000}', b'{"prompt": "\\ud800"}', b'{"prompt": "x", "best_of": 3}']
 
 
 @dataclass

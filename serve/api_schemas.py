@@ -135,8 +135,7 @@ def _off(v) -> bool:
 
 
 UNSUPPORTED_PARAMS: dict[str, Any] = {
-    "n": lambda v: v in (None, 1),
-    "best_of": lambda v: v in (None, 1),
+    "best_of": lambda v: v in (None, 1),  # n > 1 is honoured; best_of (rank by log-prob) is not
     "suffix": _off,
     "use_beam_search": _off,
     "length_penalty": lambda v: v in (None, 1, 1.0),
@@ -212,7 +211,7 @@ class _SamplingRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1  # > 1 refused by refuse_unsupported
+    n: int = Field(1, ge=1)
 
     @field_validator("logit_bias")
     @classmethod
@@ -253,15 +252,11 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ApiError(400, "prompt: a list of several prompts is not supported by this server (got "
-                               f"{len(v)}); send them as separate requests", param="prompt",
-                               code="unsupported_parameter")
-            v = v[0]
-        if isinstance(v, str) and v == "" or isinstance(v, list) and not v:
-            raise ValueError("the prompt is empty")
+    def _prompts(cls, v):
+        many = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        for p in many:
+            if isinstance(p, str) and p == "" or isinstance(p, list) and not p:
+                raise ValueError("the prompt is empty")
         return v
 
 

@@ -9,9 +9,11 @@ are answered from the result cache when they can be.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -30,6 +32,7 @@ from serve.streaming import DisconnectAwareStream, call_at_end, sse
 from serve.tokenizer import encode_chat, encode_prompt
 
 OWNED_BY = "compressor"
+MAX_CHOICES = 64  # n x prompts in one request
 
 router = APIRouter()
 
@@ -205,25 +208,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def wait_result(handle: RequestHandle, request: Request):
-    """The whole output; a client that disconnects meanwhile cancels the request."""
+@dataclass
+class Choice:
+    """One choice of a response: prompt ``prompt_idx`` (of a list of prompts), sample ``index`` (n > 1)."""
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo_text: str = ""
+    key: tuple | None = None
+    hit: CachedResult | None = None
+    handle: RequestHandle | None = None
+
+
+async def wait_results(handles: list[RequestHandle], request: Request):
+    """The whole outputs; a client that disconnects meanwhile cancels the requests."""
     async def watch() -> None:
         while True:
             msg = await request.receive()
             if msg["type"] == "http.disconnect":
-                handle.cancel()
+                for h in handles:
+                    h.cancel()
                 return
 
     watcher = asyncio.create_task(watch())
     try:
-        return await handle.aresult()
+        return await asyncio.gather(*(h.aresult() for h in handles))
     finally:
         watcher.cancel()
 
 
+def prompt_list(body: CompletionRequest) -> list:
+    p = body.prompt
+    return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+
+
 async def generate(request: Request, chat: bool):
-    """/v1/completions and /v1/chat/completions: lease the model, answer from the result cache or the
-    engine, as one JSON body or as a stream of events."""
+    """/v1/completions and /v1/chat/completions: lease the model, answer each choice (n per prompt, a list of
+    prompts) from the result cache or the engine, as one JSON body or as a stream of events."""
     t0 = time.perf_counter()
     state = app_state(request)
     manager, cache = state.manager, state.cache
@@ -232,163 +253,209 @@ async def generate(request: Request, chat: bool):
     body = parse(ChatCompletionRequest if chat else CompletionRequest, data)
     check_combinations(body, chat)
     lm = state.lease()
+    choices: list[Choice] = []
     try:
         check_model(lm, body.model)
         tok = lm.engine.tokenizer
-        echo_text = ""
+        prompts: list[tuple[list[int], str]] = []  # (ids, echo text)
         if chat:
             text = render_chat(lm, body.messages, body.add_generation_prompt, body.continue_final_message,
                                body.chat_template_kwargs)
             # The template writes the special tokens itself; BOS only if the model takes one and it did not.
-            prompt_ids = encode_chat(tok, lm.manifest, text)
+            prompts.append((encode_chat(tok, lm.manifest, text), ""))
             max_tokens = body.max_completion_tokens or body.max_tokens
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
-            prompt = body.prompt
-            # Text gets the model's BOS (manifest add_bos_token) unless add_special_tokens is false; token ids
-            # are taken as sent (as vLLM does).
-            if isinstance(prompt, str):
-                prompt_ids = (encode_prompt(tok, lm.manifest, prompt) if body.add_special_tokens
-                              else tok.encode(prompt, add_special_tokens=False).ids)
-            else:
-                prompt_ids = [int(t) for t in prompt]
+            for prompt in prompt_list(body):
+                # Text gets the model's BOS (manifest add_bos_token) unless add_special_tokens is false; token
+                # ids are taken as sent (as vLLM does).
+                if isinstance(prompt, str):
+                    ids = (encode_prompt(tok, lm.manifest, prompt) if body.add_special_tokens
+                           else tok.encode(prompt, add_special_tokens=False).ids)
+                else:
+                    ids = [int(t) for t in prompt]
+                prompts.append((ids, prompt))
             max_tokens = body.max_tokens
             logprobs = body.logprobs
-        if body.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens (-1: the context)
-            k = lm.engine.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
-            prompt_ids = prompt_ids[-k:]
-        if not chat and body.echo:
-            echo_text = (prompt if isinstance(prompt, str) and body.truncate_prompt_tokens is None
-                         else tok.decode(prompt_ids, skip_special_tokens=body.skip_special_tokens))
-        if max_tokens is None:  # chat's default, or null: as long as the context allows
-            max_tokens = context_room(lm, len(prompt_ids))
-        params = body.sampling(max_tokens, logprobs)
-        try:
-            params.validate()
-        except SamplingError as e:
-            field = str(e).split(" ", 1)[0]
-            raise ApiError(400, str(e), param=field) from None
-        # log-probs are not kept in the result cache: such requests always run
-        key = cache_key(lm.key, prompt_ids, params) if logprobs is None else None
-        hit = cache.get(key)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise ApiError(400, f"n x prompts = {len(prompts) * body.n} choices exceeds {MAX_CHOICES}", param="n")
+        for p_idx, (ids, raw) in enumerate(prompts):
+            if body.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens (-1: the context)
+                k = lm.engine.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+                ids = ids[-k:]
+            echo_text = ""
+            if not chat and body.echo:
+                echo_text = (raw if isinstance(raw, str) and body.truncate_prompt_tokens is None
+                             else tok.decode(ids, skip_special_tokens=body.skip_special_tokens))
+            # chat's default, or null: as long as the context allows
+            base = body.sampling(max_tokens if max_tokens is not None else context_room(lm, len(ids)), logprobs)
+            try:
+                base.validate()
+            except SamplingError as e:
+                field = str(e).split(" ", 1)[0]
+                raise ApiError(400, str(e), param=field) from None
+            for j in range(body.n):
+                # n > 1 with a seed: sample j draws from seed + j (as vLLM), so the samples differ reproducibly
+                params = base if j == 0 or base.seed is None else dataclasses.replace(base, seed=base.seed + j)
+                choices.append(Choice(p_idx * body.n + j, ids, params, echo_text))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         meta = dict(id=rid, created=int(time.time()), model=lm.name, system_fingerprint=fingerprint(lm))
-        if hit is not None:
-            handle = None
-        else:
-            handle = admit(lm, prompt_ids, params, rid)
+        for c in choices:
+            # log-probs are not kept in the result cache: such requests always run
+            c.key = cache_key(lm.key, c.prompt_ids, c.params) if logprobs is None else None
+            c.hit = cache.get(c.key)
+            if c.hit is None:
+                c.handle = admit(lm, c.prompt_ids, c.params, rid if len(choices) == 1 else f"{rid}-{c.index}")
     except BaseException:
+        for c in choices:
+            if c.handle is not None:
+                c.handle.cancel()
         manager.release(lm)
         raise
-    headers = {"X-Result-Cache": "hit" if hit is not None else ("miss" if key is not None else "off")}
+    cache_state = ("hit" if all(c.hit is not None for c in choices)
+                   else "off" if all(c.key is None for c in choices) else "miss")
+    headers = {"X-Result-Cache": cache_state}
+    prompt_tokens = sum(len(c.prompt_ids) for c in choices if c.index % body.n == 0)  # each prompt once
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = stream_events(chat, meta, handle, hit, len(prompt_ids), include_usage, tok, echo_text)
+        gen = stream_events(chat, meta, choices, prompt_tokens, include_usage, tok)
         # no-cache / no buffering: proxies must pass each event on as it comes
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return DisconnectAwareStream(call_at_end(gen, lambda ok: done(state, lm, handle, key, len(prompt_ids), t0,
-                                                                    ok)),
+        return DisconnectAwareStream(call_at_end(gen, lambda ok: done(state, lm, choices, t0, ok)),
                                      media_type="text/event-stream", headers=headers)
     try:
-        if hit is None:
-            out = await wait_result(handle, request)
+        running = [c for c in choices if c.handle is not None]
+        outs = dict(zip((c.index for c in running), await wait_results([c.handle for c in running], request)))
+        results = []
+        for c in choices:
+            out = outs.get(c.index)
+            if out is None:
+                results.append((c.hit, None))
+                continue
             if out.finish_reason == "error":
                 raise ApiError(500, f"generation failed: {out.error}", "server_error", code="engine_error")
             if out.finish_reason == "cancelled":
                 raise ApiError(503, "the request was cancelled (the server is shutting down or the model was "
                                "unloaded)", "service_unavailable", code="cancelled")
-            result = CachedResult(out.text, tuple(out.output_ids), out.finish_reason, len(prompt_ids))
-            lps = out.logprobs
+            result = CachedResult(out.text, tuple(out.output_ids), out.finish_reason, len(c.prompt_ids))
             if not lm.retired:  # an answer from a swapped-out model would only occupy space
-                cache.put(key, result)
-        else:
-            result, lps = hit, None
+                cache.put(c.key, result)
+            results.append((result, out.logprobs))
         state.metrics.e2e.labels(lm.name).observe(time.perf_counter() - t0)
+    except BaseException:
+        for c in choices:
+            if c.handle is not None and not c.handle.finished:
+                c.handle.cancel()
+        raise
     finally:
         manager.release(lm)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "logprobs": chat_logprobs(tok, result.output_ids, lps) if lps is not None else None,
-                  "finish_reason": result.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": echo_text + result.text,
-                  "logprobs": completion_logprobs(tok, result.output_ids, lps) if lps is not None else None,
-                  "finish_reason": result.finish_reason}
-        obj = "text_completion"
-    return JSONResponse({**meta, "object": obj, "choices": [choice],
-                         "usage": usage(len(prompt_ids), result.completion_tokens)}, headers=headers)
+    out_choices = []
+    for c, (result, lps) in zip(choices, results):
+        if chat:
+            out_choices.append({"index": c.index, "message": {"role": "assistant", "content": result.text},
+                                "logprobs": chat_logprobs(tok, result.output_ids, lps) if lps is not None else None,
+                                "finish_reason": result.finish_reason})
+        else:
+            out_choices.append({"index": c.index, "text": c.echo_text + result.text,
+                                "logprobs": (completion_logprobs(tok, result.output_ids, lps) if lps is not None
+                                             else None),
+                                "finish_reason": result.finish_reason})
+    completion_tokens = sum(r.completion_tokens for r, _ in results)
+    return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": out_choices,
+                         "usage": usage(prompt_tokens, completion_tokens)}, headers=headers)
 
 
-def done(state: AppState, lm: LoadedModel, handle: RequestHandle | None, key, prompt_tokens: int, t0: float,
-         ok: bool) -> None:
-    """End of a stream, however it ended: cancel an unfinished request, cache a finished one, free the lease."""
+def done(state: AppState, lm: LoadedModel, choices: list[Choice], t0: float, ok: bool) -> None:
+    """End of a stream, however it ended: cancel unfinished requests, cache finished ones, free the lease."""
     try:
-        if handle is not None:
+        for c in choices:
+            handle = c.handle
+            if handle is None:
+                continue
             if not handle.finished:
                 handle.cancel()
             elif ok and not lm.retired:
-                state.cache.put(key, CachedResult(handle.text, tuple(handle.output_ids), handle.finish_reason or "",
-                                            prompt_tokens))
+                state.cache.put(c.key, CachedResult(handle.text, tuple(handle.output_ids),
+                                                    handle.finish_reason or "", len(c.prompt_ids)))
         if ok:
             state.metrics.e2e.labels(lm.name).observe(time.perf_counter() - t0)
     finally:
         state.manager.release(lm)
 
 
-def stream_events(chat: bool, meta: dict, handle: RequestHandle | None, hit: CachedResult | None,
-                  prompt_tokens: int, include_usage: bool, tok=None, echo_text: str = "") -> AsyncIterator[str]:
-    """The SSE events of one response, from the engine's token events or from a cached result. A chat's
-    first chunk (the one with ``role``) goes out with the first token, not before; a request the server
-    cancelled ends with finish_reason ``abort`` (vLLM's name)."""
+def stream_events(chat: bool, meta: dict, choices: list[Choice], prompt_tokens: int, include_usage: bool,
+                  tok=None) -> AsyncIterator[str]:
+    """The SSE events of one response, from the engine's token events or from cached results; with several
+    choices their chunks interleave as tokens come, each naming its ``index``. A chat choice's first chunk
+    (the one with ``role``) goes out with its first token, not before; a request the server cancelled ends
+    with finish_reason ``abort`` (vLLM's name)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    first = [True]
-    offset = [len(echo_text)]
+    first = {c.index: True for c in choices}
+    offset = {c.index: len(c.echo_text) for c in choices}
 
-    def chunk(text: str | None, finish: str | None, token_id: int | None = None, lp=None) -> dict:
+    def chunk(index: int, text: str | None, finish: str | None, token_id: int | None = None, lp=None) -> dict:
         logprobs = None
         if lp is not None and token_id is not None:
             if chat:
                 logprobs = chat_logprobs(tok, [token_id], [lp])
             else:
-                logprobs = completion_logprobs(tok, [token_id], [lp], offset[0])
-                offset[0] += len(logprobs["tokens"][0])
+                logprobs = completion_logprobs(tok, [token_id], [lp], offset[index])
+                offset[index] += len(logprobs["tokens"][0])
         if chat:
             delta: dict[str, Any] = {}
-            if first[0]:
+            if first[index]:
                 delta["role"] = "assistant"
-                first[0] = False
+                first[index] = False
             if text is not None:
                 delta["content"] = text
-            c = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            c = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            c = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         out = {**meta, "object": obj, "choices": [c]}
         if include_usage:
             out["usage"] = None
         return out
 
     async def events() -> AsyncIterator[str]:
-        if echo_text:
-            yield sse(chunk(echo_text, None))
-        if hit is not None:
-            if hit.text:
-                yield sse(chunk(hit.text, None))
-            finish, completion_tokens = hit.finish_reason, hit.completion_tokens
-        else:
-            finish = None
-            async for ev in handle:
-                if ev.text or ev.logprobs is not None:
-                    yield sse(chunk(ev.text, None, ev.token_id, ev.logprobs))
-                if ev.finished:
-                    finish = ev.finish_reason
-            if finish == "error":
-                yield sse(error_body(f"generation failed: {handle.error}", "server_error", code="engine_error"))
-                yield sse("[DONE]")
-                return
-            completion_tokens = len(handle.output_ids)
-        yield sse(chunk(None, "abort" if finish == "cancelled" else finish))
+        completion_tokens = 0
+        for c in choices:
+            if c.echo_text:
+                yield sse(chunk(c.index, c.echo_text, None))
+        for c in choices:
+            if c.hit is not None:
+                if c.hit.text:
+                    yield sse(chunk(c.index, c.hit.text, None))
+                yield sse(chunk(c.index, None, c.hit.finish_reason))
+                completion_tokens += c.hit.completion_tokens
+        running = [c for c in choices if c.handle is not None]
+        if running:
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(c: Choice) -> None:
+                async for ev in c.handle:
+                    await queue.put((c, ev))
+
+            pumps = [asyncio.create_task(pump(c)) for c in running]
+            try:
+                left = len(running)
+                while left:
+                    c, ev = await queue.get()
+                    if ev.text or ev.logprobs is not None:
+                        yield sse(chunk(c.index, ev.text, None, ev.token_id, ev.logprobs))
+                    if not ev.finished:
+                        continue
+                    left -= 1
+                    if ev.finish_reason == "error":
+                        yield sse(error_body(f"generation failed: {c.handle.error}", "server_error",
+                                             code="engine_error"))
+                        yield sse("[DONE]")
+                        return
+                    completion_tokens += len(c.handle.output_ids)
+                    yield sse(chunk(c.index, None, "abort" if ev.finish_reason == "cancelled" else ev.finish_reason))
+            finally:
+                for t in pumps:
+                    t.cancel()
         if include_usage:
             yield sse({**meta, "object": obj, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
         yield sse("[DONE]")

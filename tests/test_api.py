@@ -231,10 +231,10 @@ def test_context_overflow_is_400_naming_the_limit(http, client, tiny_artifact):
     ({"prompt": "hi", "temperature": 3}, 422, "temperature"),
     ({"prompt": "hi", "max_tokens": 0}, 422, "max_tokens"),
     ({"prompt": "hi", "top_p": 0}, 422, "top_p"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 0}, 422, "n"),
     ({"prompt": "hi", "stop": 5}, 422, "stop"),
     ({"max_tokens": 4}, 422, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": ["a", ""]}, 422, "prompt"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ({"prompt": [1, 99999]}, 400, "prompt"),
 ])

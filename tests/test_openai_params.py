@@ -134,9 +134,8 @@ def test_token_logprobs_is_the_log_softmax_and_its_top_k():
 
 # ---- every parameter: honoured or refused (400 naming it) --------------------------------------------
 REFUSED = [
-    ("completions", {"n": 2}, "n"),
+    ("completions", {"n": 65}, "n"),
     ("completions", {"best_of": 3}, "best_of"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
     ("completions", {"suffix": "x"}, "suffix"),
     ("completions", {"echo": True, "logprobs": 1}, "echo"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
@@ -150,7 +149,7 @@ REFUSED = [
     ("completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("completions", {"bad_words": ["x"]}, "bad_words"),
     ("completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
-    ("chat", {"n": 2}, "n"),
+    ("chat", {"n": 65}, "n"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
@@ -320,6 +319,56 @@ def test_chat_template_options(http):
     # chat_template_kwargs reach the template (this one uses none: same prompt)
     out = chat(http, messages=msgs, max_tokens=2, chat_template_kwargs={"enable_thinking": False})
     assert out["usage"]["prompt_tokens"] == len(with_gen)
+
+
+# ---- n > 1 and lists of prompts --------------------------------------------------------------------
+def test_n_samples_are_the_seeded_single_requests_and_stream_alike(http, client):
+    body = dict(prompt="Once upon a time", max_tokens=6, temperature=1.2, seed=11, ignore_eos=True)
+    out = completion(http, **body, n=3)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    singles = [completion(http, **{**body, "seed": 11 + j})["choices"][0]["text"] for j in range(3)]
+    assert [c["text"] for c in out["choices"]] == singles
+    assert len(set(singles)) > 1  # the samples differ
+    assert out["usage"]["completion_tokens"] == 18
+    assert out["usage"]["prompt_tokens"] == completion(http, **body)["usage"]["prompt_tokens"]
+    texts = {}
+    for ch in client.completions.create(model=MODEL, stream=True, n=3, **{k: v for k, v in body.items()
+                                                                          if k != "ignore_eos"},
+                                        extra_body={"ignore_eos": True}):
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[j] for j in range(3)] == singles
+    msgs = [{"role": "user", "content": "hi"}]
+    out = chat(http, messages=msgs, max_tokens=5, temperature=1.0, seed=4, n=2, ignore_eos=True)
+    assert [c["message"]["content"] for c in out["choices"]] == [
+        chat(http, messages=msgs, max_tokens=5, temperature=1.0, seed=4 + j, ignore_eos=True)["choices"][0]
+        ["message"]["content"] for j in range(2)]
+    roles = {}
+    for ch in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=1.0, seed=4, n=2,
+                                             stream=True):
+        for c in ch.choices:
+            roles.setdefault(c.index, c.delta.role)
+    assert roles == {0: "assistant", 1: "assistant"}
+
+
+def test_a_list_of_prompts_gives_one_choice_per_prompt_and_sample(http):
+    ids_out = completion(http, prompt=[PROMPT_IDS, PROMPT_IDS[:4]], max_tokens=3)["choices"]
+    assert [c["text"] for c in ids_out] == [completion(http, prompt=p, max_tokens=3)["choices"][0]["text"]
+                                            for p in (PROMPT_IDS, PROMPT_IDS[:4])]
+    prompts = ["Hello there", "Once upon", "The quick brown fox"]
+    out = completion(http, prompt=prompts, max_tokens=5, n=2, logprobs=1)
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    for i, p in enumerate(prompts):
+        one = completion(http, prompt=p, max_tokens=5, logprobs=1)
+        for j in range(2):
+            c = out["choices"][2 * i + j]
+            assert c["text"] == one["choices"][0]["text"]
+            assert c["logprobs"]["token_logprobs"] == pytest.approx(one["choices"][0]["logprobs"]["token_logprobs"],
+                                                                    abs=1e-5)
+    lens = [completion(http, prompt=p, max_tokens=1)["usage"]["prompt_tokens"] for p in prompts]
+    assert out["usage"]["prompt_tokens"] == sum(lens)
+    echoed = completion(http, prompt=["ab", "cd"], max_tokens=2, echo=True)["choices"]
+    assert echoed[0]["text"].startswith("ab") and echoed[1]["text"].startswith("cd")
 
 
 # ---- endpoints ---------------------------------------------------------------------------------------
