@@ -93,7 +93,8 @@ def quantize_with_acceptance(
 
     Trial 0 uses qcfg as is; each later trial keeps `relax_groups_per_trial` more groups in float, most
     sensitive first (sensitivity scan results when qcfg.sensitivity_trials > 0, else the activation-range
-    proxy). Calibration runs once, on calib_blocks only; eval_blocks are used only for the gate.
+    proxy). Calibration runs once, on calib_blocks only; eval_blocks (the selection split) are used only for the
+    loop's gate. The pipeline's verdict is the accept stage's, on the test split no trial has seen (tasks/accept.py).
     on_trial(i, record) is called after every trial (for MLflow child runs).
     """
     from compress.evaluate import evaluate_onnx

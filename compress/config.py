@@ -42,8 +42,26 @@ class DataConfig(Section):
     block_size: int = Field(128, ge=8, le=8192)
     train_blocks: int = Field(256, ge=1)
     calib_blocks: int = Field(32, ge=1)
+    # The selection split: distillation's evals and early stopping, the relax loop's trials.
     eval_blocks: int = Field(32, ge=1)
+    # Held out from every stage; only the accept stage's verdict reads it (compress/data.py).
+    test_blocks: int = Field(32, ge=1)
+    # Text of another genre, scored beside the test split (heldout_* figures): "stdlib_code" = the Python source
+    # of a few pure-Python stdlib modules; a local file/folder or hub dataset like `source`; "none" = off.
+    heldout_source: str = "stdlib_code"
+    heldout_blocks: int = Field(32, ge=1)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _heldout_is_another_text(self) -> "DataConfig":
+        if self.source in ("stdlib_code", "none"):
+            raise ValueError(f"data.source {self.source!r} names a held-out source; use it as data.heldout_source "
+                             f"and set data.source to embedded, a file or folder, or a hub dataset")
+        if self.heldout_source == self.source:
+            raise ValueError(
+                f"data.heldout_source {self.heldout_source!r} is data.source itself, so it holds nothing out; name "
+                f"another text (default stdlib_code) or set data.heldout_source to none")
+        return self
 
 
 class ExportConfig(Section):

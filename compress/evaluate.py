@@ -10,6 +10,11 @@ Scored positions, the same for every model: in each eval block of s tokens, the 
 position 0 is never a target; for a model that takes BOS it holds the BOS (compress/data.py), so BOS is
 never scored and every scored token is text (the first text token is predicted from BOS); for a model
 without BOS it is the first text token, which has no context to predict it from.
+
+Top-1 agreement and KL to the reference are taken over exactly these positions too (the logits at
+0..s-2 of each block, ``eval_tokens`` of them): the logits at the last position s-1 predict a token outside
+the block, which perplexity does not score, so neither does agreement (before DATA_FORMAT 3 agreement and
+KL also counted that position, over n * s positions).
 """
 
 from __future__ import annotations
@@ -31,12 +36,12 @@ class EvaluateError(ValueError):
 
 def _nll_and_argmax(logits: np.ndarray, ids: np.ndarray) -> tuple[float, np.ndarray]:
     """Sum of next-token NLL of the targets at positions 1..s-1 (position 0, BOS or not, is never scored),
-    and argmax at every position."""
+    and the argmax [n, s-1] at the positions that predict them (0..s-2): the scored positions."""
     lg = logits[:, :-1].astype(np.float64)
     m = lg.max(-1, keepdims=True)
     lse = np.log(np.exp(lg - m).sum(-1)) + m[..., 0]
     tgt = np.take_along_axis(lg, ids[:, 1:, None], axis=-1)[..., 0]
-    return float((lse - tgt).sum()), logits.argmax(-1)
+    return float((lse - tgt).sum()), logits[:, :-1].argmax(-1)
 
 
 def _load(folder: str | Path, threads: int | None) -> tuple[Path, dict, LanguageModelDriver]:
@@ -81,7 +86,8 @@ def evaluate_onnx(
     golden: [(prompt_ids, expected greedy ids)] or [{"prompt_ids", "greedy_ids"}]; the score is the mean
     fraction of the expected continuation reproduced before the first mismatch.
     reference_top1: the reference's argmax [n, block] over the same eval_blocks (from `prefill_logits(...).argmax(-1)`),
-    to measure agreement without running the reference again (then no KL).
+    to measure agreement without running the reference again (then no KL); its last column is not compared.
+    Agreement and KL cover the positions perplexity scores (module docstring), `eval_tokens` of them.
     """
     eval_blocks = np.asarray(eval_blocks, dtype=np.int64)
     if eval_blocks.ndim != 2 or len(eval_blocks) == 0 or eval_blocks.shape[1] < 2:
@@ -105,11 +111,11 @@ def evaluate_onnx(
         nll += s
         count += ids[:, 1:].size
         if reference_top1 is not None and ref_iter is None:
-            agree += int((np.asarray(reference_top1)[i * batch_size : i * batch_size + len(logits)] == am).sum())
+            agree += int((np.asarray(reference_top1)[i * batch_size : i * batch_size + len(logits), :-1] == am).sum())
         if ref_iter is not None:
-            ref = next(ref_iter)
+            ref = next(ref_iter)[:, :-1]  # the scored positions only, as for perplexity
             agree += int((ref.argmax(-1) == am).sum())
-            lp = logits - logits.max(-1, keepdims=True)
+            lp = logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)
             lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
             lr = ref - ref.max(-1, keepdims=True)
             lr = lr - np.log(np.exp(lr).sum(-1, keepdims=True))
@@ -124,9 +130,9 @@ def evaluate_onnx(
         "prefill_tokens_per_s": eval_blocks.size / max(prefill_s, 1e-9),
     }
     if ref_iter is not None or reference_top1 is not None:
-        out["top1_agreement"] = agree / eval_blocks.size
+        out["top1_agreement"] = agree / max(count, 1)  # over the eval_tokens positions perplexity scores
     if ref_iter is not None:
-        out["kl_to_reference"] = kl / eval_blocks.size
+        out["kl_to_reference"] = kl / max(count, 1)
     if golden:
         scores = []
         for prompt, expected in _golden_pairs(golden):

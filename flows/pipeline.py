@@ -40,6 +40,7 @@ KEY_FIGURES = {
     "benchmark": ["bench_output_tokens_per_s", "bench_output_tokens_per_s_ratio", "bench_e2e_mean_s",
                   "bench_e2e_p99_s", "bench_ttft_p99_s", "bench_peak_rss_mb"],
     "accept": ["candidate_perplexity", "baseline_perplexity", "gate_perplexity_ratio", "gate_top1_agreement",
+               "heldout_perplexity_ratio", "heldout_top1_agreement", "selection_perplexity_ratio",
                "candidate_size_bytes", "candidate_decode_ms_per_token"],
 }
 
@@ -77,10 +78,22 @@ class StageTimer:
         return "\n".join(lines)
 
 
+SIDE_FIGURES = ("heldout_", "selection_")  # beside the verdict's: the held-out source's, the selection split's
+
+
 def model_figures(verdict: dict) -> dict:
-    """A candidate's figures: its evaluation under plain names plus the gate's own figures."""
+    """A candidate's figures: its evaluation on the test split (the verdict's) under plain names, the gate's
+    own figures, and the held-out source's and the selection split's figures beside them (heldout_*, selection_*)."""
     figs = {k: v for k, v in verdict["candidate"].items() if isinstance(v, (int, float))}
-    figs.update({k: v for k, v in verdict["metrics"].items() if k.startswith("gate_")})
+    figs.update({k: v for k, v in verdict["metrics"].items() if k.startswith(("gate_",) + SIDE_FIGURES)})
+    return figs
+
+
+def baseline_figures(verdict: dict) -> dict:
+    """The baseline's figures under the candidate's names (plain = test split; heldout_perplexity, ...)."""
+    figs = {k: v for k, v in verdict["baseline"].items() if isinstance(v, (int, float))}
+    figs.update({f"{p}perplexity": verdict["metrics"][f"{p}baseline_perplexity"] for p in SIDE_FIGURES
+                 if f"{p}baseline_perplexity" in verdict["metrics"]})
     return figs
 
 
@@ -175,7 +188,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             k = stage_key(cfg, "accept", ["accept"], cand_key, k_exp)
             verdict = timer.run("accept", submit_stage, accept_task, cfg, "accept", k, parent_run_id=pid,
                                 candidate=candidate, baseline=teacher["artifact"], splits=loaded["splits"],
-                                evaluated=quant.get("evaluation") if cfg.quantize.enabled else None)
+                                heldout=loaded["heldout"], evaluated=quant.get("evaluation") if cfg.quantize.enabled else None)
             for reason in verdict["reasons"]:
                 log.warning("acceptance: %s", reason)
         bench = None
@@ -204,7 +217,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             registered.append(reg)
             if baseline_version is not None and (verdict or bench):
                 # The baseline's own figures under the same names, so the UI's Compare lines them up.
-                base = {k: v for k, v in (verdict["baseline"] if verdict else {}).items()}
+                base = baseline_figures(verdict) if verdict else {}
                 base.update({f"bench_{k}": v for k, v in (bench["baseline"] if bench else {}).items()})
                 registry.log_figures(cfg.registry.model_name, baseline_version, base)
             if status == "accepted" and cfg.registry.promote and not blocked:

@@ -1,7 +1,13 @@
-"""Task: evaluate candidate and baseline on the eval split and apply the acceptance gate.
+"""Task: the verdict. Candidate and baseline on the held-out test split, through the acceptance gate.
 
-When the quantize stage's accuracy-aware loop already evaluated this candidate against this baseline on
-this split, its figures are used as they are instead of being measured a second time.
+Three evaluations, each of the candidate against the baseline (the reference for agreement and KL):
+
+- the verdict's, on the test split (heldout.npz, which no stage before this one opens): the gate decides
+  on these figures; they keep the plain names (candidate_perplexity, gate_perplexity_ratio, ...);
+- the held-out source's (text of another genre, data.heldout_source), beside it as ``heldout_*`` figures;
+- the selection split's (eval, which the relax loop and distillation chose on), as ``selection_*`` figures.
+  When the quantize stage's accuracy-aware loop already measured this candidate against this baseline on
+  that split, its figures are used as they are instead of being measured a second time (``evaluated_in``).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from prefect import task
 
 from compress.accept import accept
 from compress.config import PipelineConfig
+from compress.data import load_heldout
 from compress.evaluate import evaluate_onnx
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_splits
@@ -24,7 +31,7 @@ def _same(a: str, b: str) -> bool:
 
 
 def reusable(evaluated: dict | None, baseline: str, splits: str) -> bool:
-    """Whether an earlier stage's `evaluation` measured the candidate against `baseline` on `splits`.
+    """Whether an earlier stage's `evaluation` measured the candidate against `baseline` on `splits`' eval split.
 
     A quantized student was gated against the fp32 student, not the teacher: its agreement and
     perplexity ratio answer another question, so the accept stage measures it again.
@@ -32,30 +39,53 @@ def reusable(evaluated: dict | None, baseline: str, splits: str) -> bool:
     return bool(evaluated) and _same(evaluated["reference"], baseline) and _same(evaluated["splits"], splits)
 
 
+def side_figures(prefix: str, cand: dict, base: dict) -> dict[str, float]:
+    """The figures logged beside the verdict's: candidate perplexity, its ratio to the baseline's, agreement, KL."""
+    out = {f"{prefix}_perplexity": cand["perplexity"], f"{prefix}_baseline_perplexity": base["perplexity"],
+           f"{prefix}_perplexity_ratio": cand["perplexity"] / base["perplexity"] if base["perplexity"] > 0 else float("inf"),
+           f"{prefix}_eval_tokens": cand["eval_tokens"]}
+    out.update({f"{prefix}_{k}": cand[k] for k in ("top1_agreement", "kl_to_reference") if k in cand})
+    return out
+
+
 @task(name="accept", cache_key_fn=cache_key_fn, persist_result=True)
 def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, candidate: str,
-                baseline: str, splits: str, evaluated: dict | None = None) -> dict:
-    """evaluated: the quantize stage's `evaluation` of this candidate, or None (quantize off, or no loop ran)."""
+                baseline: str, splits: str, heldout: str, evaluated: dict | None = None) -> dict:
+    """heldout: the load stage's heldout.npz. evaluated: the quantize stage's `evaluation` of this candidate on
+    the selection split, or None (quantize off, or no loop ran)."""
     folder, done = open_stage(cfg, stage, key)
     if done is not None:
         return done
     with child_run(parent_run_id, stage) as run:
         log_params({"accept": cfg.accept.model_dump()})
+        held = load_heldout(heldout)
+        base = evaluate_onnx(baseline, held.test)
+        cand = evaluate_onnx(candidate, held.test, reference_artifact=baseline)
+        verdict = accept(cand, base, cfg.accept)
+        side: dict[str, float] = {}
+        if held.heldout is not None:
+            side.update(side_figures("heldout", evaluate_onnx(candidate, held.heldout, reference_artifact=baseline,
+                                                              latency=False),
+                                     evaluate_onnx(baseline, held.heldout, latency=False)))
         if reusable(evaluated, baseline, splits):
             evaluated_in = "quantize"
-            base, cand = evaluated["baseline"], evaluated["candidate"]
+            sel_base, sel_cand = evaluated["baseline"], evaluated["candidate"]
         else:
             evaluated_in = "accept"
-            data = load_splits(splits)
-            base = evaluate_onnx(baseline, data.eval)
-            cand = evaluate_onnx(candidate, data.eval, reference_artifact=baseline)
+            sel = load_splits(splits).eval
+            sel_base = evaluate_onnx(baseline, sel, latency=False)
+            sel_cand = evaluate_onnx(candidate, sel, reference_artifact=baseline, latency=False)
+        side.update(side_figures("selection", sel_cand, sel_base))
         if run is not None:
-            mlflow.set_tag("evaluated_in", evaluated_in)
-        verdict = accept(cand, base, cfg.accept)
+            mlflow.set_tags({"evaluated_in": evaluated_in, "heldout_source": held.heldout_source})
         metrics = {**{f"baseline_{k}": v for k, v in base.items()}, **{f"candidate_{k}": v for k, v in cand.items()},
-                   **verdict.metrics, "accepted": float(verdict.accepted)}
+                   **verdict.metrics, **side, "accepted": float(verdict.accepted)}
         log_metrics(metrics)
         log_json({"accepted": verdict.accepted, "reasons": verdict.reasons, "candidate": cand, "baseline": base,
-                  "evaluated_in": evaluated_in}, "verdict.json")
+                  "split": "test", "heldout_source": held.heldout_source, "side": side,
+                  "selection": {"candidate": sel_cand, "baseline": sel_base}, "evaluated_in": evaluated_in},
+                 "verdict.json")
     return mark_done(folder, {"accepted": verdict.accepted, "reasons": verdict.reasons, "metrics": metrics,
-                              "candidate": cand, "baseline": base, "evaluated_in": evaluated_in})
+                              "candidate": cand, "baseline": base, "heldout_source": held.heldout_source,
+                              "selection": {"candidate": sel_cand, "baseline": sel_base},
+                              "evaluated_in": evaluated_in})

@@ -1,4 +1,8 @@
-"""Task: resolve and load the teacher, cut the data into train/calib/eval blocks."""
+"""Task: resolve and load the teacher, cut the data into train/calib/eval/test blocks and the held-out source.
+
+Two files: splits.npz (train / calib / eval, what every stage reads through `load_splits`) and heldout.npz
+(the test split and the held-out source's blocks), which only the accept stage opens, for the verdict.
+"""
 
 from __future__ import annotations
 
@@ -28,11 +32,13 @@ def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | No
         model_dir = resolve_source(cfg.model.source, cfg.model.gguf_file, cfg.model.cache_dir)
         model, tok = load_model(model_dir, cfg)
         splits = splits_from_config(tok, cfg.data)
-        path = folder / "splits.npz"
+        path, heldout = folder / "splits.npz", folder / "heldout.npz"
         splits.save(path)
+        splits.save_heldout(heldout)
         info = model_info(model)
         log_params({"model": cfg.model.model_dump(), "data": cfg.data.model_dump()})
         metrics = {**{k: v for k, v in splits.summary().items() if isinstance(v, (int, float))},
                    "teacher_num_parameters": info["num_parameters"]}
         log_metrics(metrics)
-    return mark_done(folder, {"model_dir": model_dir, "splits": str(path), "info": info, "metrics": metrics})
+    return mark_done(folder, {"model_dir": model_dir, "splits": str(path), "heldout": str(heldout), "info": info,
+                              "metrics": metrics})

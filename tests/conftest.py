@@ -68,10 +68,11 @@ def tiny_artifact(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_splits(tiny_tokenizer):
-    """Train/calib/eval blocks of 32 tokens from the embedded corpus."""
+    """Train/calib/eval/test blocks of 32 tokens from the embedded corpus, 8 held-out blocks of stdlib code."""
     from compress.data import make_splits
 
-    return make_splits(tiny_tokenizer, "embedded", block_size=32, train_blocks=64, calib_blocks=8, eval_blocks=8, seed=0)
+    return make_splits(tiny_tokenizer, "embedded", block_size=32, train_blocks=64, calib_blocks=8, eval_blocks=8,
+                       test_blocks=8, seed=0, heldout_blocks=8)
 
 
 @pytest.fixture(scope="session")

@@ -56,3 +56,14 @@ def test_cli_reports_config_errors_without_traceback(capsys):
     rc = main(["config", "check", "--config", "configs/tiny.yaml", "--set", "serve.port=99999"])
     err = capsys.readouterr().err
     assert rc == 2 and "serve.port" in err and "Traceback" not in err
+
+
+def test_heldout_source_must_be_another_text():
+    assert load_config(None, []).data.heldout_source == "stdlib_code"
+    with pytest.raises(ConfigError, match=r"data\.heldout_source 'embedded' is data\.source itself.*none"):
+        load_config(None, ["data.heldout_source=embedded"])
+    with pytest.raises(ConfigError, match=r"data\.source 'stdlib_code' names a held-out source"):
+        load_config(None, ["data.source=stdlib_code"])
+    with pytest.raises(ConfigError, match=r"data\.test_blocks"):
+        load_config(None, ["data.test_blocks=0"])
+    assert load_config(None, ["data.heldout_source=none"]).data.heldout_source == "none"

@@ -110,4 +110,25 @@ def test_agreement_from_cached_reference_top1(tiny_artifact, tiny_splits, fp32_e
     assert m["top1_agreement"] == 1.0 and "kl_to_reference" not in m
     shifted = np.roll(top1, 1, axis=1)
     m2 = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=shifted, latency=False)
-    assert m2["top1_agreement"] == pytest.approx(float((shifted == top1).mean()))
+    assert m2["top1_agreement"] == pytest.approx(float((shifted[:, :-1] == top1[:, :-1]).mean()))
+
+
+def test_agreement_counts_exactly_the_positions_perplexity_scores(tiny_artifact, tiny_splits):
+    """Position s-1's logits predict a token outside the block: perplexity never scores it, nor may agreement."""
+    from compress.evaluate import prefill_logits
+
+    top1 = prefill_logits(tiny_artifact, tiny_splits.eval).argmax(-1)
+    n, s = tiny_splits.eval.shape
+    last_only = top1.copy()
+    last_only[:, :-1] = (top1[:, :-1] + 1) % 7  # differs at every scored position, agrees at the last one
+    m = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=last_only, latency=False)
+    assert m["eval_tokens"] == n * (s - 1) and m["top1_agreement"] == 0.0
+    all_but_last = top1.copy()
+    all_but_last[:, -1] = (top1[:, -1] + 1) % 7  # agrees at every scored position only
+    m = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=all_but_last, latency=False)
+    assert m["top1_agreement"] == 1.0
+    # The same positions, counted: one disagreement at a scored position costs exactly 1 / eval_tokens.
+    one_off = top1.copy()
+    one_off[0, 0] = (top1[0, 0] + 1) % 7
+    m = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=one_off, latency=False)
+    assert m["top1_agreement"] == pytest.approx(1 - 1 / m["eval_tokens"])

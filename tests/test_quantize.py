@@ -208,11 +208,20 @@ def test_smoothquant_is_exact_in_float_and_flattens_outliers(tiny_artifact, tiny
     assert q.smoothed == 6 and q.inv_scales
     smoothed = np.concatenate(list(lm_for_model(q.model, q.manifest).prefill_batches(tiny_splits.eval, 2)))
     np.testing.assert_allclose(smoothed, fp32_logits, rtol=1e-4, atol=1e-3)
+    outliers = 0
     for t, inv in q.inv_scales.items():
         st = q.stats[t]
         ratio_before = st.absmax.max() / np.median(st.absmax)
         after = st.absmax * inv
-        assert after.max() / np.median(after) <= ratio_before + 1e-6
+        ratio_after = after.max() / np.median(after)
+        # alpha 0.5 leaves sqrt(act range * weight range) per channel: an input with outlier channels is
+        # flattened; an already flat one (max/median ~1.3) may take on a little of its weights' spread.
+        if ratio_before > 2:
+            outliers += 1
+            assert ratio_after < 0.8 * ratio_before, t
+        else:
+            assert ratio_after <= 1.05 * ratio_before, t
+    assert outliers >= 1
     with pytest.raises(ValueError, match="smoothquant_alpha"):
         apply_smoothquant(onnx.load(str(tiny_artifact / "model.onnx")), q.linears, q.stats, 1.5)
 

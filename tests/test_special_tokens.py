@@ -21,7 +21,7 @@ from compress.data import DataSplits, embedded_corpus, make_splits
 from compress.special_tokens import SpecialTokens, eos_ids_of, from_manifest, special_tokens
 
 PROMPTS = GoldenConfig().prompts
-BLOCK, TRAIN, CALIB, EVAL = 32, 64, 8, 8
+BLOCK, TRAIN, CALIB, EVAL, TEST = 32, 64, 8, 8, 8
 
 
 def _bos_tokenizer(tok):
@@ -46,9 +46,14 @@ def stream(tiny_tokenizer):
 
 
 def _expected_splits(blocks: np.ndarray, seed: int = 0) -> dict[str, np.ndarray]:
+    """DATA_FORMAT 3: repeated blocks kept once (first occurrence), then a seeded permutation dealt into four
+    lanes: test / eval / calib take the head of lanes 0 / 1 / 2, train the head of what is left."""
+    blocks = blocks[np.sort(np.unique(blocks, axis=0, return_index=True)[1])]
     order = np.random.default_rng(seed).permutation(len(blocks))
-    return {"eval": blocks[order[:EVAL]], "calib": blocks[order[EVAL:EVAL + CALIB]],
-            "train": blocks[order[EVAL + CALIB:EVAL + CALIB + TRAIN]]}
+    test, ev, calib = order[0::4][:TEST], order[1::4][:EVAL], order[2::4][:CALIB]
+    used = set(test) | set(ev) | set(calib)
+    train = np.array([i for i in order if i not in used][:TRAIN])
+    return {"test": blocks[test], "eval": blocks[ev], "calib": blocks[calib], "train": blocks[train]}
 
 
 def test_the_rule_per_tokenizer(tiny_tokenizer, bos_tok, tmp_path):
@@ -68,7 +73,7 @@ def test_the_rule_per_tokenizer(tiny_tokenizer, bos_tok, tmp_path):
 
 
 def test_default_tiny_blocks_are_unchanged(tiny_splits, stream):
-    """No BOS: blocks of 32 consecutive stream tokens, exactly what the pipeline cut before BOS support."""
+    """No BOS: blocks of 32 consecutive stream tokens (as before BOS support), dealt into the four splits."""
     n = len(stream) // BLOCK
     want = _expected_splits(stream[: n * BLOCK].reshape(n, BLOCK))
     for name, arr in want.items():
@@ -77,9 +82,9 @@ def test_default_tiny_blocks_are_unchanged(tiny_splits, stream):
 
 
 def test_bos_model_blocks_start_with_bos(bos_tok, stream, tmp_path):
-    s = make_splits(bos_tok, "embedded", BLOCK, TRAIN, CALIB, EVAL, seed=0)
+    s = make_splits(bos_tok, "embedded", BLOCK, TRAIN, CALIB, EVAL, TEST, seed=0, heldout_source="none")
     assert s.bos_token_id == 1
-    for part in (s.train, s.calib, s.eval):
+    for part in (s.train, s.calib, s.eval, s.test):
         assert part.shape[1] == BLOCK and (part[:, 0] == 1).all()
     step = BLOCK - 1  # BOS + 31 stream tokens
     n = len(stream) // step
@@ -89,6 +94,9 @@ def test_bos_model_blocks_start_with_bos(bos_tok, stream, tmp_path):
         assert np.array_equal(getattr(s, name), arr), name
     s.save(tmp_path / "s.npz")
     assert DataSplits.load(tmp_path / "s.npz").bos_token_id == 1
+    # The held-out source follows the same rule.
+    held = make_splits(bos_tok, "embedded", BLOCK, TRAIN, CALIB, EVAL, TEST, seed=0, heldout_blocks=4).heldout
+    assert held.shape == (4, BLOCK) and (held[:, 0] == 1).all() and not (held[:, 1:] == 1).all()
     # A splits file written before the field existed reads as no BOS.
     np.savez(tmp_path / "old.npz", train=s.train, calib=s.calib, eval=s.eval, source="x", total_tokens=1)
     assert DataSplits.load(tmp_path / "old.npz").bos_token_id is None
@@ -134,7 +142,7 @@ def test_golden_passes_with_bos(tiny_model, bos_tok, bos_artifact):
 def test_perplexity_scores_the_same_positions(tiny_artifact, tiny_splits, bos_tok):
     from compress.evaluate import evaluate_onnx
 
-    bos_eval = make_splits(bos_tok, "embedded", BLOCK, TRAIN, CALIB, EVAL, seed=0).eval
+    bos_eval = make_splits(bos_tok, "embedded", BLOCK, TRAIN, CALIB, EVAL, TEST, seed=0, heldout_source="none").eval
     plain = evaluate_onnx(tiny_artifact, tiny_splits.eval, latency=False)
     with_bos = evaluate_onnx(tiny_artifact, bos_eval, latency=False)
     assert plain["eval_tokens"] == with_bos["eval_tokens"] == EVAL * (BLOCK - 1)
