@@ -38,15 +38,19 @@ class MlflowConfig(Section):
 class ServeConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    # KV pool: sized from this budget (bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes)
-    # unless num_blocks is set. The runner's per-step past buffers come on top (see docs/serving.md).
+    # KV memory budget (bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes). Layout 'standard':
+    # the block pool (its per-step past buffers come on top, see docs/serving.md). Layout 'gqa': the block
+    # pool *and* the in-place KV rows together; kv_rows_share of it goes to the rows (docs/serving.md).
+    # num_blocks, if set, sizes the pool instead (the gqa rows then get num_blocks x share / (1 - share)).
     kv_memory_mb: int = Field(256, ge=1)
     num_blocks: int | None = Field(None, ge=1)
+    kv_rows_share: float = Field(0.5, gt=0, lt=1)
     block_size: int = Field(16, ge=1, le=1024)
     enable_prefix_caching: bool = True
     max_batch_size: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
-    # None = the model's max positions from the manifest (a larger value is capped to it).
+    # None = the model's max positions from the manifest (a larger value is capped to it), lowered to what the
+    # KV budget holds for one sequence (logged). Set explicitly, a value the budget cannot hold fails start-up.
     max_model_len: int | None = Field(None, ge=2)
     max_waiting: int = Field(64, ge=1)
     max_wait_s: float = Field(2.0, gt=0)

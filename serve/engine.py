@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from serve.artifact import read_manifest
-from serve.config import ServeConfig
+from serve.config import ConfigError, ServeConfig
 from serve.engine_stats import EngineCounters, EngineStats
 from serve.in_flight import InFlightRequest
 from serve.kv_cache import BlockManager, KVCacheSpec, num_blocks_for_budget
@@ -57,6 +57,64 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineStats", "RequestHandle", "RequestOutput", "TokenEvent"]
 
 
+def kv_layout(config: ServeConfig, spec: KVCacheSpec, layout: str) -> tuple[int, int | None]:
+    """(pool blocks, KV row positions or None) from the one KV budget (docs/serving.md, "One KV budget").
+
+    Layout ``gqa`` keeps K/V twice (the pool and the in-place rows): ``kv_rows_share`` of
+    ``serve.kv_memory_mb`` goes to the rows, the rest to the pool. With ``serve.num_blocks`` set the
+    pool is that size and the rows get the matching share.
+    """
+    bs = config.block_size
+    share = config.kv_rows_share if layout == "gqa" else 0.0
+    if config.num_blocks:
+        num_blocks = config.num_blocks
+        rows = int(num_blocks * bs * share / (1 - share)) if share else None
+    else:
+        budget = config.kv_memory_mb * 2**20
+        row_bytes = int(budget * share)
+        num_blocks = num_blocks_for_budget(budget - row_bytes, spec, bs)
+        rows = row_bytes // spec.bytes_per_token if share else None
+    if rows is not None and rows < 1:
+        raise ConfigError(f"serve.kv_memory_mb {config.kv_memory_mb} x kv_rows_share {share} leaves the KV rows no "
+                          f"position ({spec.bytes_per_token} bytes each); raise serve.kv_memory_mb")
+    return num_blocks, rows
+
+
+def context_length(config: ServeConfig, spec: KVCacheSpec, manifest: dict, num_blocks: int,
+                   row_tokens: int | None) -> int:
+    """The context length served: serve.max_model_len (else the manifest's max positions), within what the KV
+    budget holds for one sequence. An explicit serve.max_model_len the budget cannot hold is a ConfigError."""
+    bs = config.block_size
+    max_pos = int(manifest.get("max_positions") or 2048)
+    pool_tokens = num_blocks * bs
+    holds = min(pool_tokens, row_tokens) if row_tokens is not None else pool_tokens
+    want = min(config.max_model_len or max_pos, max_pos)
+    if want <= holds:
+        return want
+    bpt = spec.bytes_per_token
+    parts = f"the block pool {pool_tokens} tokens ({num_blocks} blocks of {bs})"
+    if row_tokens is not None:
+        share = config.kv_rows_share
+        parts += f" and the gqa KV rows {row_tokens} positions (kv_rows_share {share})"
+        need_mb = max(-(-want // bs) * bs * bpt / (1 - share), want * bpt / share) / 2**20
+    else:
+        need_mb = -(-want // bs) * bs * bpt / 2**20
+    if config.num_blocks:
+        share = config.kv_rows_share if row_tokens is not None else 0.5
+        need_blocks = max(-(-want // bs), -(-int(want * (1 - share) / share) // bs))
+        budget, key, need = f"serve.num_blocks {config.num_blocks}", "serve.num_blocks", f"{need_blocks}"
+    else:
+        budget, key = f"serve.kv_memory_mb {config.kv_memory_mb} MiB", "serve.kv_memory_mb"
+        need = f"{int(-(-need_mb // 1))} MiB"
+    msg = (f"{budget} holds one sequence of at most {holds} tokens ({parts}, {bpt} bytes per token); "
+           f"a context of {want} tokens needs {key} >= {need}")
+    if config.max_model_len:
+        raise ConfigError(f"serve.max_model_len {config.max_model_len} does not fit the KV budget: {msg}; "
+                          f"raise {key} or lower serve.max_model_len")
+    log.warning("context length lowered from the model's %d to %d tokens: %s", want, holds, msg)
+    return holds
+
+
 class Engine:
     def __init__(self, artifact_dir: str | Path, config: ServeConfig | None = None, *, start: bool = True):
         self.config = config = config or ServeConfig()
@@ -65,30 +123,36 @@ class Engine:
         self.tokenizer = load_tokenizer(self.artifact_dir)
         spec = KVCacheSpec.from_manifest(self.manifest)
         bs = config.block_size
-        num_blocks = config.num_blocks or num_blocks_for_budget(config.kv_memory_mb * 2**20, spec, bs)
+        layout = self.manifest.get("attention_layout", "standard")
+        num_blocks, row_tokens = kv_layout(config, spec, layout)
+        # Served (advertised) context: the model's, within what the KV budget holds for one sequence.
+        self.max_model_len = context_length(config, spec, self.manifest, num_blocks, row_tokens)
         max_pos = int(self.manifest.get("max_positions") or 2048)
-        self.max_model_len = min(config.max_model_len or max_pos, max_pos)
+        model_context = min(config.max_model_len or max_pos, max_pos)
         self.eos_ids = frozenset(int(i) for i in self.manifest.get("eos_token_ids") or [])
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_batched_tokens=config.max_num_batched_tokens,
             max_batch_size=config.max_batch_size, max_waiting=config.max_waiting, max_wait_s=config.max_wait_s,
-            max_model_len=self.max_model_len, policy=config.scheduling_policy)
-        layout = self.manifest.get("attention_layout", "standard")
+            # The scheduler refuses beyond the model's context, and beyond the pool or rows naming the KV budget.
+            max_model_len=model_context, policy=config.scheduling_policy, max_row_tokens=row_tokens)
         if layout in ("gqa", "paged"):  # docs/gqa.md
             from serve.runner_gqa import GqaRunner  # in-place GroupQueryAttention rows
             from serve.runner_paged import PagedRunner  # PagedAttention over the pool (CUDA only, unverified)
 
             cls = GqaRunner if layout == "gqa" else PagedRunner
+            extra = {"row_tokens": row_tokens} if layout == "gqa" else {}
             self.runner = cls(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
                               intra_op_threads=config.intra_op_threads, max_batch_size=config.max_batch_size,
-                              max_model_len=self.max_model_len)
+                              max_model_len=self.max_model_len, **extra)
         else:
             self.runner = Runner(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
                                  intra_op_threads=config.intra_op_threads)
-        log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token); context %d; provider %s",
-                 num_blocks, bs, num_blocks * bs, num_blocks * spec.bytes_per_block(bs) / 2**20,
-                 spec.bytes_per_token, self.max_model_len, self.runner.provider)
+        self._pool_bytes = num_blocks * spec.bytes_per_block(bs)
+        log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)%s; context %d; provider %s",
+                 num_blocks, bs, num_blocks * bs, self._pool_bytes / 2**20, spec.bytes_per_token,
+                 f"; KV rows up to {row_tokens} positions, {row_tokens * spec.bytes_per_token / 2**20:.1f} MiB"
+                 if row_tokens else "", self.max_model_len, self.runner.provider)
 
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -185,6 +249,7 @@ class Engine:
                 self._aborts.add(request_id)
             else:
                 events.append(self._finish(self._reqs[request_id], "cancelled"))
+                self._trim_kv()
             self._cv.notify_all()
         self._emit(events)
 
@@ -230,6 +295,7 @@ class Engine:
                         events.append(self._finish(req, "error", error))
             events += self._apply_aborts()
             self._counters.record_step(len(out.scheduled), out.num_tokens)
+            self._trim_kv()
         self._emit(events)
         return len(out.scheduled)
 
@@ -266,6 +332,24 @@ class Engine:
                 with self._cv:
                     if not self._stop:
                         self._cv.wait(0.005)
+
+    # ---- KV memory -------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes held for K/V now, whatever the layout keeps (block pool, in-place rows, past buffers)."""
+        fn = getattr(self.runner, "kv_bytes", None)
+        return int(fn()) if fn else self._pool_bytes
+
+    def kv_budget_bytes(self) -> int:
+        """The most ``kv_bytes`` reaches by design (the standard runner's past buffers are not bounded yet)."""
+        fn = getattr(self.runner, "kv_budget_bytes", None)
+        return int(fn()) if fn else self._pool_bytes
+
+    def _trim_kv(self) -> None:
+        """Let the runner give back KV memory beyond what the running sequences need (lock held, not executing)."""
+        trim = getattr(self.runner, "trim", None)
+        running = self.scheduler.running
+        if trim is not None and (running or not self.scheduler.waiting):  # keep the rows for queued requests
+            trim(max((len(s.token_ids) for s in running), default=0))
 
     # ---- internals (called with the lock held) ---------------------------------------------
     def _apply_aborts(self) -> list:

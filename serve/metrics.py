@@ -125,6 +125,10 @@ class _ScrapeTimeCollector:
                     sum(s.kv_blocks_used for _, s in stats))
         yield gauge("compressor:kv_blocks_total", "KV blocks in the serving model's pool.",
                     cur_stats.kv_blocks_total if cur_stats else 0)
+        yield gauge("compressor:kv_bytes", "Bytes held for K/V now: block pool plus in-place rows or past buffers "
+                    "(all live engines).", sum(lm.engine.kv_bytes() for lm, _ in stats))
+        yield gauge("compressor:kv_budget_bytes", "The serving model's KV budget (serve.kv_memory_mb as laid out).",
+                    cur.engine.kv_budget_bytes() if cur_stats else 0)
         yield gauge("compressor:batch_fill_ratio", "Mean sequences per step / max_batch_size (serving model).",
                     cur_stats.batch_fill_ratio if cur_stats else 0.0)
         yield gauge("compressor:token_fill_ratio", "Mean tokens per step / max_num_batched_tokens (serving model).",

@@ -86,6 +86,13 @@ class _PastBuffer:
         self.gathered_tokens = 0  # counter: positions copied from the pool (cost indicator)
         self.reshapes = 0
 
+    def release(self) -> None:
+        """Give the buffer's memory back (nothing runs); the next ``prepare`` allocates afresh."""
+        self.flat = np.zeros(0, dtype=self.dtype)
+        self.view = None
+        self.shape_key = (0, -1)
+        self.rows = []
+
     def prepare(self, rows: Sequence[RunRow], pool: np.ndarray) -> tuple[list[int], int]:
         """Place rows into buffer slots and make their pasts valid. Returns (slot per row, P)."""
         bs = self.bs
@@ -164,6 +171,21 @@ class Runner:
 
     def v_cache(self, layer: int) -> np.ndarray:
         return self.pool[2 * layer + 1]
+
+    def kv_bytes(self) -> int:
+        """Bytes held for K/V now: the pool plus the per-step past buffers."""
+        return int(self.pool.nbytes + self._decode_buf.flat.nbytes + self._prefill_buf.flat.nbytes)
+
+    def kv_budget_bytes(self) -> int:
+        """The pool's budget. The past buffers come on top, unbounded (docs/serving.md, "One KV budget")."""
+        return int(self.pool.nbytes)
+
+    def trim(self, longest: int) -> None:
+        """Give the past buffers' memory back once nothing runs."""
+        if longest <= 0:
+            for buf in (self._decode_buf, self._prefill_buf):
+                if buf.flat.size:
+                    buf.release()
 
     @property
     def gathered_tokens(self) -> int:

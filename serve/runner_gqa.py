@@ -23,8 +23,16 @@ Calls
   ``sequence_length > 1`` only at batch 1), asking for the last position's logits only
   (``logits_to_keep`` = 1).
 
-``cap`` (the buffer's length axis) grows in steps of 256 positions, up to ``max_model_len``, when
-a row needs more; the slot buffers come on top of the pool's memory budget.
+Memory bound (docs/serving.md, "One KV budget")
+  The rows hold at most ``row_tokens`` positions in all (``slots x cap <= row_tokens``), a share of
+  ``serve.kv_memory_mb`` that the engine sets aside from the pool's budget, so pool + rows never
+  exceed the budget. The scheduler keeps every step within it (rows x longest row <= row_tokens).
+  The shape follows the step: ``cap`` is the longest row rounded up to 256 positions (less when
+  that many rows would not fit), ``slots`` as many as fit (at most max_batch_size). A reshape
+  copies what the old buffer held when old + new fit in ``row_tokens``, else it drops the old
+  buffer first and the rows are refilled from the pool (the source of truth). ``trim`` (called by
+  the engine after every step with the longest running sequence) gives the memory back: all of
+  it when nothing runs, down to the needed length once that is at most half of ``cap``.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ class GqaRunner:
 
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
                  providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, max_batch_size: int = 16,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, row_tokens: int | None = None):
         layout = manifest.get("attention_layout")
         if layout != "gqa":
             raise RunnerError(f"attention layout {layout!r}: GqaRunner runs 'gqa' artifacts (serve.runner.Runner runs 'standard')")
@@ -71,12 +79,20 @@ class GqaRunner:
         n_kv = 2 * self.num_layers
         self.n_kv = n_kv
         self.pool = np.zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), dtype=self.dtype)
-        self.slots = int(max_batch_size)
+        self.max_slots = int(max_batch_size)
+        self.bytes_per_token = n_kv * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+        # None = the old unbounded behaviour (every slot at the longest length), for direct users of the runner.
+        self.row_tokens = int(row_tokens) if row_tokens else self.max_slots * self.max_len
+        if self.row_tokens < 1:
+            raise RunnerError(f"row_tokens {self.row_tokens}: the KV rows need room for at least one position")
+        self.slots = 0
         self.cap = 0
-        self.kv = np.zeros((n_kv, self.slots, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
-        self.slot_key: list[Hashable | None] = [None] * self.slots
-        self.slot_valid = [0] * self.slots
-        self.slot_used = [0] * self.slots  # step counter of the last use, for LRU
+        self.kv = np.zeros((n_kv, 0, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
+        self.slot_key: list[Hashable | None] = []
+        self.slot_valid: list[int] = []
+        self.slot_used: list[int] = []  # step counter of the last use, for LRU
+        self.reshapes = 0
+        self.peak_kv_bytes = self.kv_bytes()  # most KV bytes (pool + rows) held at once, copies included
         self._logits = np.zeros(0, np.float32)
         self._tick = 0
         self.calls = 0
@@ -91,19 +107,69 @@ class GqaRunner:
     def v_cache(self, layer: int) -> np.ndarray:
         return self.pool[2 * layer + 1]
 
-    # ---- buffers ---------------------------------------------------------------------------
-    def _ensure_cap(self, need: int) -> None:
-        if need <= self.cap:
+    # ---- memory ----------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes held for K/V now: the block pool plus the rows."""
+        return int(self.pool.nbytes + self.kv.nbytes)
+
+    def kv_budget_bytes(self) -> int:
+        """The most ``kv_bytes`` can reach: the pool plus the rows' share."""
+        return int(self.pool.nbytes + self.row_tokens * self.bytes_per_token)
+
+    def trim(self, longest: int) -> None:
+        """Give row memory back: all of it when ``longest`` (the longest running sequence) is 0, else shrink
+        to ``longest`` rounded up once that is at most half the current length axis."""
+        if longest <= 0:
+            if self.kv.size:
+                self._reshape(0, 0)
             return
+        if not self.cap or -(-longest // CAP_STEP) * CAP_STEP > self.cap // 2:
+            return  # the common case, checked cheaply: no shrink
+        slots, cap = self._layout(1, min(longest, self.max_len))
+        if cap <= self.cap // 2:
+            self._reshape(slots, cap)
+
+    # ---- buffers ---------------------------------------------------------------------------
+    def _layout(self, rows: int, need: int) -> tuple[int, int]:
+        """(slots, cap) for a step of ``rows`` rows, the longest reaching position ``need``."""
         if need > self.max_len:
             raise RunnerError(f"a sequence needs {need} positions; max_model_len is {self.max_len}")
-        cap = min(self.max_len, -(-need // CAP_STEP) * CAP_STEP)
-        new = np.zeros((self.n_kv, self.slots, self.kv_heads, cap, self.head_dim), dtype=self.dtype)
-        if self.cap:
-            new[:, :, :, :self.cap] = self.kv
-        self.kv, self.cap = new, cap
-        log.info("GQA KV rows grown to %d positions x %d rows (%.1f MiB, on top of the block pool)", cap,
-                 self.slots, new.nbytes / 2**20)
+        cap = min(self.max_len, -(-need // CAP_STEP) * CAP_STEP, self.row_tokens // max(rows, 1))
+        if cap < need:
+            raise RunnerError(f"{rows} rows up to position {need} need {rows * need} row positions; the KV rows "
+                              f"hold {self.row_tokens} (the scheduler keeps steps within that)")
+        return max(rows, min(self.max_slots, self.row_tokens // cap)), cap
+
+    def _ensure(self, rows: int, need: int) -> None:
+        if need <= self.cap and rows <= self.slots:
+            return
+        self._reshape(*self._layout(rows, need))
+
+    def _reshape(self, slots: int, cap: int) -> None:
+        old, n_old = self.kv, self.slots
+        shape = (self.n_kv, slots, self.kv_heads, cap, self.head_dim)
+        new_bytes = int(np.prod(shape)) * np.dtype(self.dtype).itemsize
+        keep = old.size > 0 and slots > 0 and cap > 0 and \
+            old.nbytes + new_bytes <= self.row_tokens * self.bytes_per_token
+        if not keep:  # drop the old rows before allocating: the rows never hold more than row_tokens
+            self.kv = old = None  # type: ignore[assignment]
+        new = np.zeros(shape, dtype=self.dtype)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.pool.nbytes + new_bytes + (old.nbytes if keep else 0))
+        m = min(n_old, slots)
+        if keep:
+            c = min(self.cap, cap)
+            new[:, :m, :, :c] = old[:, :m, :, :c]
+            self.slot_valid = [min(v, cap) for v in self.slot_valid[:m]] + [0] * (slots - m)
+            self.slot_key = self.slot_key[:m] + [None] * (slots - m)
+            self.slot_used = self.slot_used[:m] + [0] * (slots - m)
+        else:  # refilled from the pool when next used
+            self.slot_valid, self.slot_key, self.slot_used = [0] * slots, [None] * slots, [0] * slots
+        del old
+        self.kv, self.slots, self.cap = new, slots, cap
+        self.reshapes += 1
+        log.info("GQA KV rows: %d rows x %d positions (%.1f MiB of %.1f MiB for rows; %s)", slots, cap,
+                 new_bytes / 2**20, self.row_tokens * self.bytes_per_token / 2**20,
+                 "copied" if keep else "refilled from the pool")
 
     def _logits_buf(self, shape: tuple[int, ...]) -> np.ndarray:
         n = int(np.prod(shape))
@@ -175,12 +241,12 @@ class GqaRunner:
         """Compute the rows' new tokens, write their K/V to the pool; last-position logits per row."""
         t0 = time.perf_counter()
         self._tick += 1
-        if len(rows) > self.slots:
-            raise RunnerError(f"{len(rows)} rows in one step; this runner has {self.slots} KV rows (max_batch_size)")
+        if len(rows) > self.max_slots:
+            raise RunnerError(f"{len(rows)} rows in one step; this runner has {self.max_slots} KV rows (max_batch_size)")
         for r in rows:
             if len(r.token_ids) < 1:
                 raise RunnerError("a scheduled row has no tokens")
-        self._ensure_cap(max(r.start + len(r.token_ids) for r in rows))
+        self._ensure(len(rows), max(r.start + len(r.token_ids) for r in rows))
         out: list[np.ndarray | None] = [None] * len(rows)
         index = {id(r): i for i, r in enumerate(rows)}
         decode = [r for r in rows if len(r.token_ids) == 1]

@@ -22,9 +22,16 @@ and it goes back to the waiting queue to be recomputed later. Its full blocks st
 prefix cache (evictable), so the recompute is often mostly cache hits. Preempting the
 youngest means the oldest always progresses: no livelock.
 
+Row budget (``max_row_tokens``, layout ``gqa``): the runner's in-place KV rows are one
+[rows x longest row] buffer with a fixed share of the KV budget, so a step's rows times its
+longest row (in positions, prefill chunk ends included) must stay within ``max_row_tokens``.
+A row that would break that is left for a later step, and then nothing new is admitted in
+that step (so a long sequence is not starved by newcomers); the oldest running sequence
+always fits alone, so progress is kept.
+
 Admission control (raised by ``add``): ``QueueFullError`` when the waiting queue is full
 (the HTTP layer answers 429), ``RequestTooLargeError`` when prompt + max_tokens can never
-fit the model's context or the whole KV pool (HTTP 400).
+fit the model's context, the whole KV pool or the KV rows (HTTP 400).
 """
 
 from __future__ import annotations
@@ -143,7 +150,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int = 512, max_batch_size: int = 16,
                  max_waiting: int = 64, max_wait_s: float = 2.0, max_model_len: int = 2048,
-                 policy: str = "fcfs", watermark: float = 0.01, clock: Callable[[], float] = time.monotonic):
+                 policy: str = "fcfs", watermark: float = 0.01, clock: Callable[[], float] = time.monotonic,
+                 max_row_tokens: int | None = None):
         if policy not in ("fcfs", "shortest_first"):
             raise ValueError(f"scheduling policy {policy!r}: allowed are 'fcfs', 'shortest_first'")
         self.bm = block_manager
@@ -153,6 +161,7 @@ class Scheduler:
         self.max_wait_s = max_wait_s
         self.max_model_len = max_model_len
         self.policy = policy
+        self.max_row_tokens = max_row_tokens
         self.watermark_blocks = int(block_manager.num_blocks * watermark)
         self.clock = clock
         self.waiting: list[SequenceState] = []
@@ -176,6 +185,10 @@ class Scheduler:
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens can never fit the "
                 f"KV cache of {cap} tokens ({self.bm.num_blocks} blocks of {self.bm.block_size}); "
                 f"lower max_tokens or raise serve.kv_memory_mb")
+        if self.max_row_tokens is not None and total > self.max_row_tokens:
+            raise RequestTooLargeError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens can never fit the "
+                f"KV rows of {self.max_row_tokens} positions; lower max_tokens or raise serve.kv_memory_mb")
 
     def add(self, seq: SequenceState) -> None:
         self.check_admissible(seq.prompt_len, seq.params.max_tokens)
@@ -202,6 +215,12 @@ class Scheduler:
         rows: dict[int, ScheduledSeq] = {}  # id(seq) -> row, insertion ordered
         budget = self.max_num_batched_tokens
         preempted_any = False
+        longest = 0  # the step's longest row end, for the row budget
+        row_blocked = False  # a running sequence was left out for the row budget: admit nobody past it
+
+        def fits(end: int) -> bool:
+            """Whether one more row ending at position ``end`` keeps rows x longest within max_row_tokens."""
+            return self.max_row_tokens is None or (len(rows) + 1) * max(longest, end) <= self.max_row_tokens
 
         def grow(seq: SequenceState, n: int) -> bool:
             """Make room for n more tokens of a running seq; preempt youngest-first. False if seq itself went."""
@@ -224,9 +243,13 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
                 continue
+            if not fits(seq.num_computed + 1):
+                row_blocked = True
+                continue
             if grow(seq, 1):
                 rows[id(seq)] = ScheduledSeq(seq, seq.num_computed, 1)
                 budget -= 1
+                longest = max(longest, seq.num_computed + 1)
         # 2. running prefills continue
         for seq in list(self.running):
             if budget <= 0 or len(rows) >= self.max_batch_size:
@@ -234,12 +257,16 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed <= 1 or id(seq) in rows:
                 continue
             n = min(seq.num_uncomputed, budget)
+            if not fits(seq.num_computed + n):
+                row_blocked = True
+                continue
             if grow(seq, n):
                 rows[id(seq)] = ScheduledSeq(seq, seq.num_computed, n)
                 budget -= n
+                longest = max(longest, seq.num_computed + n)
         # 3. admissions
-        if not preempted_any:
-            budget = self._admit(rows, budget)
+        if not preempted_any and not row_blocked:
+            budget = self._admit(rows, budget, longest)
 
         out.scheduled = list(rows.values())
         out.num_tokens = sum(r.num_tokens for r in out.scheduled)
@@ -255,7 +282,7 @@ class Scheduler:
             rest.sort(key=lambda s: s.arrival)
         return [*aged, *rest]
 
-    def _admit(self, rows: dict[int, ScheduledSeq], budget: int) -> int:
+    def _admit(self, rows: dict[int, ScheduledSeq], budget: int, longest: int = 0) -> int:
         now = self.clock()
         bs = self.bm.block_size
         for seq in self._waiting_order(now):
@@ -267,7 +294,8 @@ class Scheduler:
             cached = len(matched) * bs
             n = min(len(seq.token_ids) - cached, budget)
             reserve = self.watermark_blocks if self.running else 0
-            if not self.bm.can_start(matched, cached + n, reserve=reserve):
+            row_ok = self.max_row_tokens is None or (len(rows) + 1) * max(longest, cached + n) <= self.max_row_tokens
+            if not row_ok or not self.bm.can_start(matched, cached + n, reserve=reserve):
                 if aged:
                     break  # nothing passes an aged request
                 continue
@@ -282,6 +310,7 @@ class Scheduler:
             self._insert_running(seq)
             rows[id(seq)] = ScheduledSeq(seq, cached, n)
             budget -= n
+            longest = max(longest, cached + n)
         return budget
 
     def _insert_running(self, seq: SequenceState) -> None:

@@ -1,0 +1,113 @@
+"""One KV budget (issue 16): the gqa layout's block pool *and* in-place rows stay within the configured budget
+under any mix of requests, the rows' memory comes back after a long request, and a context length the budget
+cannot hold is refused at start-up (explicit serve.max_model_len) or advertised lower (the model's default)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from compress.gqa_builder import build_gqa_artifact
+from serve.config import ConfigError, ServeConfig
+from serve.engine import Engine
+from serve.runner import CPU
+from serve.runner_gqa import GqaRunner
+from serve.sampling import SamplingParams
+from serve.scheduler import RequestTooLargeError
+
+
+@pytest.fixture(scope="module")
+def gqa_art(tiny, tmp_path_factory):
+    model, tok = tiny
+    out = tmp_path_factory.mktemp("gqa_budget") / "fp32"
+    build_gqa_artifact(model, tok, out)
+    return out
+
+
+def ids(n, seed):
+    return np.random.default_rng(seed).integers(3, 512, size=n).tolist()
+
+
+def drive(eng, reqs):
+    """Run the requests to the end; check KV bytes against the budget after every step. Returns outputs, peak."""
+    handles = [eng.add_request(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in reqs]
+    budget, peak = eng.kv_budget_bytes(), 0
+    while eng.has_work():
+        eng.step()
+        peak = max(peak, eng.kv_bytes())
+        assert eng.kv_bytes() <= budget
+    eng.check_invariants()
+    return [h.result().output_ids for h in handles], peak
+
+
+def test_max_length_request_stays_within_budget_and_gives_memory_back(gqa_art):
+    # 40 blocks x 16 = 640 pool tokens; the rows get the same (kv_rows_share 0.5): 640 positions in all.
+    cfg = ServeConfig(providers=[CPU], num_blocks=40, block_size=16, max_batch_size=8, max_num_batched_tokens=64)
+    eng = Engine(gqa_art, cfg, start=False)
+    r = eng.runner
+    assert isinstance(r, GqaRunner) and r.row_tokens == 640
+    assert eng.max_model_len == 512  # the manifest's max positions; the budget holds 640
+    budget = eng.kv_budget_bytes()
+    assert budget == r.pool.nbytes + 640 * r.bytes_per_token
+    idle = eng.kv_bytes()
+    assert idle == r.pool.nbytes  # no rows before the first request
+    long = (ids(400, 1), 512 - 400)  # prompt + max_tokens = max_model_len
+    short = [(ids(20 + 5 * k, 10 + k), 30) for k in range(6)]
+    out, peak = drive(eng, [long, *short])
+    assert peak <= budget and r.peak_kv_bytes <= budget
+    assert peak > idle  # the rows were used, within the budget
+    assert eng.kv_bytes() == idle and r.kv.nbytes == 0  # given back once nothing runs
+
+    # Same tokens as an engine whose rows are not squeezed (one long request alone, then the short ones).
+    ref_eng = Engine(gqa_art, ServeConfig(providers=[CPU], num_blocks=400, block_size=16), start=False)
+    want = [ref_eng.generate(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in [long, *short]]
+    assert out == want
+
+
+def test_rows_shrink_after_a_long_request_while_short_ones_run(gqa_art):
+    cfg = ServeConfig(providers=[CPU], num_blocks=64, block_size=16, max_batch_size=4, max_num_batched_tokens=128)
+    eng = Engine(gqa_art, cfg, start=False)
+    r = eng.runner
+    eng.add_request(ids(480, 3), SamplingParams.greedy(4, ignore_eos=True))
+    eng.run_until_done()
+    assert r.kv.nbytes == 0
+    # A long one and a short, longer-lived one: once the long one is done the rows shrink to the short one's need.
+    eng.add_request(ids(480, 4), SamplingParams.greedy(2, ignore_eos=True))
+    h = eng.add_request(ids(10, 5), SamplingParams.greedy(60, ignore_eos=True))
+    caps = []
+    while eng.has_work():
+        eng.step()
+        caps.append(r.cap)
+        assert eng.kv_bytes() <= eng.kv_budget_bytes()
+    assert max(caps) >= 482
+    assert min(c for c in caps if c) <= 256  # shrunk while the short one was still running
+    assert len(h.result().output_ids) == 60
+
+
+def test_explicit_max_model_len_the_budget_cannot_hold_fails_with_the_numbers(gqa_art, tiny_artifact):
+    with pytest.raises(ConfigError) as e:
+        Engine(gqa_art, ServeConfig(providers=[CPU], num_blocks=20, block_size=16, max_model_len=512), start=False)
+    msg = str(e.value)
+    assert "serve.max_model_len 512" in msg and "at most 320 tokens" in msg and "block pool 320 tokens" in msg
+    assert "KV rows 320 positions" in msg and "bytes per token" in msg and "serve.num_blocks >= 32" in msg
+    with pytest.raises(ConfigError, match="at most 160 tokens"):  # the standard layout: the pool alone
+        Engine(tiny_artifact, ServeConfig(providers=[CPU], num_blocks=10, block_size=16, max_model_len=300),
+               start=False)
+
+
+def test_default_context_is_lowered_to_what_the_budget_holds(gqa_art):
+    eng = Engine(gqa_art, ServeConfig(providers=[CPU], num_blocks=20, block_size=16), start=False)
+    assert eng.max_model_len == 320  # advertised by /v1/models; the manifest says 512
+    with pytest.raises(RequestTooLargeError, match="KV cache of 320 tokens"):
+        eng.add_request(ids(300, 1), SamplingParams.greedy(30))
+    out = eng.generate(ids(300, 1), SamplingParams.greedy(20, ignore_eos=True))
+    assert len(out) == 20
+    assert eng.kv_bytes() == eng.runner.pool.nbytes
+
+
+def test_kv_memory_mb_is_split_between_pool_and_rows(gqa_art):
+    eng = Engine(gqa_art, ServeConfig(providers=[CPU], kv_memory_mb=1, kv_rows_share=0.25), start=False)
+    r = eng.runner
+    assert eng.kv_budget_bytes() <= 2**20
+    assert r.row_tokens * r.bytes_per_token == 2**18
+    assert r.pool.nbytes <= 3 * 2**18
