@@ -245,7 +245,7 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # null: as long as the context allows
+    max_tokens: int | None = Field(16, ge=0)  # null: as long as the context allows; 0 only with echo
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     add_special_tokens: bool = True  # False: a text prompt gets no BOS

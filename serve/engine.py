@@ -274,7 +274,7 @@ class Engine:
             return 0
         try:
             rows = [RunRow((r.seq.request_id, r.seq.epoch), self.block_manager.block_table(r.seq), r.start,
-                           r.token_ids, r.samples) for r in out.scheduled]
+                           r.token_ids, r.samples, self._wants_prompt_logits(r)) for r in out.scheduled]
             logits = self.runner.execute(rows)
             error = None
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
@@ -372,12 +372,39 @@ class Engine:
         ev = TokenEvent(seq.request_id, token_id, text, seq.num_output, reason, error, logprobs)
         return req.handle, ev
 
+    def _wants_prompt_logits(self, row) -> bool:
+        """The row computes prompt positions whose log-probs its request asked for and does not have yet."""
+        seq = row.seq
+        if seq.params.prompt_logprobs is None or row.start >= seq.prompt_len - 1:
+            return False
+        req = self._reqs.get(seq.request_id)
+        return req is not None and len(req.handle.prompt_logprobs) < seq.prompt_len - 1
+
+    def _record_prompt_logprobs(self, row, lg: np.ndarray) -> None:
+        """``lg`` [n, vocab]: the logits of positions start .. start+n-1; position p gives prompt token p+1's
+        log-prob. Positions already recorded (a recompute after preemption) are skipped."""
+        seq = row.seq
+        req = self._reqs.get(seq.request_id)
+        if req is None:
+            return
+        got = req.handle.prompt_logprobs
+        k = seq.params.prompt_logprobs
+        for i in range(lg.shape[0]):
+            p = row.start + i
+            if p + 1 >= seq.prompt_len:
+                break
+            if p == len(got):
+                got.append(token_logprobs(lg[i], seq.token_ids[p + 1], k))
+
     def _process(self, out: SchedulerOutput, logits: list[np.ndarray | None], events: list) -> None:
         now = time.monotonic()
         counters = self._counters
         for row, lg in zip(out.scheduled, logits):
             seq = row.seq
             self.scheduler.commit(row)
+            if lg is not None and lg.ndim == 2:  # all positions' logits: prompt log-probs, then the last row
+                self._record_prompt_logprobs(row, lg)
+                lg = lg[-1]
             if not row.samples:
                 continue
             req = self._reqs[seq.request_id]

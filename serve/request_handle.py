@@ -55,6 +55,8 @@ class RequestOutput:
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     logprobs: list | None = None  # one TokenEvent.logprobs per output token, when params.logprobs is set
+    # with params.prompt_logprobs set: (log-prob, top k) for prompt tokens 1 .. len-1 (token 0 has none)
+    prompt_logprobs: list | None = None
 
 
 class RequestHandle:
@@ -71,6 +73,8 @@ class RequestHandle:
         self.params = params
         self.output_ids: list[int] = []
         self.logprobs: list | None = [] if params.logprobs is not None else None
+        # written by the engine thread as the prompt is computed, complete before the first token event
+        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -161,4 +165,5 @@ class RequestHandle:
     def _output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason,
                              self.error, self.ttft_s, self.num_cached_prompt_tokens, self.num_preemptions,
-                             list(self.logprobs) if self.logprobs is not None else None)
+                             list(self.logprobs) if self.logprobs is not None else None,
+                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)

@@ -165,28 +165,48 @@ def check_combinations(body, chat: bool) -> None:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
     if chat and body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-    if not chat and body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo with logprobs (prompt log-probs) is not supported by this server",
-                       param="echo", code="unsupported_parameter")
+    if not chat and body.max_tokens == 0 and not body.echo:
+        raise ApiError(422, "max_tokens: must be >= 1 (0 only with echo: the prompt and its log-probs alone)",
+                       param="max_tokens")
 
 
 def token_str(tok, t: int) -> str:
     return tok.decode([int(t)], skip_special_tokens=False)
 
 
-def completion_logprobs(tok, ids, lps, offset: int = 0) -> dict:
-    """OpenAI's completions ``logprobs`` object; ``top_logprobs`` holds the top k and the chosen token (vLLM)."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t, (lp, top) in zip(ids, lps):
+def completion_logprobs(tok, ids, lps, offset: int = 0, out: dict | None = None) -> dict:
+    """OpenAI's completions ``logprobs`` object; ``top_logprobs`` holds the top k and the chosen token (vLLM).
+    An entry of ``lps`` that is None (the first prompt token of an echo) gives null log-probs. ``out``: extend
+    that object (the prompt's, with echo) instead of a new one."""
+    out = out or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, entry in zip(ids, lps):
         s = token_str(tok, t)
         out["tokens"].append(s)
+        out["text_offset"].append(offset)
+        offset += len(s)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        lp, top = entry
         out["token_logprobs"].append(lp)
         tops = {token_str(tok, i): v for i, v in top}
         tops.setdefault(s, lp)
         out["top_logprobs"].append(tops)
-        out["text_offset"].append(offset)
-        offset += len(s)
     return out
+
+
+def after(lp_obj: dict | None, echo_text: str) -> int:
+    """The text offset of the first generated token: after the prompt's tokens (echo with logprobs), else after
+    the echoed text."""
+    if lp_obj and lp_obj["tokens"]:
+        return lp_obj["text_offset"][-1] + len(lp_obj["tokens"][-1])
+    return len(echo_text)
+
+
+def echo_logprobs(tok, prompt_ids, prompt_lps) -> dict:
+    """The prompt's part of an echo's ``logprobs`` (vLLM): every prompt token, null for the first."""
+    return completion_logprobs(tok, prompt_ids, [None, *prompt_lps])
 
 
 def chat_logprobs(tok, ids, lps) -> dict:
@@ -215,6 +235,7 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     echo_text: str = ""
+    prompt_only: bool = False  # echo with max_tokens 0: the generated token is dropped
     key: tuple | None = None
     hit: CachedResult | None = None
     handle: RequestHandle | None = None
@@ -258,6 +279,7 @@ async def generate(request: Request, chat: bool):
         check_model(lm, body.model)
         tok = lm.engine.tokenizer
         prompts: list[tuple[list[int], str]] = []  # (ids, echo text)
+        prompt_only = False
         if chat:
             text = render_chat(lm, body.messages, body.add_generation_prompt, body.continue_final_message,
                                body.chat_template_kwargs)
@@ -277,6 +299,10 @@ async def generate(request: Request, chat: bool):
                 prompts.append((ids, prompt))
             max_tokens = body.max_tokens
             logprobs = body.logprobs
+            # echo with logprobs: the prompt's log-probs too; max_tokens 0 runs one token and drops it
+            prompt_only = body.echo and max_tokens == 0
+            if prompt_only:
+                max_tokens = 1
         if len(prompts) * body.n > MAX_CHOICES:
             raise ApiError(400, f"n x prompts = {len(prompts) * body.n} choices exceeds {MAX_CHOICES}", param="n")
         for p_idx, (ids, raw) in enumerate(prompts):
@@ -289,6 +315,8 @@ async def generate(request: Request, chat: bool):
                              else tok.decode(ids, skip_special_tokens=body.skip_special_tokens))
             # chat's default, or null: as long as the context allows
             base = body.sampling(max_tokens if max_tokens is not None else context_room(lm, len(ids)), logprobs)
+            if not chat and body.echo and logprobs is not None:
+                base.prompt_logprobs = logprobs
             try:
                 base.validate()
             except SamplingError as e:
@@ -297,12 +325,12 @@ async def generate(request: Request, chat: bool):
             for j in range(body.n):
                 # n > 1 with a seed: sample j draws from seed + j (as vLLM), so the samples differ reproducibly
                 params = base if j == 0 or base.seed is None else dataclasses.replace(base, seed=base.seed + j)
-                choices.append(Choice(p_idx * body.n + j, ids, params, echo_text))
+                choices.append(Choice(p_idx * body.n + j, ids, params, echo_text, prompt_only=prompt_only))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         meta = dict(id=rid, created=int(time.time()), model=lm.name, system_fingerprint=fingerprint(lm))
         for c in choices:
             # log-probs are not kept in the result cache: such requests always run
-            c.key = cache_key(lm.key, c.prompt_ids, c.params) if logprobs is None else None
+            c.key = cache_key(lm.key, c.prompt_ids, c.params) if logprobs is None and not c.prompt_only else None
             c.hit = cache.get(c.key)
             if c.hit is None:
                 c.handle = admit(lm, c.prompt_ids, c.params, rid if len(choices) == 1 else f"{rid}-{c.index}")
@@ -341,7 +369,9 @@ async def generate(request: Request, chat: bool):
             result = CachedResult(out.text, tuple(out.output_ids), out.finish_reason, len(c.prompt_ids))
             if not lm.retired:  # an answer from a swapped-out model would only occupy space
                 cache.put(c.key, result)
-            results.append((result, out.logprobs))
+            if c.prompt_only:
+                result = CachedResult("", (), "length", len(c.prompt_ids))
+            results.append((result, out))
         state.metrics.e2e.labels(lm.name).observe(time.perf_counter() - t0)
     except BaseException:
         for c in choices:
@@ -351,15 +381,19 @@ async def generate(request: Request, chat: bool):
     finally:
         manager.release(lm)
     out_choices = []
-    for c, (result, lps) in zip(choices, results):
+    for c, (result, out) in zip(choices, results):
         if chat:
+            lps = out.logprobs if out is not None else None
             out_choices.append({"index": c.index, "message": {"role": "assistant", "content": result.text},
                                 "logprobs": chat_logprobs(tok, result.output_ids, lps) if lps is not None else None,
                                 "finish_reason": result.finish_reason})
         else:
-            out_choices.append({"index": c.index, "text": c.echo_text + result.text,
-                                "logprobs": (completion_logprobs(tok, result.output_ids, lps) if lps is not None
-                                             else None),
+            lp_obj = None
+            if out is not None and out.prompt_logprobs is not None:  # echo with logprobs
+                lp_obj = echo_logprobs(tok, c.prompt_ids, out.prompt_logprobs)
+            if out is not None and out.logprobs is not None and not c.prompt_only:
+                lp_obj = completion_logprobs(tok, result.output_ids, out.logprobs, after(lp_obj, c.echo_text), lp_obj)
+            out_choices.append({"index": c.index, "text": c.echo_text + result.text, "logprobs": lp_obj,
                                 "finish_reason": result.finish_reason})
     completion_tokens = sum(r.completion_tokens for r, _ in results)
     return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": out_choices,
@@ -394,8 +428,12 @@ def stream_events(chat: bool, meta: dict, choices: list[Choice], prompt_tokens: 
     first = {c.index: True for c in choices}
     offset = {c.index: len(c.echo_text) for c in choices}
 
-    def chunk(index: int, text: str | None, finish: str | None, token_id: int | None = None, lp=None) -> dict:
-        logprobs = None
+    # echo with logprobs: the echo chunk carries the prompt's log-probs, so it waits for the prompt's computation
+    deferred = {c.index for c in choices if c.echo_text and c.params.prompt_logprobs is not None}
+
+    def chunk(index: int, text: str | None, finish: str | None, token_id: int | None = None, lp=None,
+              lp_obj: dict | None = None) -> dict:
+        logprobs = lp_obj
         if lp is not None and token_id is not None:
             if chat:
                 logprobs = chat_logprobs(tok, [token_id], [lp])
@@ -420,7 +458,7 @@ def stream_events(chat: bool, meta: dict, choices: list[Choice], prompt_tokens: 
     async def events() -> AsyncIterator[str]:
         completion_tokens = 0
         for c in choices:
-            if c.echo_text:
+            if c.echo_text and c.index not in deferred:
                 yield sse(chunk(c.index, c.echo_text, None))
         for c in choices:
             if c.hit is not None:
@@ -441,7 +479,12 @@ def stream_events(chat: bool, meta: dict, choices: list[Choice], prompt_tokens: 
                 left = len(running)
                 while left:
                     c, ev = await queue.get()
-                    if ev.text or ev.logprobs is not None:
+                    if c.index in deferred:
+                        deferred.discard(c.index)
+                        lp_obj = echo_logprobs(tok, c.prompt_ids, c.handle.prompt_logprobs or [])
+                        offset[c.index] = after(lp_obj, c.echo_text)
+                        yield sse(chunk(c.index, c.echo_text, None, lp_obj=lp_obj))
+                    if (ev.text or ev.logprobs is not None) and not c.prompt_only:
                         yield sse(chunk(c.index, ev.text, None, ev.token_id, ev.logprobs))
                     if not ev.finished:
                         continue
@@ -451,8 +494,9 @@ def stream_events(chat: bool, meta: dict, choices: list[Choice], prompt_tokens: 
                                              code="engine_error"))
                         yield sse("[DONE]")
                         return
-                    completion_tokens += len(c.handle.output_ids)
-                    yield sse(chunk(c.index, None, "abort" if ev.finish_reason == "cancelled" else ev.finish_reason))
+                    completion_tokens += 0 if c.prompt_only else len(c.handle.output_ids)
+                    reason = "abort" if ev.finish_reason == "cancelled" else ev.finish_reason
+                    yield sse(chunk(c.index, None, "length" if c.prompt_only and reason == "stop" else reason))
             finally:
                 for t in pumps:
                     t.cancel()

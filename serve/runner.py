@@ -72,6 +72,8 @@ class RunRow:
     start: int  # tokens already in the cache = first new position
     token_ids: Sequence[int]  # the new tokens, positions start .. start+n-1
     want_logits: bool = True
+    # every new position's logits ([n, vocab]) instead of the last one's (prompt log-probs); only rows that ask pay
+    all_logits: bool = False
 
 
 class _PastBuffer:
@@ -192,7 +194,8 @@ class Runner:
         return self._decode_buf.gathered_tokens + self._prefill_buf.gathered_tokens
 
     def execute(self, rows: Sequence[RunRow]) -> list[np.ndarray | None]:
-        """Compute the rows' new tokens, write their K/V to the pool; last-position logits per row."""
+        """Compute the rows' new tokens, write their K/V to the pool; last-position logits per row ([n, vocab]
+        for a row with ``all_logits``)."""
         t0 = time.perf_counter()
         out: list[np.ndarray | None] = [None] * len(rows)
         groups: dict[int, list[int]] = {}
@@ -204,7 +207,8 @@ class Runner:
             buf = self._decode_buf if n == 1 else self._prefill_buf
             logits = self._run_group([rows[i] for i in idx], n, buf)
             for k, i in enumerate(idx):
-                out[i] = logits[k] if rows[i].want_logits else None
+                r = rows[i]
+                out[i] = logits[k] if r.all_logits else logits[k][-1] if r.want_logits else None
         self.step_seconds += time.perf_counter() - t0
         return out
 
@@ -257,8 +261,7 @@ class Runner:
         for k in range(B):
             key, _ = buf.rows[k]
             buf.rows[k] = (key, min(int(starts[k]) + n, P))
-        last = logits[:, -1, :]
         result: list[np.ndarray] = [None] * B  # type: ignore[list-item]
         for k in range(B):
-            result[order[k]] = last[k]
+            result[order[k]] = logits[k]  # [n, vocab]; execute keeps the last row unless all_logits
         return result

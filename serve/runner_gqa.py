@@ -256,12 +256,12 @@ class GqaRunner:
             logits = self._run_decode(decode)
             for k, r in enumerate(decode):
                 i = index[id(r)]
-                out[i] = logits[k].copy() if r.want_logits else None
+                out[i] = logits[k][None].copy() if r.all_logits else logits[k].copy() if r.want_logits else None
         for r in prefill:
             slot = self._slot_for_prefill(r, len(decode))
             self._fill(slot, r)
             lg = self._run_prefill(slot, r)
-            out[index[id(r)]] = lg.copy() if r.want_logits else None
+            out[index[id(r)]] = lg.copy() if r.all_logits else lg[-1].copy() if r.want_logits else None
         self.step_seconds += time.perf_counter() - t0
         return out
 
@@ -306,8 +306,9 @@ class GqaRunner:
     def _run_prefill(self, slot: int, r: RunRow) -> np.ndarray:
         n, s = len(r.token_ids), r.start
         ids = np.asarray(r.token_ids, dtype=np.int64).reshape(1, n)
-        keep = 1 if self.has_logits_to_keep else None
-        logits = self._logits_buf((1, 1 if keep else n, self.vocab_size))
+        # the last position's logits only, unless the row asks for all of them (prompt log-probs)
+        keep = (n if r.all_logits else 1) if self.has_logits_to_keep else None
+        logits = self._logits_buf((1, keep or n, self.vocab_size))
         self._bind_and_run(self.kv[:, slot:slot + 1], ids, np.array([s + n - 1], np.int32), logits, keep)
         bs = self.block_size
         pos = s
@@ -318,4 +319,4 @@ class GqaRunner:
             self.pool[:, b, :, o:o + m, :] = self.kv[:, slot, :, pos:pos + m, :]
             pos += m
         self.slot_valid[slot] = s + n
-        return logits[0, -1]
+        return logits[0]  # [kept positions, vocab]

@@ -99,6 +99,8 @@ class PagedRunner:
         self.run_seconds += time.perf_counter() - t
         self.calls += 1
         logits = binding.get_outputs()[0].numpy()
+        if any(r.all_logits for r in rows):
+            raise RunnerError("prompt log-probs (all_logits) are not implemented for the paged layout")
         out = [logits[i] if r.want_logits else None for i, r in enumerate(rows)]
         self.step_seconds += time.perf_counter() - t0
         return out

@@ -43,6 +43,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None = off; k = the chosen token's log-prob and the top k (0..20)
+    # None = off; k = every prompt token's log-prob (from the raw logits of the position before it) and the top
+    # k there (0..20). Such a request takes nothing from the prefix cache (vLLM): every position is computed.
+    prompt_logprobs: int | None = None
 
     @classmethod
     def greedy(cls, max_tokens: int = 16, **kw) -> SamplingParams:
@@ -86,6 +89,9 @@ class SamplingParams:
             raise SamplingError("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise SamplingError(f"logprobs must be an integer in [0, 20] (got {self.logprobs!r})")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise SamplingError(f"prompt_logprobs must be an integer in [0, 20] (got {self.prompt_logprobs!r})")
         return self
 
     def make_generator(self) -> np.random.Generator:

@@ -290,7 +290,9 @@ class Scheduler:
                 break
             aged = now - seq.arrival >= self.max_wait_s
             # Keep at least one token to compute: its logits give the next token.
-            matched = self.bm.match_prefix(seq.token_ids, max_tokens=len(seq.token_ids) - 1)
+            # A request for prompt log-probs needs every prompt position's logits: no prefix-cache hit (vLLM).
+            matched = ([] if seq.params.prompt_logprobs is not None
+                       else self.bm.match_prefix(seq.token_ids, max_tokens=len(seq.token_ids) - 1))
             cached = len(matched) * bs
             n = min(len(seq.token_ids) - cached, budget)
             reserve = self.watermark_blocks if self.running else 0

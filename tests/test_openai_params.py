@@ -137,7 +137,6 @@ REFUSED = [
     ("completions", {"n": 65}, "n"),
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"suffix": "x"}, "suffix"),
-    ("completions", {"echo": True, "logprobs": 1}, "echo"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"use_beam_search": True}, "use_beam_search"),
     ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
@@ -217,6 +216,56 @@ def test_logprobs_completions_match_the_onnx_log_softmax(http, onnx_ref, tiny_ar
     if len(drawn) == 4:  # the text re-tokenizes to the same ids (not guaranteed for arbitrary byte tokens)
         ref = log_softmax(onnx_ref(PROMPT_IDS + drawn))[len(PROMPT_IDS) - 1:-1]
         np.testing.assert_allclose(lp["token_logprobs"], [ref[i, t] for i, t in enumerate(drawn)], atol=1e-4)
+
+
+def test_echo_logprobs_cover_the_prompt_as_the_onnx_log_softmax(http, onnx_ref, tiny_artifact):
+    """echo + logprobs (what lm-eval's local-completions sends for loglikelihood): the prompt's tokens with
+    the log-softmax of the previous position's logits (null for the first), then the generated ones; max_tokens 0
+    gives the prompt alone; a prefix-cache hit is not taken (the same prompt twice gives the same figures);
+    streamed, the echo chunk carries the prompt's log-probs."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_artifact / "tokenizer.json"))
+    prompt = PROMPT_IDS * 3  # 24 tokens: full prefix-cache blocks on the second request
+    ids = greedy_ref(onnx_ref, prompt, 3)
+    ref = log_softmax(onnx_ref(prompt + ids))  # row i predicts token i + 1
+    for _ in range(2):
+        out = completion(http, prompt=prompt, max_tokens=3, logprobs=2, echo=True, ignore_eos=True)
+        ch = out["choices"][0]
+        lp = ch["logprobs"]
+        seq = prompt + ids
+        assert lp["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in seq]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        np.testing.assert_allclose(lp["token_logprobs"][1:], [ref[i - 1, t] for i, t in enumerate(seq) if i],
+                                   atol=1e-4)
+        for i in range(1, len(seq)):
+            best = np.argsort(-ref[i - 1], kind="stable")[:2]
+            want = {tok.decode([int(t)], skip_special_tokens=False): ref[i - 1, t] for t in best}
+            assert set(want) <= set(lp["top_logprobs"][i]) and len(lp["top_logprobs"][i]) <= 3
+        assert lp["text_offset"] == list(np.cumsum([0] + [len(t) for t in lp["tokens"][:-1]]))
+        assert ch["text"] == tok.decode(prompt, skip_special_tokens=True) + tok.decode(ids, skip_special_tokens=True)
+        assert out["usage"]["completion_tokens"] == 3
+    # max_tokens 0: the prompt's log-probs alone
+    out = completion(http, prompt=prompt, max_tokens=0, logprobs=0, echo=True)
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) and out["usage"]["completion_tokens"] == 0
+    np.testing.assert_allclose(lp["token_logprobs"][1:], [ref[i - 1, t] for i, t in enumerate(prompt) if i],
+                               atol=1e-4)
+    assert out["choices"][0]["finish_reason"] == "length"
+    # streamed: the echo chunk carries the prompt's log-probs, then one chunk per token
+    body = dict(prompt=prompt, max_tokens=2, logprobs=1, echo=True, temperature=0, ignore_eos=True, stream=True)
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    lps = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert len(lps[0]["tokens"]) == len(prompt) and len(lps) == 3
+    np.testing.assert_allclose(lps[0]["token_logprobs"][1:], [ref[i - 1, t] for i, t in enumerate(prompt) if i],
+                               atol=1e-4)
+    np.testing.assert_allclose([lps[1]["token_logprobs"][0], lps[2]["token_logprobs"][0]],
+                               [ref[len(prompt) - 1, ids[0]], ref[len(prompt), ids[1]]], atol=1e-4)
+    assert lps[1]["text_offset"][0] == lps[0]["text_offset"][-1] + len(lps[0]["tokens"][-1])
+    # max_tokens 0 without echo is refused
+    r = http.post("/v1/completions", json=dict(prompt=prompt, max_tokens=0))
+    assert r.status_code == 422 and r.json()["error"]["param"] == "max_tokens"
 
 
 def test_logprobs_chat_match_the_onnx_log_softmax_streamed_and_not(http, client, onnx_ref):
