@@ -23,26 +23,40 @@ class SmokeTestFailed(RuntimeError):
     pass
 
 
-def served_version(server_url: str, model_name: str, timeout: float = 5) -> str | None:
+def served_model(server_url: str, model_name: str, timeout: float = 5) -> tuple[str | None, str | None]:
+    """(version, artifact digest) the server reports for `model_name` on /v1/models; (None, None) if it serves none."""
     r = httpx.get(f"{server_url.rstrip('/')}/v1/models", timeout=timeout)
     r.raise_for_status()
     for m in r.json().get("data", []):
         if m.get("id") == model_name:
-            return str(m.get("version")) if m.get("version") is not None else None
-    return None
+            return (str(m["version"]) if m.get("version") is not None else None), m.get("artifact_sha256")
+    return None, None
+
+
+def served_version(server_url: str, model_name: str, timeout: float = 5) -> str | None:
+    return served_model(server_url, model_name, timeout)[0]
 
 
 def wait_for_version(server_url: str, model_name: str, version: str, timeout_s: float,
-                     unreachable_s: float = 15.0) -> None:
-    """Until the server reports `version`; a server that never answers fails after `unreachable_s`."""
+                     unreachable_s: float = 15.0, artifact_sha256: str | None = None) -> None:
+    """Until the server reports `version`; a server that never answers fails after `unreachable_s`.
+
+    `artifact_sha256`: the version's digest in this registry. A server that reports the version number
+    with other files follows another MLflow store, and smoke-testing it would prove nothing.
+    """
     start = time.monotonic()
     deadline = start + timeout_s
     last, answered = None, False
     while time.monotonic() < deadline:
         try:
-            last = served_version(server_url, model_name)
+            last, digest = served_model(server_url, model_name)
             answered = True
             if last == str(version):
+                if artifact_sha256 and digest and digest != artifact_sha256:
+                    raise SmokeTestFailed(
+                        f"server {server_url} serves version {version} of {model_name} with other files (manifest "
+                        f"sha256 {digest[:12]}..., this registry's is {artifact_sha256[:12]}...): it follows another "
+                        f"MLflow store; point it at this one (MLFLOW_TRACKING_URI) or smoke-test another server")
                 return
         except httpx.HTTPError as e:
             last = f"unreachable ({type(e).__name__})"
@@ -104,7 +118,8 @@ def deploy(model_name: str, version: str | int | None, server_url: str | None, a
     if server_url is None:
         return {"version": version, "previous": previous, "smoke": "skipped (no server_url)"}
     try:
-        wait_for_version(server_url, model_name, version, wait_s)
+        wait_for_version(server_url, model_name, version, wait_s,
+                         artifact_sha256=registry.get_version(model_name, version).tags.get("artifact_sha256"))
         texts = smoke_test(server_url, model_name, prompts or GoldenConfig().prompts)
     except Exception as e:
         if previous is not None:

@@ -21,7 +21,7 @@ from compress import registry
 from compress.config import PipelineConfig, load_config, project_root
 from compress.data import DATA_FORMAT
 from compress.export import EXPORT_FORMAT
-from flows.deploy import deploy_flow, served_version
+from flows.deploy import deploy_flow, served_model
 from flows.outcome import pipeline_state
 from tasks.accept import accept_task
 from tasks.benchmark import benchmark_task
@@ -115,12 +115,20 @@ def version_params(cfg: PipelineConfig, role: str, verdict: str | None = None) -
 
 
 def local_server_url(cfg: PipelineConfig, model_name: str) -> str | None:
-    """The `serve` section's server when one answers there and serves this model; None otherwise."""
+    """The `serve` section's server when one answers there serving this model from this registry; None otherwise.
+
+    "From this registry": the version it serves has the digest this store registered under that number
+    (a server following another MLflow store may serve a "version 2" of its own).
+    """
     url = f"http://{cfg.serve.host}:{cfg.serve.port}"
     try:
-        return url if served_version(url, model_name, timeout=2) is not None else None
+        version, digest = served_model(url, model_name, timeout=2)
+        if version is None:
+            return None
+        ours = registry.get_version(model_name, version).tags.get("artifact_sha256")
     except Exception:
         return None
+    return url if digest and digest == ours else None
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
@@ -226,7 +234,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                                        tracking_uri=tracking_uri)
                 if server_url is None:
                     deployed["smoke"] = (f"skipped (no server at http://{cfg.serve.host}:{cfg.serve.port} serves "
-                                         f"{reg['name']}; set registry.server_url to smoke-test another)")
+                                         f"{reg['name']} from this registry; set registry.server_url to smoke-test "
+                                         f"another)")
                 reg["aliases"] = reg["aliases"] + ["champion"]
                 log.info("deployed: %s", deployed)
             mlflow.set_tags({"verdict": status, **({"promotion_blocked": blocked} if blocked else {})})

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serve.artifact import MANIFEST, sha256_file
 from serve.config import ServeConfig
 from serve.engine import Engine
 from serve.engine_stats import EngineStats
@@ -56,6 +57,9 @@ class LoadedModel:
     generation: int  # increases with every load, also when a local folder is reloaded
     loaded_at: float = field(default_factory=time.time)
     downloaded: bool = False
+    # sha256 of manifest.json (which holds every file's sha256): the registry's `artifact_sha256` tag, so a
+    # deploy can tell "version 2 of this store" from "version 2 of another store".
+    artifact_sha256: str | None = None
     leases: int = 0
     retired: bool = False  # no longer current: draining
     closed: bool = False  # engine shut down
@@ -189,7 +193,8 @@ class ModelManager:
                                    f"{type(e).__name__}: {e}") from e
         self._generation += 1
         return LoadedModel(fetched.name, fetched.version, fetched.alias, self.source.spec.uri, fetched.path, engine,
-                           self._generation, downloaded=fetched.downloaded)
+                           self._generation, downloaded=fetched.downloaded,
+                           artifact_sha256=sha256_file(Path(fetched.path) / MANIFEST))
 
     def load_initial(self) -> LoadedModel:
         """Load the model the source names now; raises ModelSourceError when it cannot."""

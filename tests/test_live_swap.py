@@ -253,10 +253,10 @@ def test_rollback_follows_the_alias_back(server, http, refs, versions):
     assert metric(http.get("/metrics").text, "vllm:generation_tokens_total") >= gen_before + 12
 
 
-def test_the_deploy_flows_view_of_the_server(server, versions):
+def test_the_deploy_flows_view_of_the_server(server, versions, tiny_artifact):
     """flows/deploy.py's plain helpers (no Prefect run) against this server: the contract it relies on."""
     from compress import registry
-    from flows.deploy import served_version, smoke_test, wait_for_version
+    from flows.deploy import SmokeTestFailed, served_model, served_version, smoke_test, wait_for_version
 
     assert served_version(server.url, NAME) == "1"
     registry.set_alias(NAME, "champion", versions["v2"])
@@ -265,6 +265,15 @@ def test_the_deploy_flows_view_of_the_server(server, versions):
     assert len(texts) == 2 and all(texts)
     registry.set_alias(NAME, "champion", versions["v1"])
     wait_for_version(server.url, NAME, versions["v1"], timeout_s=60)
+    # The server reports the digest of what it serves: the registry's for that version, so a deploy can tell
+    # this store's version 1 from another store's (which it refuses at once instead of smoke-testing).
+    from serve.artifact import sha256_file
+
+    digest = sha256_file(tiny_artifact / "manifest.json")  # what tasks/register.py tags a version with
+    assert served_model(server.url, NAME) == (versions["v1"], digest)
+    wait_for_version(server.url, NAME, versions["v1"], timeout_s=60, artifact_sha256=digest)
+    with pytest.raises(SmokeTestFailed, match="follows another MLflow store"):
+        wait_for_version(server.url, NAME, versions["v1"], timeout_s=60, artifact_sha256="0" * 64)
 
 
 def test_server_started_before_the_alias_exists_becomes_ready_when_it_does(versions, mlflow_store):
