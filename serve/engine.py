@@ -43,7 +43,7 @@ import numpy as np
 
 from serve.artifact import read_manifest
 from serve.config import ConfigError, ServeConfig
-from serve.engine_stats import EngineCounters, EngineStats
+from serve.engine_stats import EngineCounters, EngineStats, FinishedRequestSample
 from serve.in_flight import InFlightRequest
 from serve.kv_cache import BlockManager, KVCacheSpec, num_blocks_for_budget
 from serve.request_handle import RequestHandle, RequestOutput, TokenEvent
@@ -269,6 +269,11 @@ class Engine:
             out = self.scheduler.schedule()
             if not out.empty:
                 self._executing = True
+                now = time.monotonic()
+                for r in out.scheduled:  # first scheduling time, for the queue/prefill histograms
+                    req = self._reqs.get(r.seq.request_id)
+                    if req is not None and req.scheduled_t is None:
+                        req.scheduled_t = now
         if out.empty:
             self._emit(events)
             return 0
@@ -368,6 +373,11 @@ class Engine:
         self._reqs.pop(seq.request_id, None)
         self._aborts.discard(seq.request_id)
         self._counters.record_finish(reason, seq.prompt_len)
+        if req.first_token_t is not None and req.scheduled_t is not None:  # vLLM v1's phases, per request
+            last = req.last_token_t
+            self._counters.record_request(FinishedRequestSample(
+                req.scheduled_t - seq.arrival, req.first_token_t - req.scheduled_t, last - req.first_token_t,
+                last - req.scheduled_t, seq.prompt_len, seq.num_output))
         req.handle.num_preemptions = seq.num_preemptions
         ev = TokenEvent(seq.request_id, token_id, text, seq.num_output, reason, error, logprobs)
         return req.handle, ev
@@ -455,3 +465,8 @@ class Engine:
         """TTFT and inter-token latency samples recorded since the last call (for histograms)."""
         with self._lock:
             return self._counters.pop_latency_samples()
+
+    def pop_request_samples(self) -> list[FinishedRequestSample]:
+        """Finished requests' phases and token counts recorded since the last call (for histograms)."""
+        with self._lock:
+            return self._counters.pop_request_samples()

@@ -7,7 +7,7 @@ gauges, counters and histograms).
 
 Invariants: every counter only grows; ``sum(finished.values()) <= added`` (a request finishes
 once, and only after it was added); the latency windows hold at most ``latency_window`` samples,
-the since-last-pop buffers at most ``PENDING_SAMPLES``. ``check_invariants`` verifies them.
+the since-last-pop buffers (latencies, finished-request samples) at most ``PENDING_SAMPLES``. ``check_invariants`` verifies them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,18 @@ from serve.kv_cache import BlockManager
 from serve.scheduler import Scheduler
 
 PENDING_SAMPLES = 65536  # latency samples kept for pop_latency_samples(); bounded in case nobody pops
+
+
+@dataclass(frozen=True)
+class FinishedRequestSample:
+    """One finished request's phases (vLLM v1's per-request stats), observed once into /metrics histograms."""
+
+    queue_s: float  # arrival -> first scheduled
+    prefill_s: float  # first scheduled -> first token
+    decode_s: float  # first token -> last token
+    inference_s: float  # first scheduled -> last token
+    prompt_tokens: int
+    generation_tokens: int
 
 
 @dataclass
@@ -56,7 +68,7 @@ class EngineCounters:
     """Running totals and latency samples; the engine updates them with its lock held."""
 
     __slots__ = ("ttft", "itl", "new_ttft", "new_itl", "steps", "rows_sum", "tokens_sum", "added", "rejected",
-                 "finished", "prompt_tokens", "generated")
+                 "finished", "prompt_tokens", "generated", "new_requests")
 
     def __init__(self, latency_window: int):
         self.ttft: deque[float] = deque(maxlen=latency_window)
@@ -64,6 +76,7 @@ class EngineCounters:
         # since the last pop_latency_samples()
         self.new_ttft: deque[float] = deque(maxlen=PENDING_SAMPLES)
         self.new_itl: deque[float] = deque(maxlen=PENDING_SAMPLES)
+        self.new_requests: deque[FinishedRequestSample] = deque(maxlen=PENDING_SAMPLES)
         self.steps = 0
         self.rows_sum = 0  # sequences over all steps
         self.tokens_sum = 0  # tokens over all steps
@@ -90,11 +103,19 @@ class EngineCounters:
         self.finished[reason] = self.finished.get(reason, 0) + 1
         self.prompt_tokens += prompt_len
 
+    def record_request(self, sample: FinishedRequestSample) -> None:
+        self.new_requests.append(sample)
+
     def pop_latency_samples(self) -> tuple[list[float], list[float]]:
         ttft, itl = list(self.new_ttft), list(self.new_itl)
         self.new_ttft.clear()
         self.new_itl.clear()
         return ttft, itl
+
+    def pop_request_samples(self) -> list[FinishedRequestSample]:
+        out = list(self.new_requests)
+        self.new_requests.clear()
+        return out
 
     def snapshot(self, provider: str, scheduler: Scheduler, bm: BlockManager) -> EngineStats:
         steps = max(self.steps, 1)
@@ -131,3 +152,4 @@ class EngineCounters:
                    self.generated) >= 0
         assert sum(self.finished.values()) <= self.added, (self.finished, self.added)
         assert len(self.ttft) <= self.ttft.maxlen and len(self.new_ttft) <= PENDING_SAMPLES
+        assert len(self.new_requests) <= PENDING_SAMPLES

@@ -25,8 +25,8 @@ class InFlightRequest:
     """Engine-side state of one request from admission to finish: its scheduler sequence, the caller's
     handle, its sampler's generator and the detokenizer that turns its tokens into streamed text."""
 
-    __slots__ = ("seq", "handle", "rng", "detok", "stop_ids", "emitted", "first_token_t", "last_token_t",
-                 "max_stop_len")
+    __slots__ = ("seq", "handle", "rng", "detok", "stop_ids", "emitted", "scheduled_t", "first_token_t",
+                 "last_token_t", "max_stop_len")
 
     def __init__(self, seq: SequenceState, handle: RequestHandle, detok: IncrementalDetokenizer,
                  stop_ids: frozenset[int]):
@@ -36,6 +36,7 @@ class InFlightRequest:
         self.detok = detok
         self.stop_ids = stop_ids
         self.emitted = 0  # characters of detok.text already sent
+        self.scheduled_t: float | None = None  # first time the scheduler picked it (monotonic)
         self.first_token_t: float | None = None
         self.last_token_t: float | None = None
         self.max_stop_len = max((len(s) for s in seq.params.stop), default=0)

@@ -4,7 +4,7 @@ Engine counters live in each Engine and restart at zero with every new engine, b
 Prometheus counter must never go down across a live swap. So counters are read at
 scrape time as (totals folded in from retired engines) + (live engines now); an engine
 is folded in by the model manager's ``on_retire`` hook just before it shuts down.
-TTFT and inter-token latency samples are drained from the engines into histograms at
+TTFT and inter-token latency samples, and finished requests' phase times and token counts, are drained from the engines into histograms at
 scrape time (and at retirement), so none is lost or counted twice.
 
 Own names (no vLLM equivalent) use the ``compressor:`` prefix.
@@ -30,6 +30,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+REQUEST_TIME_BUCKETS = E2E_BUCKETS  # vLLM's request_latency_buckets: queue, prefill, decode, inference time
+# vLLM's build_1_2_5_buckets(max_model_len); fixed here (1 .. 1e6) since the served model can change live.
+TOKEN_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 
 # Engine counters summed across engines: (metric name, EngineStats field, help)
 _ENGINE_COUNTERS = (
@@ -54,6 +57,21 @@ class ServerMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "Request latency as the HTTP layer sees it (result-cache hits included).",
                              ["model_name"], buckets=E2E_BUCKETS, registry=self.registry)
+        # Per finished request (one that produced a token), as vLLM v1: observed once when it finishes.
+        self.req_hists = tuple(
+            Histogram(metric, doc, ["model_name"], buckets=buckets, registry=self.registry)
+            for metric, doc, buckets in (
+                ("vllm:request_queue_time_seconds", "Time waiting before first scheduled (arrival -> first "
+                 "scheduled).", REQUEST_TIME_BUCKETS),
+                ("vllm:request_prefill_time_seconds", "Prefill phase (first scheduled -> first token).",
+                 REQUEST_TIME_BUCKETS),
+                ("vllm:request_decode_time_seconds", "Decode phase (first token -> last token).",
+                 REQUEST_TIME_BUCKETS),
+                ("vllm:request_inference_time_seconds", "Running phase (first scheduled -> last token).",
+                 REQUEST_TIME_BUCKETS),
+                ("vllm:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS),
+                ("vllm:request_generation_tokens", "Generated tokens per finished request.",
+                 TOKEN_COUNT_BUCKETS)))
         self.requests = Counter("compressor:http_requests", "HTTP requests by endpoint and status.",
                                 ["endpoint", "status"], registry=self.registry)
         self._lock = threading.Lock()
@@ -69,6 +87,16 @@ class ServerMetrics:
             t.observe(x)
         for x in itl:
             i.observe(x)
+        samples = lm.engine.pop_request_samples()
+        if samples:
+            hq, hp, hd, hi, hpt, hgt = (h.labels(lm.name) for h in self.req_hists)
+            for r in samples:
+                hq.observe(r.queue_s)
+                hp.observe(r.prefill_s)
+                hd.observe(r.decode_s)
+                hi.observe(r.inference_s)
+                hpt.observe(r.prompt_tokens)
+                hgt.observe(r.generation_tokens)
 
     def _fold(self, lm: LoadedModel) -> None:
         """An engine is about to shut down: keep its counters and latency samples."""

@@ -330,6 +330,40 @@ def test_metrics_have_vllm_names_and_real_numbers(http):
     assert metric(text, "compressor:http_requests_total", 'endpoint="/v1/completions",status="200"') >= 1
 
 
+def test_per_request_phase_and_token_histograms(http):
+    """vLLM v1's per-finished-request histograms: one observation per request, token sums as usage reports."""
+    hists = ["vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+             "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+             "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:e2e_request_latency_seconds"]
+
+    def idle():
+        t = http.get("/metrics").text
+        return metric(t, "vllm:num_requests_running") + metric(t, "vllm:num_requests_waiting") == 0
+
+    def read():
+        t = http.get("/metrics").text
+        return {(h, k): metric(t, f"{h}_{k}") for h in hists for k in ("count", "sum")}
+
+    wait_for(idle, what="earlier requests to finish")
+    before = read()
+    prompts = [("phase histograms " * (i + 1)).strip() for i in range(3)]
+    usages = []
+    for i, p in enumerate(prompts):
+        r = http.post("/v1/completions", json={"prompt": p, "max_tokens": 3 + 2 * i, "temperature": 0,
+                                               "ignore_eos": True})
+        assert r.status_code == 200 and r.headers["x-result-cache"] == "miss"
+        usages.append(r.json()["usage"])
+    after = read()
+    d = {k: after[k] - before[k] for k in after}
+    for h in hists:
+        assert d[(h, "count")] == len(prompts), h
+    assert d[("vllm:request_prompt_tokens", "sum")] == sum(u["prompt_tokens"] for u in usages)
+    assert d[("vllm:request_generation_tokens", "sum")] == sum(u["completion_tokens"] for u in usages) == 3 + 5 + 7
+    phases = [d[(f"vllm:request_{p}_time_seconds", "sum")] for p in ("queue", "prefill", "decode")]
+    assert all(x >= 0 for x in phases) and d[("vllm:request_inference_time_seconds", "sum")] >= 0
+    assert sum(phases) <= d[("vllm:e2e_request_latency_seconds", "sum")] + 1e-6
+
+
 # ---- admin ---------------------------------------------------------------------------------------
 def test_admin_reload_needs_the_token(http):
     assert http.post("/admin/reload").status_code == 401
