@@ -7,7 +7,8 @@ gauges, counters and histograms).
 
 Invariants: every counter only grows; ``sum(finished.values()) <= added`` (a request finishes
 once, and only after it was added); the latency windows hold at most ``latency_window`` samples,
-the since-last-pop buffers (latencies, finished-request samples) at most ``PENDING_SAMPLES``. ``check_invariants`` verifies them.
+the since-last-pop buffers (latencies, finished-request samples) at most ``PENDING_SAMPLES``.
+``check_invariants`` verifies them.
 """
 
 from __future__ import annotations

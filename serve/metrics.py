@@ -4,8 +4,9 @@ Engine counters live in each Engine and restart at zero with every new engine, b
 Prometheus counter must never go down across a live swap. So counters are read at
 scrape time as (totals folded in from retired engines) + (live engines now); an engine
 is folded in by the model manager's ``on_retire`` hook just before it shuts down.
-TTFT and inter-token latency samples, and finished requests' phase times and token counts, are drained from the engines into histograms at
-scrape time (and at retirement), so none is lost or counted twice.
+TTFT and inter-token latency samples, and finished requests' phase times and token counts,
+are drained from the engines into histograms at scrape time (and at retirement), so none is
+lost or counted twice.
 
 Own names (no vLLM equivalent) use the ``compressor:`` prefix.
 """
