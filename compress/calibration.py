@@ -15,12 +15,12 @@ from __future__ import annotations
 import ast
 import hashlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 from onnxruntime.quantization import CalibrationDataReader
 
 from serve.onnx_session import CPU, make_session

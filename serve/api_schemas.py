@@ -124,10 +124,6 @@ def parse(schema: type[BaseModel], data: dict):
 
 
 # ---- request schemas -------------------------------------------------------------------------
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
 # vLLM/OpenAI parameters this server does not implement: refused (400, code unsupported_parameter) unless
 # absent or at a value that changes nothing (name -> is the value harmless). Nothing is accepted and ignored.
 def _off(v) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mlflow
 import torch
 from prefect import task
 from safetensors.torch import save_file
