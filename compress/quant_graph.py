@@ -32,6 +32,16 @@ class QuantizeError(ValueError):
     """A quantization request that cannot be carried out, phrased for the user."""
 
 
+def _replace_nodes(g, new_nodes: list, dropped: set[str]) -> None:
+    """Swap the graph's nodes for `new_nodes`; drop the initializers in `dropped` that no new node reads."""
+    still = {i for n in new_nodes for i in n.input}
+    keep = [t for t in g.initializer if t.name not in dropped or t.name in still]
+    g.ClearField("initializer")
+    g.initializer.extend(keep)
+    g.ClearField("node")
+    g.node.extend(new_nodes)
+
+
 def _weight_qdq(w: np.ndarray, per_channel: bool, reduce_range: bool) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 weights [K, N], one scale per output channel N (or one for the tensor)."""
     qmax = 64.0 if reduce_range else 127.0  # ORT's reduced int8 range is [-64, 64]
@@ -88,12 +98,7 @@ def insert_qdq(model: onnx.ModelProto, linears: list[Linear], ranges: dict[str, 
             n.input[1] = f"{w_name}_dequantized"
             drop_inits.add(w_name)
         new_nodes.append(n)
-    still = {i for n in new_nodes for i in n.input}
-    keep = [t for t in g.initializer if t.name not in drop_inits or t.name in still]
-    g.ClearField("initializer")
-    g.initializer.extend(keep)
-    g.ClearField("node")
-    g.node.extend(new_nodes)
+    _replace_nodes(g, new_nodes, drop_inits)
 
 
 def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_channel: bool, reduce_range: bool) -> None:
@@ -170,12 +175,7 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
             helper.make_node("Reshape", [f"{o}_2d", f"{o}_shape"], [o], name=f"{n.name}_Reshape"),
         ]
         drop.add(w_name)
-    still = {i for n in new_nodes for i in n.input}
-    keep = [t for t in g.initializer if t.name not in drop or t.name in still]
-    g.ClearField("initializer")
-    g.initializer.extend(keep)
-    g.ClearField("node")
-    g.node.extend(new_nodes)
+    _replace_nodes(g, new_nodes, drop)
 
 
 def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accuracy_level: int = 4) -> bool:

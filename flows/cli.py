@@ -9,19 +9,10 @@ import time
 
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from compress.artifact import ArtifactError
-    from compress.config import ConfigError
-    from compress.data import DataError
-    from compress.models import ModelError
-    from compress.registry import RegistryError
-
-    return (ConfigError, DataError, ModelError, ArtifactError, RegistryError)
-
-
 def cmd_run(args) -> int:
     """Exit codes as `prefect deployment run --watch`: 0 Accepted/Completed, 1 Rejected/Blocked/failed, 2 bad input."""
     from compress.config import load_config
+    from flows.errors import is_user_error
     from flows.outcome import RunNotAccepted
     from flows.pipeline import compress_flow
 
@@ -39,7 +30,7 @@ def cmd_run(args) -> int:
     print(f"{state.name}: {state.message}")
     if state.is_completed():
         return 0
-    return 2 if isinstance(result, _user_errors()) else 1
+    return 2 if isinstance(result, BaseException) and is_user_error(result) else 1
 
 
 def cmd_config(args) -> int:
@@ -175,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.fn(args)
-    except _user_errors() as e:
+    except Exception as e:
+        from flows.errors import is_user_error
+
+        if not is_user_error(e):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
 

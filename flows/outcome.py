@@ -19,10 +19,7 @@ from typing import Callable
 from prefect import get_run_logger
 from prefect.states import Completed, Failed, State
 
-# Errors that mean "the input is wrong": their message names the field and the fix, a traceback adds nothing.
-USER_ERRORS = ("ConfigError", "DataError", "ModelError", "ArtifactError", "RegistryError", "GoldenMismatch",
-               "UnsupportedArchitectureError", "GqaBuildError", "QuantizeError", "DistillError", "EvaluateError",
-               "SmokeTestFailed", "Reverted")
+from flows.errors import is_user_error
 
 
 class RunNotAccepted(RuntimeError):
@@ -59,7 +56,7 @@ def pipeline_outcome(out: dict) -> tuple[str, str]:
 def _failed(e: Exception) -> State:
     log = get_run_logger()
     message = f"{type(e).__name__}: {e}"
-    if type(e).__name__ in USER_ERRORS:
+    if is_user_error(e):
         log.error("%s", message)
     else:
         log.exception("%s", message)
