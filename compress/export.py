@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
 # Part of the export stage's cache key: bump when the graph the exporter writes changes.
-EXPORT_FORMAT = 2
+EXPORT_FORMAT = 3
 
 
 class ExportError(RuntimeError):
@@ -47,7 +47,9 @@ class _DecoderWithPast(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, *past):
         from transformers.cache_utils import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
+        # No config: with one, sliding-window layers (Mistral, Gemma 2/3) keep only their last window of K/V,
+        # while this graph's contract is present = past + seq on every layer (the mask applies the window).
+        cache = DynamicCache()
         for i in range(self.num_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
         out = self.model(
