@@ -43,7 +43,9 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from compress import gqa_families as fams
 from compress.artifact import write_manifest
+from compress.gqa_families import GqaBuildError
 from compress.models import model_info
 
 log = logging.getLogger(__name__)
@@ -51,13 +53,9 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "model.onnx"
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
+SUPPORTED_FAMILIES = tuple(fams.FAMILIES)  # what differs per family: compress/gqa_families.py
 # Rope types whose frequencies do not depend on the sequence length, so one cos/sin table is exact.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-class GqaBuildError(ValueError):
-    """A model this builder cannot express as a GroupQueryAttention graph, phrased for the user."""
 
 
 def gqa_io_names(num_layers: int) -> dict[str, list[str]]:
@@ -75,27 +73,23 @@ def _rope_type(config) -> str:
 def check_supported(model) -> None:
     """Refuse architectures and options the graph would silently get wrong."""
     c = model.config
-    if c.model_type not in SUPPORTED_FAMILIES:
-        raise GqaBuildError(f"model_type {c.model_type!r}: the GQA builder supports {', '.join(SUPPORTED_FAMILIES)} "
-                            "(Llama-style decoders); use the standard export for other architectures")
+    fams.family_of(model)  # refuses other model_types, naming what they have that the builder does not write
     rope = _rope_type(c)
     if rope not in STATIC_ROPE_TYPES:
         raise GqaBuildError(f"rope type {rope!r} (config.rope_scaling / rope_parameters): the GQA builder supports "
                             f"{', '.join(STATIC_ROPE_TYPES)}; dynamic or length-dependent scalings need the standard export")
-    prf = getattr(c, "partial_rotary_factor", 1.0) or 1.0
+    prf = getattr(c, "partial_rotary_factor", None) or (getattr(c, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor") or 1.0
     if prf != 1.0:
         raise GqaBuildError(f"partial_rotary_factor {prf}: only full-head rotary is supported")
-    act = getattr(c, "hidden_act", "silu")
-    if act != "silu":
-        raise GqaBuildError(f"hidden_act {act!r}: only SwiGLU (silu) MLPs are supported")
+    fams.activation(c)  # SiLU or tanh-GELU gated MLPs
     if getattr(c, "mlp_bias", False):
         raise GqaBuildError("mlp_bias=True is not supported")
     layer0 = model.model.layers[0]
     if getattr(layer0.self_attn.o_proj, "bias", None) is not None:
         raise GqaBuildError("o_proj with a bias is not supported")
-    for n in ("q_norm", "k_norm"):
-        if hasattr(layer0.self_attn, n):
-            raise GqaBuildError(f"self_attn.{n} (Qwen3-style QK norm) is not supported on the CPU EP")
+    if getattr(c, "use_bidirectional_attention", False):
+        raise GqaBuildError("use_bidirectional_attention=True: GroupQueryAttention is causal")
 
 
 def _window(config) -> int:
@@ -124,12 +118,13 @@ def choose_exporter(model, requested: str) -> tuple[str, str]:
     return "gqa", f"auto: {model.config.model_type} fits the gqa builder (in-place KV, GroupQueryAttention)"
 
 
-def rope_tables(model, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, head_dim/2] from the model's own rotary module (includes attention_scaling)."""
+def rope_tables(model, max_positions: int, head_dim: int, layer_type: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, head_dim/2] from the model's own rotary module (includes attention_scaling);
+    layer_type for rotary modules with one table per layer type (Gemma 3)."""
     rot = model.model.rotary_emb
     pos = torch.arange(max_positions, dtype=torch.int64)[None]
     x = torch.zeros(1, dtype=torch.float32)
-    cos, sin = rot(x, pos)
+    cos, sin = rot(x, pos) if layer_type is None else rot(x, pos, layer_type)
     half = head_dim // 2
     # HF builds cat(freqs, freqs): the first half is the table GQA wants (non-interleaved rotation).
     return cos[0, :, :half].float().numpy().copy(), sin[0, :, :half].float().numpy().copy()
@@ -174,8 +169,8 @@ def _linear(g: _Graph, x: str, lin, module: str) -> str:
     return y
 
 
-def _rmsnorm(g: _Graph, x: str, norm, module: str, eps: float) -> str:
-    w = g.init(f"{module}.weight", _np(norm.weight))
+def _rmsnorm(g: _Graph, x: str, norm, module: str, eps: float, offset: float = 0.0) -> str:
+    w = g.init(f"{module}.weight", _np(norm.weight) + offset)  # offset 1: Gemma's (1 + w)
     path = "/" + module.replace(".", "/")
     (y,) = g.node("SimplifiedLayerNormalization", [x, w], [f"{path}/output_0"], f"{path}/SimplifiedLayerNormalization",
                   axis=-1, epsilon=float(eps), stash_type=1)
@@ -189,32 +184,48 @@ def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "
     Returns (logits tensor name, embedding initializer name).
     """
     c = model.config
+    fam = fams.family_of(model)
+    info = model_info(model)
+    H, KV, D = info["num_heads"], info["num_kv_heads"], info["head_dim"]
+    act = fams.activation(c)
     eps = float(getattr(c, "rms_norm_eps", 1e-6))
+    off = fam.norm_offset
     emb = g.init("model.embed_tokens.weight", _np(model.model.embed_tokens.weight))
     (x,) = g.node("Gather", [emb, "input_ids"], ["/model/embed_tokens/Gather_output_0"], "/model/embed_tokens/Gather",
                   module="model.embed_tokens")
+    if fam.embed_scale:
+        x = _embed_scale(g, x, c.hidden_size)
     for i, layer in enumerate(model.model.layers):
         pre = f"model.layers.{i}"
         a = layer.self_attn
-        h = _rmsnorm(g, x, layer.input_layernorm, f"{pre}.input_layernorm", eps)
-        q = _linear(g, h, a.q_proj, f"{pre}.self_attn.q_proj")
-        k = _linear(g, h, a.k_proj, f"{pre}.self_attn.k_proj")
-        v = _linear(g, h, a.v_proj, f"{pre}.self_attn.v_proj")
+        h = _rmsnorm(g, x, layer.input_layernorm, f"{pre}.input_layernorm", eps, off)
+        qp, kp, vp = fams.attn_linears(fam, layer, H, KV, D)
+        q = _linear(g, h, qp, f"{pre}.self_attn.q_proj")
+        k = _linear(g, h, kp, f"{pre}.self_attn.k_proj")
+        v = _linear(g, h, vp, f"{pre}.self_attn.v_proj")
+        if fam.qk_norm:  # per head, before the rotary GQA applies
+            q = _head_norm(g, q, a.q_norm, f"{pre}.self_attn.q_norm", eps, off, D)
+            k = _head_norm(g, k, a.k_norm, f"{pre}.self_attn.k_norm", eps, off, D)
         attn = attention(g, i, q, k, v)
         o = _linear(g, attn, a.o_proj, f"{pre}.self_attn.o_proj")
+        if fam.sandwich_norms:
+            o = _rmsnorm(g, o, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps, off)
         (x,) = g.node("Add", [x, o], [f"/model/layers/{i}/attn_residual_output_0"], f"/model/layers/{i}/attn_residual")
-        h = _rmsnorm(g, x, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps)
+        if fam.sandwich_norms:
+            h = _rmsnorm(g, x, layer.pre_feedforward_layernorm, f"{pre}.pre_feedforward_layernorm", eps, off)
+        else:
+            h = _rmsnorm(g, x, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps, off)
         mlp = layer.mlp
-        gate = _linear(g, h, mlp.gate_proj, f"{pre}.mlp.gate_proj")
-        up = _linear(g, h, mlp.up_proj, f"{pre}.mlp.up_proj")
-        mp = f"/model/layers/{i}/mlp"
-        (sg,) = g.node("Sigmoid", [gate], [f"{mp}/act_fn/Sigmoid_output_0"], f"{mp}/act_fn/Sigmoid")
-        (silu,) = g.node("Mul", [gate, sg], [f"{mp}/act_fn/Mul_output_0"], f"{mp}/act_fn/Mul")
-        (gu,) = g.node("Mul", [silu, up], [f"{mp}/Mul_output_0"], f"{mp}/Mul")
+        gp, upp = fams.mlp_linears(fam, layer)
+        gate = _linear(g, h, gp, f"{pre}.mlp.gate_proj")
+        up = _linear(g, h, upp, f"{pre}.mlp.up_proj")
+        gu = _gated(g, gate, up, act, f"/model/layers/{i}/mlp")
         down = _linear(g, gu, mlp.down_proj, f"{pre}.mlp.down_proj")
+        if fam.sandwich_norms:
+            down = _rmsnorm(g, down, layer.post_feedforward_layernorm, f"{pre}.post_feedforward_layernorm", eps, off)
         (x,) = g.node("Add", [x, down], [f"/model/layers/{i}/mlp_residual_output_0"], f"/model/layers/{i}/mlp_residual")
     x = select_positions(g, x)
-    h = _rmsnorm(g, x, model.model.norm, "model.norm", eps)
+    h = _rmsnorm(g, x, model.model.norm, "model.norm", eps, off)
     head = model.lm_head
     if getattr(head, "bias", None) is not None:
         raise GqaBuildError("lm_head with a bias is not supported")
@@ -223,8 +234,50 @@ def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "
         (wt,) = g.node("Transpose", [emb], ["/lm_head/Transpose_output_0"], "/lm_head/Transpose", perm=[1, 0])
     else:
         wt = g.init("lm_head.weight_t", _np(head.weight).T)
-    (logits,) = g.node("MatMul", [h, wt], [logits_name], "/lm_head/MatMul", module="lm_head")
+    cap = float(getattr(c, "final_logit_softcapping", None) or 0.0)
+    (logits,) = g.node("MatMul", [h, wt], ["/lm_head/MatMul_output_0" if cap else logits_name], "/lm_head/MatMul",
+                       module="lm_head")
+    if cap:  # Gemma 2: cap * tanh(logits / cap)
+        logits = _softcap(g, logits, cap, logits_name)
     return logits, emb
+
+
+def _embed_scale(g: _Graph, x: str, hidden: int) -> str:
+    """Gemma scales embeddings by sqrt(hidden) (a Mul, not folded: a tied lm_head reads the same table).
+    HF rounds the factor to the weights' dtype first; fp32 here."""
+    s = g.init("/model/embed_scale", np.array(np.float32(hidden ** 0.5)))
+    (x,) = g.node("Mul", [x, s], ["/model/embed_tokens/Mul_output_0"], "/model/embed_tokens/Mul")
+    return x
+
+
+def _head_norm(g: _Graph, x: str, norm, module: str, eps: float, offset: float, head_dim: int) -> str:
+    """QK-norm: RMSNorm over each head of a [b, s, heads*head_dim] projection."""
+    path = "/" + module.replace(".", "/")
+    heads = g.init(f"{path}/heads_shape", np.array([0, 0, -1, head_dim], np.int64))
+    flat = g.init(f"{path}/flat_shape", np.array([0, 0, -1], np.int64))
+    (y,) = g.node("Reshape", [x, heads], [f"{path}/Reshape_output_0"], f"{path}/Reshape")
+    y = _rmsnorm(g, y, norm, module, eps, offset)
+    (y,) = g.node("Reshape", [y, flat], [f"{path}/Reshape_1_output_0"], f"{path}/Reshape_1")
+    return y
+
+
+def _gated(g: _Graph, gate: str, up: str, act: str, mp: str) -> str:
+    """act(gate) * up: SiLU (Llama, Qwen, Mistral, Phi-3) or tanh-approximated GELU (Gemma)."""
+    if act == "gelu_tanh":
+        (a,) = g.node("FastGelu", [gate], [f"{mp}/act_fn/FastGelu_output_0"], f"{mp}/act_fn/FastGelu", domain=MS_DOMAIN)
+    else:
+        (sg,) = g.node("Sigmoid", [gate], [f"{mp}/act_fn/Sigmoid_output_0"], f"{mp}/act_fn/Sigmoid")
+        (a,) = g.node("Mul", [gate, sg], [f"{mp}/act_fn/Mul_output_0"], f"{mp}/act_fn/Mul")
+    (gu,) = g.node("Mul", [a, up], [f"{mp}/Mul_output_0"], f"{mp}/Mul")
+    return gu
+
+
+def _softcap(g: _Graph, x: str, cap: float, out: str) -> str:
+    c = g.init("/lm_head/softcap", np.array(np.float32(cap)))
+    (y,) = g.node("Div", [x, c], ["/lm_head/softcap/Div_output_0"], "/lm_head/softcap/Div")
+    (y,) = g.node("Tanh", [y], ["/lm_head/softcap/Tanh_output_0"], "/lm_head/softcap/Tanh")
+    (y,) = g.node("Mul", [y, c], [out], "/lm_head/softcap/Mul")
+    return y
 
 
 def _model(g: _Graph, inputs, outputs, name: str) -> onnx.ModelProto:
@@ -235,6 +288,25 @@ def _model(g: _Graph, inputs, outputs, name: str) -> onnx.ModelProto:
     return m
 
 
+def _layer_attention(model, g: _Graph, max_positions: int, head_dim: int) -> list[tuple[str, str, dict]]:
+    """Per layer (cos_cache, sin_cache, GQA attributes): window, soft-cap and scale by layer type; one
+    cos/sin table per distinct RoPE (Gemma 3's sliding layers use another base)."""
+    c = model.config
+    out, tables = [], {}
+    for i, layer_type in enumerate(fams.layer_types(c)):
+        rope_key = fams.rope_layer_type(model, layer_type)
+        if rope_key not in tables:
+            cos, sin = rope_tables(model, max_positions, head_dim, rope_key)
+            sfx = "" if rope_key is None else f"_{rope_key}"
+            tables[rope_key] = (g.init(f"cos_cache{sfx}", cos), g.init(f"sin_cache{sfx}", sin))
+        kw = dict(scale=float(getattr(model.model.layers[i].self_attn, "scaling", head_dim ** -0.5)),
+                  local_window_size=fams.layer_window(c, layer_type))
+        if fams.softcap(c):
+            kw["softcap"] = fams.softcap(c)
+        out.append((*tables[rope_key], kw))
+    return out
+
+
 def build_gqa_model(model, max_positions: int | None = None) -> onnx.ModelProto:
     """The decoder as an in-memory ONNX model (weights fp32 inside)."""
     check_supported(model)
@@ -243,23 +315,20 @@ def build_gqa_model(model, max_positions: int | None = None) -> onnx.ModelProto:
     L, H, KV, D = info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]
     vocab = info["vocab_size"]
     max_positions = int(max_positions or info["max_positions"])
-    window = _window(model.config)
-    scale = float(getattr(model.model.layers[0].self_attn, "scaling", D ** -0.5))
     g = _Graph()
     names = gqa_io_names(L)
-    cos, sin = rope_tables(model, max_positions, D)
-    g.init("cos_cache", cos)
-    g.init("sin_cache", sin)
+    attrs = _layer_attention(model, g, max_positions, D)
 
     def attention(g: _Graph, i: int, q: str, k: str, v: str) -> str:
         path = f"/model/layers/{i}/self_attn"
+        cos, sin, kw = attrs[i]
         out, _, _ = g.node(
             "GroupQueryAttention",
             [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k", "total_sequence_length",
-             "cos_cache", "sin_cache"],
+             cos, sin],
             [f"{path}/GroupQueryAttention_output_0", f"present.{i}.key", f"present.{i}.value"],
             f"{path}/GroupQueryAttention", domain=MS_DOMAIN,
-            num_heads=H, kv_num_heads=KV, do_rotary=1, rotary_interleaved=0, scale=scale, local_window_size=window)
+            num_heads=H, kv_num_heads=KV, do_rotary=1, rotary_interleaved=0, **kw)
         return out
 
     def last_positions(g: _Graph, x: str) -> str:
@@ -307,6 +376,9 @@ def build_paged_model(model, num_blocks_dim: str = "num_blocks", block_size: int
     Unverified here (no GPU was available when this was written): see docs/gqa.md.
     """
     check_supported(model)
+    if model.config.model_type not in ("llama", "mistral", "qwen2"):
+        raise GqaBuildError(f"model_type {model.config.model_type!r}: the paged layout is built for llama, mistral "
+                            "and qwen2 only (per-layer windows, soft-capping and QK-norm are written for gqa)")
     if dtype not in ("float16",):
         raise GqaBuildError(f"paged dtype {dtype!r}: only float16 is built (PagedAttention takes fp16/bf16)")
     model = model.float().eval()
