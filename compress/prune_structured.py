@@ -1,4 +1,10 @@
-"""Structured pruning of Llama-family decoders: MLP neurons, KV-head groups and whole layers.
+"""Structured pruning of Llama-style decoders: MLP neurons, KV-head groups and whole layers.
+
+Families (``SUPPORTED_MODEL_TYPES``): Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3. QK-norm weights
+(Qwen3, Gemma 3) are per head dimension and shared by the heads, so cutting heads leaves them alone;
+Gemma's extra norms act on the hidden size, which pruning keeps; Phi-3's fused ``qkv_proj`` and
+``gate_up_proj`` are cut by slicing the rows of each part. Other families are refused naming why
+(``REFUSED``).
 
 Also home of the helpers the other pruning modules share (architecture check,
 layer access, calibration loss), so the import graph stays one-way:
@@ -43,9 +49,20 @@ import numpy as np
 import torch
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+# Phi-3 fuses q/k/v and gate/up into one Linear each.
+FUSED_ATTN_LINEARS = ("qkv_proj", "o_proj")
+FUSED_MLP_LINEARS = ("gate_up_proj", "down_proj")
+FUSED_MODEL_TYPES = ("phi3",)
+REFUSED = {
+    "gpt_neox": "its layers are gpt_neox.layers with a head-interleaved fused query_key_value (MHA: a head is "
+                "its own KV group), dense_h_to_4h/dense_4h_to_h MLPs and a parallel residual; this module "
+                "cuts model.model.layers of Llama-style decoders only",
+    "gpt2": "its Conv1D c_attn/c_proj/c_fc are [in, out] fused matrices under transformer.h; this module "
+            "cuts model.model.layers of Llama-style decoders only",
+}
 # Kept MLP widths are rounded to this multiple (when the original width is one) for kernel-friendly shapes
 # and so that 2:4 sparsity can follow a structured prune.
 NEURON_MULTIPLE = 8
@@ -68,23 +85,45 @@ def check_supported(model) -> None:
     """Raise UnsupportedArchitectureError unless model is a Llama-family causal LM we can cut."""
     mt = getattr(getattr(model, "config", None), "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
+        why = f" ({REFUSED[mt]})" if mt in REFUSED else ""
         raise UnsupportedArchitectureError(
-            f"pruning does not support {architecture_name(model)}: only Llama-family decoders "
-            f"(model_type {', '.join(SUPPORTED_MODEL_TYPES)}; SmolLM is llama) are supported. "
+            f"pruning does not support {architecture_name(model)}{why}: supported are Llama-style decoders "
+            f"(model_type {', '.join(SUPPORTED_MODEL_TYPES)}; SmolLM is llama). "
             f"Set prune.enabled=false for this model."
         )
+    attn_names, mlp_names = linear_names(model)
     try:
         layers = decoder_layers(model)
         for layer in layers:
-            for n in ATTN_LINEARS:
+            for n in attn_names:
                 assert isinstance(getattr(layer.self_attn, n), nn.Linear)
-            for n in MLP_LINEARS:
+            for n in mlp_names:
                 assert isinstance(getattr(layer.mlp, n), nn.Linear)
     except (AttributeError, AssertionError):
         raise UnsupportedArchitectureError(
-            f"pruning expected model.model.layers[i].self_attn.{{q,k,v,o}}_proj and .mlp.{{gate,up,down}}_proj "
+            f"pruning expected model.model.layers[i].self_attn.{attn_names} and .mlp.{mlp_names} "
             f"as nn.Linear in {architecture_name(model)}; this checkpoint's modules differ (quantized or custom code?)"
         ) from None
+
+
+def linear_names(model) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(attention, MLP) Linear names of a layer: Phi-3's are fused."""
+    if getattr(model.config, "model_type", None) in FUSED_MODEL_TYPES:
+        return FUSED_ATTN_LINEARS, FUSED_MLP_LINEARS
+    return ATTN_LINEARS, MLP_LINEARS
+
+
+def _up_weight(layer) -> torch.Tensor:
+    if hasattr(layer.mlp, "gate_up_proj"):
+        w = layer.mlp.gate_up_proj.weight
+        return w[w.shape[0] // 2:]
+    return layer.mlp.up_proj.weight
+
+
+def _v_weight(layer, n_kv: int, hd: int) -> torch.Tensor:
+    if hasattr(layer.self_attn, "qkv_proj"):
+        return layer.self_attn.qkv_proj.weight[-n_kv * hd:]
+    return layer.self_attn.v_proj.weight
 
 
 def decoder_layers(model) -> nn.ModuleList:
@@ -151,10 +190,10 @@ def _weight_norm_scores(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     n_kv, n_rep, hd = kv_geometry(model)
     neurons, groups = [], []
     for layer in decoder_layers(model):
-        down, up = layer.mlp.down_proj.weight.float(), layer.mlp.up_proj.weight.float()
+        down, up = layer.mlp.down_proj.weight.float(), _up_weight(layer).float()
         neurons.append(down.norm(dim=0) * up.norm(dim=1))
         o = layer.self_attn.o_proj.weight.float().reshape(-1, n_kv, n_rep * hd)  # [hidden, group, k]
-        v = layer.self_attn.v_proj.weight.float().reshape(n_kv, hd, -1)
+        v = _v_weight(layer, n_kv, hd).float().reshape(n_kv, hd, -1)
         groups.append(o.norm(dim=(0, 2)) * v.norm(dim=(1, 2)))
     return neurons, groups
 
@@ -351,22 +390,34 @@ def apply_plan(model, plan: StructuredPlan) -> None:
     for i in plan.kept_layers:
         layer = layers[i]
         if i in plan.keep_neurons:
-            idx = torch.tensor(plan.keep_neurons[i], dtype=torch.long, device=layer.mlp.up_proj.weight.device)
-            layer.mlp.gate_proj = _sliced_linear(layer.mlp.gate_proj, out_idx=idx)
-            layer.mlp.up_proj = _sliced_linear(layer.mlp.up_proj, out_idx=idx)
+            idx = torch.tensor(plan.keep_neurons[i], dtype=torch.long, device=layer.mlp.down_proj.weight.device)
+            if hasattr(layer.mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
+                rows = torch.cat([idx, idx + plan.intermediate_size])
+                layer.mlp.gate_up_proj = _sliced_linear(layer.mlp.gate_up_proj, out_idx=rows)
+            else:
+                layer.mlp.gate_proj = _sliced_linear(layer.mlp.gate_proj, out_idx=idx)
+                layer.mlp.up_proj = _sliced_linear(layer.mlp.up_proj, out_idx=idx)
             layer.mlp.down_proj = _sliced_linear(layer.mlp.down_proj, in_idx=idx)
             if hasattr(layer.mlp, "intermediate_size"):
                 layer.mlp.intermediate_size = len(idx)
         if i in plan.keep_groups:
             g = plan.keep_groups[i]
-            dev = layer.self_attn.q_proj.weight.device
+            dev = layer.self_attn.o_proj.weight.device
             q_rows = _group_rows(g, n_rep * hd).to(dev)
             kv_rows = _group_rows(g, hd).to(dev)
             att = layer.self_attn
-            att.q_proj = _sliced_linear(att.q_proj, out_idx=q_rows)
-            att.k_proj = _sliced_linear(att.k_proj, out_idx=kv_rows)
-            att.v_proj = _sliced_linear(att.v_proj, out_idx=kv_rows)
+            if hasattr(att, "qkv_proj"):  # Phi-3: rows [q | k | v]
+                q_size, kv_size = plan.num_kv_heads * n_rep * hd, plan.num_kv_heads * hd
+                rows = torch.cat([q_rows, kv_rows + q_size, kv_rows + q_size + kv_size])
+                att.qkv_proj = _sliced_linear(att.qkv_proj, out_idx=rows)
+            else:
+                att.q_proj = _sliced_linear(att.q_proj, out_idx=q_rows)
+                att.k_proj = _sliced_linear(att.k_proj, out_idx=kv_rows)
+                att.v_proj = _sliced_linear(att.v_proj, out_idx=kv_rows)
             att.o_proj = _sliced_linear(att.o_proj, in_idx=q_rows)
+            for name in ("num_heads", "num_key_value_heads"):  # modules that cache their head counts (Phi-3)
+                if isinstance(getattr(att, name, None), int):
+                    setattr(att, name, len(g) * (n_rep if name == "num_heads" else 1))
     kept = [layers[i] for i in plan.kept_layers]
     for new_idx, layer in enumerate(kept):
         layer.self_attn.layer_idx = new_idx

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from compress.prune_structured import ATTN_LINEARS, MLP_LINEARS, decoder_layers
+from compress.prune_structured import decoder_layers, linear_names
 
 Masks = dict[str, torch.Tensor]
 
@@ -35,10 +35,11 @@ def prunable_weights(model, protected: set[int] | None = None) -> dict[str, tupl
     """{parameter name: (layer index, 'attn'|'mlp', weight)} for the linear weights of unprotected layers."""
     out = {}
     protected = protected or set()
+    attn_names, mlp_names = linear_names(model)  # Phi-3's are fused
     for i, layer in enumerate(decoder_layers(model)):
         if i in protected:
             continue
-        for group, mod, names in (("attn", layer.self_attn, ATTN_LINEARS), ("mlp", layer.mlp, MLP_LINEARS)):
+        for group, mod, names in (("attn", layer.self_attn, attn_names), ("mlp", layer.mlp, mlp_names)):
             for n in names:
                 sub = "self_attn" if group == "attn" else "mlp"
                 out[f"model.layers.{i}.{sub}.{n}.weight"] = (i, group, getattr(mod, n).weight)
