@@ -45,8 +45,21 @@ VARIANTS: dict[str, dict] = {
     "wanda50_protected": dict(method="unstructured", sparsity=0.5, unstructured_score="wanda"),
     "2to4_wanda": dict(method="unstructured", sparsity=0.5, pattern="2:4", unstructured_score="wanda",
                        protected_layers=[]),
+    # Reconstruction (compress/prune_reconstruct.py): one-shot, the same cuts with and without the re-fit.
+    "mlp12": dict(method="structured", mlp_ratio=0.125),
+    "mlp12_rec": dict(method="structured", mlp_ratio=0.125, reconstruct=True),
+    "mlp25": dict(method="structured", mlp_ratio=0.25),
+    "mlp25_rec": dict(method="structured", mlp_ratio=0.25, reconstruct=True),
+    "mlp25_rec_teacher": dict(method="structured", mlp_ratio=0.25, reconstruct=True, reconstruct_inputs="teacher"),
+    "mlp25_rec_r0": dict(method="structured", mlp_ratio=0.25, reconstruct=True, reconstruct_ridge=0.0),
+    "mlp25_rec_r0.01": dict(method="structured", mlp_ratio=0.25, reconstruct=True, reconstruct_ridge=0.01),
+    "mlp25_rec_r0.2": dict(method="structured", mlp_ratio=0.25, reconstruct=True, reconstruct_ridge=0.2),
+    "mlp37": dict(method="structured", mlp_ratio=0.375),
+    "mlp37_rec": dict(method="structured", mlp_ratio=0.375, reconstruct=True),
+    "mlp25_kv1_rec": dict(method="structured", mlp_ratio=0.25, head_ratio=0.34, reconstruct=True),
 }
-BASE = dict(enabled=True, head_ratio=0.0, layer_ratio=0.0, sensitivity_blocks=8)
+# reconstruct off unless a variant says so: the rows above it were measured before it existed.
+BASE = dict(enabled=True, head_ratio=0.0, layer_ratio=0.0, sensitivity_blocks=8, reconstruct=False)
 # One scan covers every group the variants use.
 SCAN = dict(enabled=True, method="both", mlp_ratio=0.25, head_ratio=0.34, sparsity=0.5, sensitivity_blocks=8)
 
@@ -130,6 +143,7 @@ def run_variant(name, model, tok, splits, ev: EvalSet, teacher_ppl, export: bool
         "ppl_before": teacher_ppl, "ppl_after": ppl, "kl": agree["kl"], "top1_agreement": agree["top1_agreement"],
         "fp32_mib": rep.params_after * 4 / 2**20, "drop_layers": rep.removed.get("drop_layers", []),
         "loadavg": os.getloadavg()[0],
+        "reconstruction": rep.reconstruction.metrics() if rep.reconstruction is not None else None,
     }
     if export:
         res.update(export_check(student, tok, splits, OUT / f"{name}-onnx"))

@@ -117,6 +117,15 @@ class PruneConfig(Section):
     # Run the per-layer sensitivity scan (ranks layers to drop, drives allocation=sensitivity) on this many calib blocks.
     sensitivity: bool = True
     sensitivity_blocks: int = Field(8, ge=1)
+    # After a structured cut, re-fit each cut layer's o_proj / down_proj by ridge least squares on the calib
+    # blocks so its output stays the teacher's (compress/prune_reconstruct.py; one-shot figures in docs/pruning.md).
+    reconstruct: bool = True
+    # The ridge pulls each kept column toward its plainly cut weight, relative to that input's energy
+    # (0 = plain least squares; large = no reconstruction).
+    reconstruct_ridge: float = Field(0.05, ge=0)
+    # student = fit on the cut student's own activations layer by layer (also corrects earlier layers' loss);
+    # teacher = on the teacher's activations (one pass, no error correction).
+    reconstruct_inputs: Literal["student", "teacher"] = "student"
 
 
 class DistillConfig(Section):

@@ -37,6 +37,7 @@ from compress.prune_structured import (
     mask_plan,
     normalize_layers,
 )
+from compress.prune_reconstruct import ReconstructionReport, reconstruct
 from compress.prune_unstructured import (
     Masks,
     apply_masks,
@@ -85,6 +86,7 @@ class PruneReport:
     seconds: float
     importance: str | None = None
     plan: StructuredPlan | None = None
+    reconstruction: ReconstructionReport | None = None  # prune.reconstruct: the re-fit's per-layer errors
     # unstructured
     target_sparsity: float = 0.0
     pattern: str = "none"
@@ -118,6 +120,8 @@ class PruneReport:
             m[f"prune_{k}_before"] = float(v)
         for k, v in self.shape_after.items():
             m[f"prune_{k}_after"] = float(v)
+        if self.reconstruction is not None:
+            m.update(self.reconstruction.metrics())
         if self.method in ("unstructured", "both"):
             m["prune_target_sparsity"] = float(self.target_sparsity)
             m["prune_sparsity"] = float(self.sparsity)
@@ -143,6 +147,7 @@ class PruneReport:
             "layer_sparsity": {str(k): v for k, v in self.layer_sparsity.items()},
             "matrix_sparsity": self.matrix_sparsity,
             "seconds": self.seconds,
+            "reconstruction": self.reconstruction.to_dict() if self.reconstruction is not None else None,
         }
 
 
@@ -208,6 +213,9 @@ def prune_model(model, calib_blocks: np.ndarray, cfg, sensitivity: SensitivityRe
             log.warning("prune.head_ratio %s removes no KV group of %d (rounds to 0); no heads pruned",
                         cfg.head_ratio, plan.num_kv_heads)
         apply_plan(student, plan)
+        if cfg.reconstruct:
+            report.reconstruction = reconstruct(model, student, plan, calib_blocks, cfg.reconstruct_ridge,
+                                                cfg.reconstruct_inputs, batch_size)
         report.plan = plan
         report.importance = cfg.importance
         # Protected indices refer to the original layers; carry them to the new numbering.

@@ -27,8 +27,9 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 
 
 def _cfg(**kw) -> PruneConfig:
+    # reconstruct off: these tests check the cut itself (tests/test_prune_reconstruct.py checks the re-fit).
     base = dict(enabled=True, method="structured", mlp_ratio=0.0, head_ratio=0.0, layer_ratio=0.0,
-                protected_layers=[], sensitivity_blocks=4)
+                protected_layers=[], sensitivity_blocks=4, reconstruct=False)
     base.update(kw)
     return PruneConfig(**base)
 
