@@ -31,6 +31,8 @@ HIST_BINS = 2048
 _ROLE_GROUP = {
     "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
     "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down",
+    # packed by compress/graph_fusion.py (the gqa graph's q/k/v is one MatMul)
+    "qkv_proj": "qkv", "gate_up_proj": "gate_up",
 }
 
 

@@ -45,6 +45,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compress import gqa_families as fams
 from compress.artifact import write_manifest
+from compress.graph_fusion import fuse_decoder
 from compress.gqa_families import GqaBuildError
 from compress.models import model_info
 
@@ -307,8 +308,12 @@ def _layer_attention(model, g: _Graph, max_positions: int, head_dim: int) -> lis
     return out
 
 
-def build_gqa_model(model, max_positions: int | None = None) -> onnx.ModelProto:
-    """The decoder as an in-memory ONNX model (weights fp32 inside)."""
+def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True) -> onnx.ModelProto:
+    """The decoder as an in-memory ONNX model (weights fp32 inside).
+
+    fuse: residual Add + RMSNorm as SkipSimplifiedLayerNormalization and q/k/v as one packed MatMul into
+    GroupQueryAttention (compress/graph_fusion.py; the same logits, fewer and larger kernels per step).
+    """
     check_supported(model)
     model = model.float().eval()
     info = model_info(model)
@@ -352,7 +357,10 @@ def build_gqa_model(model, max_positions: int | None = None) -> onnx.ModelProto:
     inputs.append(helper.make_tensor_value_info("logits_to_keep", i64, [1]))
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "seq", vocab])]
     outputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "present_len", D]) for n in names["outputs"][1:]]
-    return _model(g, inputs, outputs, "gqa_decoder")
+    m = _model(g, inputs, outputs, "gqa_decoder")
+    if fuse:
+        fuse_decoder(m, qkv_only=True)
+    return m
 
 
 def paged_io_names(num_layers: int) -> dict[str, list[str]]:

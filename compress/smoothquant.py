@@ -162,8 +162,10 @@ def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict
         st = stats.get(tensor)
         prod = producer.get(tensor)
         # Mul: the standard graph's decomposed RMSNorm (x * rsqrt * gamma) or the MLP's act * up;
-        # SimplifiedLayerNormalization: the gqa graph's fused RMSNorm, gamma on input 1.
-        if st is None or prod is None or prod.op_type not in ("Mul", "SimplifiedLayerNormalization"):
+        # SimplifiedLayerNormalization: the gqa graph's fused RMSNorm, gamma on input 1; its
+        # SkipSimplifiedLayerNormalization (residual add + RMSNorm, compress/graph_fusion.py), gamma on input 2.
+        if st is None or prod is None or prod.op_type not in ("Mul", "SimplifiedLayerNormalization",
+                                                              "SkipSimplifiedLayerNormalization"):
             continue
         group_nodes = {l.node for l in group}
         # every reader of x must be one of the smoothed linears, or it would see x / s

@@ -1,0 +1,78 @@
+"""compress/graph_fusion.py: the fused gqa graph (SkipSimplifiedLayerNormalization, packed q/k/v into GQA)
+and the packed MatMulNBits after weight-only INT8 give the logits and greedy tokens of the unfused graphs."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import numpy as np
+import pytest
+
+from compress.artifact import read_manifest
+from compress.gqa_builder import build_gqa_artifact, build_gqa_model
+from compress.gqa_lm import GqaLM
+
+
+def _ops(m) -> collections.Counter:
+    return collections.Counter(n.op_type for n in m.graph.node)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 512, size=int(rng.integers(4, 40))).tolist() for _ in range(n)]
+
+
+def _compare(a: GqaLM, b: GqaLM, prompts: list[list[int]], new_tokens: int = 12) -> float:
+    """Max |logit difference| over prefill positions; asserts equal greedy continuations."""
+    worst = 0.0
+    for p in prompts:
+        worst = max(worst, float(np.abs(a.logits(p) - b.logits(p)).max()))
+        assert a.greedy(p, new_tokens) == b.greedy(p, new_tokens)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def fused_artifact(tiny, tmp_path_factory):
+    model, tok = tiny
+    out = tmp_path_factory.mktemp("fusion") / "fp32"
+    build_gqa_artifact(model, tok, out)
+    return out
+
+
+def test_fused_gqa_graph_equals_unfused(tiny, fused_artifact):
+    model, _ = tiny
+    L = model.config.num_hidden_layers
+    manifest = read_manifest(fused_artifact)
+    plain, fused = build_gqa_model(model, fuse=False), build_gqa_model(model)
+    po, fo = _ops(plain), _ops(fused)
+    # every residual Add that feeds an RMSNorm is fused (the last one feeds the logits Slice, not the norm)
+    assert fo["SkipSimplifiedLayerNormalization"] == 2 * L - 1
+    assert fo["Add"] == po["Add"] - (2 * L - 1)
+    assert fo["MatMul"] == po["MatMul"] - 2 * L  # q, k, v -> one per layer
+    gqa = [n for n in fused.graph.node if n.op_type == "GroupQueryAttention"]
+    assert all(n.input[0].endswith("qkv_proj/MatMul_output_0") and n.input[1] == n.input[2] == "" for n in gqa)
+    worst = _compare(GqaLM.from_model(plain, manifest), GqaLM(fused_artifact), _prompts(3, seed=5))
+    print(f"max |fused - unfused| logits: {worst:.2e}")
+    assert worst < 1e-4
+
+
+def test_packed_matmulnbits_equals_unpacked(fused_artifact):
+    """Weight-only INT8, then gate/up packed into one MatMulNBits + Split: the same numbers (per-column kernels)."""
+    import onnx
+
+    from compress.calibration import find_linears
+    from compress.graph_fusion import pack_siblings
+    from compress.quant_graph import weight_only
+
+    manifest = read_manifest(fused_artifact)
+    base = onnx.load(str(fused_artifact / "model.onnx"))
+    q = weight_only(base, find_linears(base), block_size=16, accuracy_level=4)
+    packed = copy.deepcopy(q)
+    assert pack_siblings(packed) == manifest["num_layers"]  # gate/up per layer (q/k/v came packed)
+    ops = _ops(packed)
+    assert ops["Split"] == manifest["num_layers"]
+    assert ops["MatMulNBits"] == _ops(q)["MatMulNBits"] - manifest["num_layers"]
+    worst = _compare(GqaLM.from_model(q, manifest), GqaLM.from_model(packed, manifest), _prompts(2, seed=6))
+    print(f"max |packed - unpacked| logits (weight-only INT8): {worst:.2e}")
+    assert worst < 1e-4
