@@ -111,36 +111,41 @@ def _capture_inputs(module: torch.nn.Module, sink: list) -> torch.utils.hooks.Re
 
 
 def _run_layer(layer, h: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-    kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-    out = layer(h, *args[1:], **kw)
+    out = layer(h, *args, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
 
-def _layer_inputs(model, blocks: np.ndarray, batch_size: int) -> list[tuple[torch.Tensor, tuple, dict]]:
-    """Per batch: (hidden state entering layer 0, its other args, kwargs: position embeddings, mask ...)."""
+def _layer_inputs(model, blocks: np.ndarray, batch_size: int) -> tuple[list[torch.Tensor], list[list[tuple]]]:
+    """Per batch: the hidden state entering layer 0, and per layer its other args and kwargs.
+
+    Recorded per layer because families differ by layer: Gemma and Qwen2 give sliding-window layers
+    another mask, Gemma 3 its local layers other rotary embeddings.
+    """
     layers = decoder_layers(model)
     dev = next(model.parameters()).device
-    out: list[tuple[torch.Tensor, tuple, dict]] = []
+    h0: list[torch.Tensor] = []
+    per_batch: list[list[tuple]] = []
+    captured: dict[int, tuple] = {}
 
-    class _Stop(Exception):
-        pass
+    def pre(i):
+        def fn(mod, args, kwargs):
+            kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            if i == 0:
+                h0.append((args[0] if args else kwargs["hidden_states"]).detach())
+            captured[i] = (tuple(args[1:]), kw)
+        return fn
 
-    def pre(mod, args, kwargs):
-        h = args[0] if args else kwargs["hidden_states"]
-        out.append((h.detach(), args, dict(kwargs)))
-        raise _Stop  # nothing after layer 0's input is needed
-
-    hook = layers[0].register_forward_pre_hook(pre, with_kwargs=True)
+    hooks = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
         for s in range(0, len(blocks), batch_size):
             x = torch.as_tensor(blocks[s : s + batch_size], dtype=torch.long, device=dev)
-            try:
-                model(input_ids=x, use_cache=False)
-            except _Stop:
-                pass
+            captured.clear()
+            model(input_ids=x, use_cache=False)
+            per_batch.append([captured[i] for i in range(len(layers))])
     finally:
-        hook.remove()
-    return out
+        for h in hooks:
+            h.remove()
+    return h0, per_batch
 
 
 def _projections(plan: StructuredPlan, teacher_idx: int, n_rep: int, hd: int) -> list[tuple[str, torch.Tensor]]:
@@ -173,10 +178,10 @@ def reconstruct(teacher, student, plan: StructuredPlan, blocks: np.ndarray, ridg
         raise ValueError("reconstruct: the student is not the teacher cut by this plan (layer counts differ)")
     teacher.eval()
     student.eval()
-    # Both models share embeddings, rotary and mask, so layer 0's inputs serve both.
-    batches = _layer_inputs(teacher, blocks, batch_size)
-    h_t = [b[0] for b in batches]
-    h_s = [b[0] for b in batches]
+    # Both models share embeddings, rotary and masks, so the teacher's layer inputs serve both
+    # (a student layer gets those of the teacher layer it was cut from).
+    h0, per_batch = _layer_inputs(teacher, blocks, batch_size)
+    h_t, h_s = list(h0), list(h0)
     s_idx = {old: new for new, old in enumerate(plan.kept_layers)}
     for i, t_layer in enumerate(t_layers):
         projs = _projections(plan, i, plan.n_rep, plan.head_dim) if i in s_idx else []
@@ -184,7 +189,7 @@ def reconstruct(teacher, student, plan: StructuredPlan, blocks: np.ndarray, ridg
         t_in: dict[str, list[torch.Tensor]] = {name: [] for name, _ in projs}
         hooks = [_capture_inputs(t_layer.get_submodule(name), t_in[name]) for name, _ in projs]
         try:
-            h_t_next = [_run_layer(t_layer, h, a, kw) for h, (_, a, kw) in zip(h_t, batches)]
+            h_t_next = [_run_layer(t_layer, h, *pb[i]) for h, pb in zip(h_t, per_batch)]
         finally:
             for hk in hooks:
                 hk.remove()
@@ -202,8 +207,8 @@ def reconstruct(teacher, student, plan: StructuredPlan, blocks: np.ndarray, ridg
                 s_in: list[torch.Tensor] = []
                 hk = _capture_inputs(s_proj, s_in)
                 try:
-                    for h, (_, a, kw) in zip(h_s, batches):
-                        _run_layer(s_layer, h, a, kw)
+                    for h, pb in zip(h_s, per_batch):
+                        _run_layer(s_layer, h, *pb[i])
                 finally:
                     hk.remove()
                 for x_t, x_s in zip(t_in[name], s_in):
@@ -212,7 +217,7 @@ def reconstruct(teacher, student, plan: StructuredPlan, blocks: np.ndarray, ridg
             s_proj.weight.copy_(w)
             report.rows.append({"layer": s_idx[i], "proj": name.split(".")[-1], "rel_err_cut": e_cut,
                                 "rel_err_refit": e_new})
-        h_s = [_run_layer(s_layer, h, a, kw) for h, (_, a, kw) in zip(h_s, batches)]
+        h_s = [_run_layer(s_layer, h, *pb[i]) for h, pb in zip(h_s, per_batch)]
         h_t = h_t_next
     report.seconds = time.perf_counter() - t0
     log.info("reconstruction: %d projections re-fitted in %.1f s, mean rel. error %.4f -> %.4f",
