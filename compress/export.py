@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
 # Part of the export stage's cache key: bump when the graph the exporter writes changes.
-EXPORT_FORMAT = 3
+EXPORT_FORMAT = 4
 
 
 class ExportError(RuntimeError):
@@ -47,6 +47,8 @@ class _DecoderWithPast(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, *past):
         from transformers.cache_utils import DynamicCache
 
+        mask = _position_masks(self.model.config, attention_mask, position_ids)
+
         # No config: with one, sliding-window layers (Mistral, Gemma 2/3) keep only their last window of K/V,
         # while this graph's contract is present = past + seq on every layer (the mask applies the window).
         cache = DynamicCache()
@@ -54,7 +56,7 @@ class _DecoderWithPast(nn.Module):
             cache.update(past[2 * i], past[2 * i + 1], i)
         out = self.model(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=attention_mask if mask is None else mask,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
@@ -63,6 +65,34 @@ class _DecoderWithPast(nn.Module):
         for layer in out.past_key_values.layers:
             flat += [layer.keys, layer.values]
         return (out.logits, *flat)
+
+
+def _position_masks(config, attention_mask, position_ids):
+    """Sliding-window models: 4D additive masks that apply the window by token *positions*, or None.
+
+    HF's own sliding mask compares slot indices, which equal positions only without padding. The standard
+    runner (serve/runner.py) keeps each row's past at slots [0, len) followed by stale padding and appends
+    the new tokens after it, so a slot-based window would cover padding and drop real tokens. Here a key's
+    position is the count of valid slots before it (cumsum(attention_mask) - 1), a query's is position_ids:
+    right (stale) padding, left padding and no padding all give the unpadded batch-1 result.
+    Returns {layer type: mask} for models that take a mapping (Qwen2/3, Gemma 2/3), the sliding mask for
+    those that apply one window to every layer (Mistral, Phi-3), None for models without a window.
+    """
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or []
+    if not window or (types and "sliding_attention" not in types) or \
+            (not types and not getattr(config, "use_sliding_window", True)):
+        return None
+    kpos = torch.cumsum(attention_mask, dim=-1) - 1  # [b, total]
+    q = position_ids[:, None, :, None]  # [b, 1, seq, 1]
+    k = kpos[:, None, None, :]  # [b, 1, 1, total]
+    valid = (attention_mask[:, None, None, :] > 0) & (k <= q)
+    neg = torch.finfo(torch.float32).min
+    full = torch.where(valid, 0.0, neg).to(torch.float32)
+    sliding = torch.where(valid & (k > q - int(window)), 0.0, neg).to(torch.float32)
+    if config.model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
+        return {"full_attention": full, "sliding_attention": sliding}
+    return sliding
 
 
 @dataclass
