@@ -194,7 +194,9 @@ class QuantizeConfig(Section):
     # static = W8A8 QDQ (calibrated activations); dynamic = W8A8 with per-call activation ranges;
     # weight_only = MatMulNBits 8-bit block-wise weights, float activations: the only variant that met the
     # accuracy and size targets on SmolLM2-135M (+1.0% perplexity, 0.956 agreement, 0.29x). docs/quantization.md.
-    method: Literal["static", "dynamic", "weight_only"] = "weight_only"
+    # auto = build weight_only and dynamic per-token, gate each on the selection split, keep the fastest that
+    # passes (compress/quant_choice.py; the quantize stage only).
+    method: Literal["static", "dynamic", "weight_only", "auto"] = "weight_only"
     calibration: Literal["minmax", "entropy", "percentile"] = "minmax"
     # dynamic only: "tensor" = ORT's DynamicQuantizeLinear (one range per call); "token" = one range per row.
     activation_granularity: Literal["tensor", "token"] = "tensor"

@@ -130,6 +130,9 @@ class Quantizer:
     def __init__(self, src_artifact: str | Path, calib_blocks: np.ndarray | None, cfg: QuantizeConfig,
                  threads: int | None = None, on_event: Callable[[str, dict], None] | None = None,
                  calibration_cache: str | Path | None = None):
+        if cfg.method == "auto":
+            raise QuantizeError("quantize.method 'auto' picks among forms in the quantize stage "
+                                "(compress.quant_choice.choose_quant_form); give Quantizer a concrete method")
         self.src = Path(src_artifact)
         self.calibration_cache = Path(calibration_cache) if calibration_cache else None
         self.cfg = cfg

@@ -9,6 +9,7 @@ from prefect import task
 
 from compress.accept import quantize_with_acceptance
 from compress.config import PipelineConfig
+from compress.quant_choice import choose_quant_form
 from compress.quantize import quantize_artifact
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_splits
@@ -30,7 +31,16 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
     with child_run(parent_run_id, stage) as run:
         log_params({"quantize": cfg.quantize.model_dump()})
         trials: list[dict] = []
-        if cfg.accept.enabled and cfg.accept.relax_trials > 0:
+        choice = None
+        if cfg.quantize.method == "auto":
+            # the forms the quantize stage chooses from, gated on the selection split, fastest accepted kept
+            choice = choose_quant_form(src_artifact, out, data.calib, data.eval, cfg.quantize, cfg.accept,
+                                       on_trial=lambda form, i, m: trials.append({"form": form, **m}))
+            res = choice.result
+            report, artifact = res.report, Path(res.artifact)
+            evaluation = {"reference": str(src_artifact), "splits": str(splits), "candidate": res.metrics,
+                          "baseline": res.baseline}
+        elif cfg.accept.enabled and cfg.accept.relax_trials > 0:
             res = quantize_with_acceptance(src_artifact, out, data.calib, data.eval, cfg.quantize, cfg.accept,
                                            on_trial=lambda i, m: (log_metrics(m.get("metrics", {}), step=i), trials.append(m)))
             report, artifact = res.report, Path(res.artifact)
@@ -39,10 +49,13 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
         else:
             report = quantize_artifact(src_artifact, out, data.calib, cfg.quantize)
             artifact = out
-        metrics = report.metrics()
+        metrics = {**report.metrics(), **(choice.metrics() if choice else {})}
         log_metrics(metrics)
+        if choice is not None:
+            log_params({"quantize_auto_chosen": choice.chosen or "none"})
         if run is not None:
-            log_json({"float_linears": report.float_linears, "sensitivity": report.sensitivity, "trials": trials},
+            log_json({"float_linears": report.float_linears, "sensitivity": report.sensitivity, "trials": trials,
+                      "auto_forms": choice.forms if choice else None},
                      "quantize_report.json")
             mlflow.log_artifact(str(artifact / "manifest.json"))
     return mark_done(folder, {"artifact": str(artifact), "metrics": metrics, "evaluation": evaluation})

@@ -76,3 +76,26 @@ def test_packed_matmulnbits_equals_unpacked(fused_artifact):
     worst = _compare(GqaLM.from_model(q, manifest), GqaLM.from_model(packed, manifest), _prompts(2, seed=6))
     print(f"max |packed - unpacked| logits (weight-only INT8): {worst:.2e}")
     assert worst < 1e-4
+
+
+def test_quantize_auto_keeps_the_fastest_accepted_form(fused_artifact, tiny_splits, tmp_path):
+    """quantize.method auto: both INT8 forms gated on the selection split; the kept one is a timed, accepted form."""
+    from compress.artifact import read_manifest
+    from compress.config import AcceptConfig, QuantizeConfig
+    from compress.quant_choice import choose_quant_form
+    from compress.quantize import QuantizeError, Quantizer
+
+    with pytest.raises(QuantizeError, match="auto"):
+        Quantizer(fused_artifact, tiny_splits.calib, QuantizeConfig(method="auto"))
+    acfg = AcceptConfig(enabled=True, max_perplexity_ratio=1.5, min_top1_agreement=0.5, relax_trials=0)
+    choice = choose_quant_form(fused_artifact, tmp_path / "q", tiny_splits.calib, tiny_splits.eval,
+                               QuantizeConfig(method="auto", quantize_embedding=False, smoothquant_alpha=None), acfg)
+    print({n: (f["accepted"], f.get("decode_ms_per_step")) for n, f in choice.forms.items()})
+    assert set(choice.forms) == {"weight_only", "dynamic_token"}
+    assert all(f["accepted"] for f in choice.forms.values())
+    speed = {n: f["decode_ms_per_step"] for n, f in choice.forms.items()}
+    assert choice.chosen == min(speed, key=speed.get)
+    method = read_manifest(tmp_path / "q")["quantization"]["method"]
+    assert method == {"weight_only": "weight_only", "dynamic_token": "dynamic"}[choice.chosen]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # the other form's folder is gone
+    assert GqaLM(tmp_path / "q").greedy([5, 6, 7], 4)

@@ -1,0 +1,108 @@
+"""``quantize.method: auto``: build each INT8 form, gate each on the selection split, keep the fastest that passes.
+
+The forms, in the order they are tried (``AUTO_FORMS``):
+
+- ``weight_only``: MatMulNBits 8-bit block-wise weights; with ``accuracy_level`` 4 ORT quantizes the
+  activations per block of 32 inside the kernel and multiplies in int8 (VNNI where the CPU has it), so it
+  is W8A8 at a finer grain than per token, in one kernel per linear;
+- ``dynamic`` with per-token activations (+ SmoothQuant as configured): W8A8 written as ONNX ops, about
+  a dozen small nodes per linear around MatMulInteger.
+
+Each form runs the accuracy-aware loop of compress/accept.py (``quantize_with_acceptance``) on the selection
+split; the accepted ones are then timed against each other at batch 1 (decode steps interleaved, so load
+on a shared machine hits them alike), and the fastest is renamed to ``out_dir``. When none passes, the
+last form's rejected artifact is kept, as a single-method run would keep it. The gate's verdict is still
+the accept stage's, on the test split no trial has seen.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from compress.accept import AcceptanceResult, quantize_with_acceptance
+from compress.config import AcceptConfig, QuantizeConfig
+
+AUTO_FORMS: dict[str, dict] = {
+    "weight_only": {"method": "weight_only", "smoothquant_alpha": None},
+    "dynamic_token": {"method": "dynamic", "activation_granularity": "token"},
+}
+
+
+@dataclass
+class FormChoice:
+    chosen: str | None  # None: no form passed the gate
+    result: AcceptanceResult  # of the chosen form (or the last one tried when none passed)
+    forms: dict[str, dict] = field(default_factory=dict)  # per form: accepted, reasons, decode ms/step, metrics
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for name, f in self.forms.items():
+            out[f"auto_{name}_accepted"] = float(f["accepted"])
+            if f.get("decode_ms_per_step") is not None:
+                out[f"auto_{name}_decode_ms_per_step"] = f["decode_ms_per_step"]
+        return out
+
+
+def decode_step_ms(artifacts: dict[str, Path], steps: int = 32, prompt_len: int = 32, rounds: int = 2,
+                   threads: int | None = None, prompt: list[int] | None = None) -> dict[str, float]:
+    """Median batch-1 decode step (ms) of each artifact, steps interleaved across artifacts."""
+    from compress.lm_driver import load_lm
+
+    lms = {n: load_lm(p, threads=threads, verify=False) for n, p in artifacts.items()}
+    prompt = list(prompt or range(3, 3 + prompt_len))
+    times: dict[str, list[float]] = {n: [] for n in lms}
+    for _ in range(rounds):
+        state = {n: lm.prefill(prompt, room=steps + 1, last_only=True) for n, lm in lms.items()}
+        for _ in range(steps):
+            for n, lm in lms.items():
+                logits, past = state[n]
+                t = time.perf_counter()
+                state[n] = lm.decode([int(np.argmax(logits[-1]))], past)
+                times[n].append(time.perf_counter() - t)
+    return {n: 1000 * float(np.median(v)) for n, v in times.items()}
+
+
+def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_blocks: np.ndarray, eval_blocks: np.ndarray,
+                      qcfg: QuantizeConfig, acfg: AcceptConfig, threads: int | None = None,
+                      forms: dict[str, dict] | None = None, on_trial=None) -> FormChoice:
+    """Every form of ``forms`` (default AUTO_FORMS) through the accuracy-aware loop; the fastest accepted one
+    ends up in ``out_dir``. ``qcfg``'s other settings (block size, accuracy level, keep_float, ...) apply to all."""
+    out_dir = Path(out_dir)
+    forms = forms or AUTO_FORMS
+    results: dict[str, AcceptanceResult] = {}
+    record: dict[str, dict] = {}
+    baseline = None
+    for i, (name, update) in enumerate(forms.items()):
+        cfg = qcfg.model_copy(update=update)
+        res = quantize_with_acceptance(src_artifact, out_dir.with_name(f"{out_dir.name}.{name}"), calib_blocks, eval_blocks,
+                                       cfg, acfg, baseline=baseline, threads=threads,
+                                       on_trial=(lambda k, m, name=name: on_trial(name, k, m)) if on_trial else None)
+        baseline = res.baseline  # the fp32 figures are the same for every form
+        results[name] = res
+        record[name] = {"accepted": res.verdict.accepted, "reasons": list(res.verdict.reasons),
+                        "metrics": dict(res.metrics), "trials": len(res.trials)}
+    accepted = [n for n, r in results.items() if r.verdict.accepted]
+    if len(accepted) > 1:
+        speed = decode_step_ms({n: results[n].artifact for n in accepted}, threads=threads,
+                               prompt=[int(t) for t in np.asarray(eval_blocks)[0][:32]])
+        for n, ms in speed.items():
+            record[n]["decode_ms_per_step"] = ms
+        chosen = min(accepted, key=speed.get)
+    else:
+        chosen = accepted[0] if accepted else None
+    keep = chosen or list(results)[-1]
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    Path(results[keep].artifact).rename(out_dir)
+    for n, r in results.items():
+        if n != keep and Path(r.artifact).exists():
+            shutil.rmtree(r.artifact)
+    res = results[keep]
+    res.artifact = out_dir
+    res.report.out_dir = str(out_dir)
+    return FormChoice(chosen, res, record)
