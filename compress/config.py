@@ -235,10 +235,25 @@ class QuantizeConfig(Section):
 
 class AcceptConfig(Section):
     enabled: bool = False
+    # What the gate checks (docs/quantization.md#criteria-that-fit-each-compression). fidelity: the candidate
+    # must stay the baseline (perplexity ratio, top-1 agreement, max_kl) - a quantized model. quality: it must
+    # be as good a language model on held-out text (perplexity ratio, max_heldout_perplexity_ratio,
+    # max_downstream_drop) - a pruned or distilled student, a different model whose argmax need not follow
+    # the teacher's. auto: quality when prune or distill ran, else fidelity. The relax loop always gates fidelity.
+    criteria: Literal["auto", "fidelity", "quality"] = "auto"
     # Relative (INC tolerable_loss style) and absolute (NNCF max_drop style) perplexity tolerances.
     max_perplexity_ratio: float = Field(1.10, ge=1.0)
     max_perplexity_delta: float | None = Field(None, ge=0)
     min_top1_agreement: float = Field(0.90, ge=0, le=1)
+    # fidelity: mean KL(baseline || candidate) per scored token, nats; null = not checked.
+    max_kl: float | None = Field(None, gt=0)
+    # quality: perplexity ratio on data.heldout_source (another genre); null = logged, not checked.
+    max_heldout_perplexity_ratio: float | None = Field(None, ge=1.0)
+    # quality: multiple-choice continuation accuracy (compress/downstream.py) may fall at most this much below
+    # the baseline's (absolute, 0.05 = 5 points); items from downstream_items blocks of the test split and as
+    # many of the held-out source. null = not measured.
+    max_downstream_drop: float | None = Field(0.05, ge=0, le=1)
+    downstream_items: int = Field(32, ge=1)
     # candidate tokens/s over baseline tokens/s (batch-1 decode); null = no floor.
     min_throughput_ratio: float | None = Field(None, gt=0)
     max_size_ratio: float | None = Field(None, gt=0)

@@ -41,7 +41,8 @@ KEY_FIGURES = {
                   "bench_e2e_p99_s", "bench_ttft_p99_s", "bench_peak_rss_mb"],
     "accept": ["candidate_perplexity", "baseline_perplexity", "gate_perplexity_ratio", "gate_top1_agreement",
                "heldout_perplexity_ratio", "heldout_top1_agreement", "selection_perplexity_ratio",
-               "candidate_size_bytes", "candidate_decode_ms_per_token"],
+               "gate_downstream_accuracy", "gate_downstream_drop", "candidate_size_bytes",
+               "candidate_decode_ms_per_token"],
 }
 
 
@@ -70,7 +71,8 @@ class StageTimer:
                              if isinstance(r["metrics"].get(k), (int, float)))
             lines.append(f"| {r['stage']} | {r['seconds']:.1f} | {figs} |")
         if verdict is not None:
-            lines += ["", f"**Acceptance: {'accepted' if verdict['accepted'] else 'rejected'}**"]
+            lines += ["", f"**Acceptance: {'accepted' if verdict['accepted'] else 'rejected'}** "
+                      f"(criteria: {verdict.get('criteria', 'fidelity')})"]
             lines += [f"- {r}" for r in verdict["reasons"]]
         if registered:
             lines += ["", "| model | version | aliases |", "|---|---|---|"]

@@ -17,9 +17,10 @@ from pathlib import Path
 import mlflow
 from prefect import task
 
-from compress.accept import accept
+from compress.accept import accept, resolve_criteria
 from compress.config import PipelineConfig
 from compress.data import load_heldout
+from compress.downstream import downstream_scores
 from compress.evaluate import evaluate_onnx
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_splits
@@ -61,12 +62,20 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         held = load_heldout(heldout)
         base = evaluate_onnx(baseline, held.test)
         cand = evaluate_onnx(candidate, held.test, reference_artifact=baseline)
-        verdict = accept(cand, base, cfg.accept)
+        criteria = resolve_criteria(cfg.accept, cfg.prune.enabled or cfg.distill.enabled)
         side: dict[str, float] = {}
         if held.heldout is not None:
             side.update(side_figures("heldout", evaluate_onnx(candidate, held.heldout, reference_artifact=baseline,
                                                               latency=False),
                                      evaluate_onnx(baseline, held.heldout, latency=False)))
+            cand["heldout_perplexity"] = side["heldout_perplexity"]
+            base["heldout_perplexity"] = side["heldout_baseline_perplexity"]
+        if criteria == "quality" and cfg.accept.max_downstream_drop is not None:
+            n = cfg.accept.downstream_items
+            for who, art in (("candidate", candidate), ("baseline", baseline)):
+                scores = downstream_scores(art, held.test, held.heldout, n, seed=cfg.data.seed)
+                (cand if who == "candidate" else base).update(scores)
+        verdict = accept(cand, base, cfg.accept, criteria)
         if reusable(evaluated, baseline, splits):
             evaluated_in = "quantize"
             sel_base, sel_cand = evaluated["baseline"], evaluated["candidate"]
@@ -77,15 +86,18 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
             sel_cand = evaluate_onnx(candidate, sel, reference_artifact=baseline, latency=False)
         side.update(side_figures("selection", sel_cand, sel_base))
         if run is not None:
-            mlflow.set_tags({"evaluated_in": evaluated_in, "heldout_source": held.heldout_source})
+            mlflow.set_tags({"evaluated_in": evaluated_in, "heldout_source": held.heldout_source,
+                             "accept_criteria": verdict.criteria})
         metrics = {**{f"baseline_{k}": v for k, v in base.items()}, **{f"candidate_{k}": v for k, v in cand.items()},
                    **verdict.metrics, **side, "accepted": float(verdict.accepted)}
         log_metrics(metrics)
-        log_json({"accepted": verdict.accepted, "reasons": verdict.reasons, "candidate": cand, "baseline": base,
+        log_json({"accepted": verdict.accepted, "reasons": verdict.reasons, "criteria": verdict.criteria,
+                  "checks": verdict.checks, "candidate": cand, "baseline": base,
                   "split": "test", "heldout_source": held.heldout_source, "side": side,
                   "selection": {"candidate": sel_cand, "baseline": sel_base}, "evaluated_in": evaluated_in},
                  "verdict.json")
     return mark_done(folder, {"accepted": verdict.accepted, "reasons": verdict.reasons, "metrics": metrics,
+                              "criteria": verdict.criteria, "checks": verdict.checks,
                               "candidate": cand, "baseline": base, "heldout_source": held.heldout_source,
                               "selection": {"candidate": sel_cand, "baseline": sel_base},
                               "evaluated_in": evaluated_in})
