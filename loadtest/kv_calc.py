@@ -7,6 +7,11 @@ sequences hold that many times more. Weights and activations come on top.
     python -m loadtest.kv_calc --preset llama-2-7b --dtype float16 --context 4096 --concurrency 32
     python -m loadtest.kv_calc --manifest artifacts/.../manifest.json --context 2048 --budget-gib 1
     python -m loadtest.kv_calc --hf-config path/to/hf_folder --context 8192 --budget-gib 24 --json
+    python -m loadtest.kv_calc --manifest <artifact> --context 2048 --budget-gib 0.25 --layout gqa   # this server
+
+``--layout gqa|standard`` models this project's server: ``serve.kv_memory_mb`` is split between the block
+pool and the dense rows the layout keeps beside it (``--rows-share``, the server's ``kv_rows_share``), and
+a sequence must fit both (docs/serving.md, "One KV budget"). Without it the whole budget is one pool.
 
 From Python: ``kv_bytes_per_token``, ``kv_memory_bytes``, ``max_concurrency``, ``max_context``,
 ``shape_from_manifest``, ``shape_from_hf_config``; ``main(argv)`` is the CLI.
@@ -22,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from serve.kv_cache import DTYPE_BYTES  # the one KV dtype table, shared with the server
+from serve.kv_cache import ROW_COPIES  # the server's dense row copies per layout
 from serve.kv_cache import dtype_bytes as _table_bytes
 
 GiB = 1024 ** 3
@@ -152,10 +158,23 @@ def _fmt_bytes(b: float) -> str:
     return f"{b / 1024:,.1f} KiB" if b >= 1024 else f"{b:,.0f} B"
 
 
+def server_split(shape: KVShape, budget_bytes: float, layout: str, rows_share: float = 0.5) -> tuple[float, int]:
+    """This server's split of a KV budget: (block pool bytes, dense row positions) for ``layout``."""
+    copies = ROW_COPIES.get(layout)
+    if copies is None:
+        raise ValueError(f"--layout {layout!r}: one of {', '.join(sorted(ROW_COPIES))} (or leave it out: one pool)")
+    if not 0 < rows_share < 1:
+        raise ValueError(f"--rows-share must be in (0, 1) (got {rows_share})")
+    per_tok = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
+    rows = budget_bytes * rows_share
+    return budget_bytes - rows, int(rows // (per_tok * copies))
+
+
 def report(shape: KVShape, context: int, concurrency: int | None = None, budget_bytes: float | None = None,
-           block_size: int | None = None) -> dict:
+           block_size: int | None = None, layout: str | None = None, rows_share: float = 0.5) -> dict:
     """The figures the CLI prints: per token, per sequence, for ``concurrency`` sequences, and what
-    ``budget_bytes`` holds (max concurrency at ``context``; max context at ``concurrency``)."""
+    ``budget_bytes`` holds (max concurrency at ``context``; max context at ``concurrency``); with ``layout``
+    as this server splits the budget (``server_split``)."""
     per_tok = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
     out = {"shape": asdict(shape), "context": context, "block_size": block_size, "bytes_per_token": per_tok,
            "bytes_per_sequence": kv_memory_bytes(shape, context, 1, block_size)}
@@ -164,8 +183,15 @@ def report(shape: KVShape, context: int, concurrency: int | None = None, budget_
         out["total_bytes"] = kv_memory_bytes(shape, context, concurrency, block_size)
     if budget_bytes is not None:
         out["budget_bytes"] = budget_bytes
-        out["max_concurrency"] = max_concurrency(shape, budget_bytes, context, block_size)
-        out["max_context"] = max_context(shape, budget_bytes, concurrency or 1, block_size)
+        pool = budget_bytes
+        if layout is not None:
+            pool, rows = server_split(shape, budget_bytes, layout, rows_share)
+            out.update(layout=layout, rows_share=rows_share, pool_bytes=pool, row_positions=rows)
+        out["max_concurrency"] = max_concurrency(shape, pool, context, block_size)
+        out["max_context"] = max_context(shape, pool, concurrency or 1, block_size)
+        if layout is not None:  # every running sequence also needs its positions in the dense rows
+            out["max_concurrency"] = min(out["max_concurrency"], rows // context)
+            out["max_context"] = min(out["max_context"], rows // (concurrency or 1))
     return out
 
 
@@ -178,6 +204,9 @@ def _print(r: dict) -> None:
           f"at {r['context']:,} tokens")
     if "total_bytes" in r:
         print(f"  x {r['concurrency']:<11,} {r['total_bytes']:>14,.0f} B  ({_fmt_bytes(r['total_bytes'])})")
+    if "layout" in r:
+        print(f"  layout {r['layout']} (kv_rows_share {r['rows_share']}): pool {_fmt_bytes(r['pool_bytes'])}, "
+              f"dense rows {r['row_positions']:,} positions")
     if "budget_bytes" in r:
         print(f"  budget {_fmt_bytes(r['budget_bytes'])}: max concurrency {r['max_concurrency']:,} at "
               f"{r['context']:,} tokens; max context {r['max_context']:,} tokens at "
@@ -206,6 +235,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None, help="sequences held at once")
     p.add_argument("--budget-gib", type=float, default=None, help="KV memory budget in GiB: prints what fits")
     p.add_argument("--block-size", type=int, default=None, help="round each sequence up to whole blocks of this size")
+    p.add_argument("--layout", choices=sorted(ROW_COPIES), default=None,
+                   help="model this server's split of the budget for this attention layout (pool + dense rows)")
+    p.add_argument("--rows-share", type=float, default=0.5, help="the server's serve.kv_rows_share (default 0.5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -232,7 +264,9 @@ def run(args: argparse.Namespace) -> int:
         budget = args.budget_gib * GiB if args.budget_gib is not None else None
         if budget is not None and budget <= 0:
             raise ValueError(f"--budget-gib must be > 0 (got {args.budget_gib})")
-        r = report(shape, args.context, args.concurrency, budget, args.block_size)
+        if args.layout is not None and budget is None:
+            raise ValueError("--layout needs --budget-gib (the server's serve.kv_memory_mb)")
+        r = report(shape, args.context, args.concurrency, budget, args.block_size, args.layout, args.rows_share)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

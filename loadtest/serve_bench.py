@@ -18,6 +18,7 @@ server each call (empty prefix and result caches), one warm-up request outside t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -106,6 +108,23 @@ def benchmark_artifact(artifact_dir: Path, workload: list[dict], concurrency: in
         return _in_process(artifact_dir, workload, concurrency, overrides, request_rate, label, seed,
                            sample_interval_s, ready_timeout_s, warmup, meta)
 
+    with running_server(artifact_dir, overrides, ready_timeout_s) as (url, proc):
+        if warmup:
+            _warmup(url)
+        res = run_workload(url, workload, concurrency, request_rate, server_pid=proc.pid, seed=seed, label=label,
+                           sample_interval_s=sample_interval_s, peak_rss_hwm=True)
+    res.meta.update(meta)
+    return res
+
+
+@contextlib.contextmanager
+def running_server(artifact_dir: Path, overrides: dict | None = None,
+                   ready_timeout_s: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m serve`` on ``artifact_dir`` in a subprocess on a free 127.0.0.1 port, ready to serve:
+    yields (base URL, process); stops it (SIGTERM, then kill) on exit. ServerStartError with the log's
+    tail if it does not come up."""
+    overrides = dict(overrides or {})
+    _check_overrides(overrides)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "serve", "--model", str(artifact_dir), "--host", "127.0.0.1", "--port", str(port),
@@ -119,12 +138,7 @@ def benchmark_artifact(artifact_dir: Path, workload: list[dict], concurrency: in
         proc = subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_ready(url, proc, ready_timeout_s, log_path)
-        if warmup:
-            _warmup(url)
-        res = run_workload(url, workload, concurrency, request_rate, server_pid=proc.pid, seed=seed, label=label,
-                           sample_interval_s=sample_interval_s, peak_rss_hwm=True)
-        res.meta.update(meta)
-        return res
+        yield url, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)   # uvicorn shuts down gracefully; the engine thread stops

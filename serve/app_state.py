@@ -6,8 +6,12 @@ route functions (serve/routes_openai.py, serve/routes_admin.py) take it from the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
+import anyio
 from fastapi import Request
 
 from serve.api_schemas import ApiError
@@ -24,6 +28,16 @@ class AppState:
     metrics: ServerMetrics
     config: ServeConfig
     admin_token: str | None  # None: /admin/* is off
+    # Worker threads for blocking request work (chat template, tokenizing, admission); few, because they and
+    # the event loop share one GIL: more threads would only make the loop wait longer for it.
+    off_loop_threads: int = 2
+    _limiter: Any = field(default=None, repr=False)
+
+    async def off_loop(self, fn: Callable, *args) -> Any:
+        """``fn(*args)`` in a worker thread, so the event loop keeps answering while it runs."""
+        if self._limiter is None:  # created on the loop that uses it
+            self._limiter = anyio.CapacityLimiter(self.off_loop_threads)
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self._limiter)
 
     def lease(self) -> LoadedModel:
         """The current model, held until ``manager.release``: a live swap never cuts a response short."""

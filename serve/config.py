@@ -61,6 +61,10 @@ class ServeConfig(Section):
     providers: list[str] = Field(default_factory=lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     # onnxruntime intra-op threads; 0 = onnxruntime's default (one per physical core).
     intra_op_threads: int = Field(0, ge=0)
+    # onnxruntime's intra-op threads busy-wait after each run when true (its default). Off by default: on a
+    # machine with few cores the spinning takes the CPU the HTTP event loop needs during bursts
+    # (docs/serving.md, "The event loop under bursts", has the figures both ways).
+    ort_spinning: bool = False
     # Check every artifact file against its sha256 in the manifest before serving.
     verify_artifact: bool = True
     # How many recent TTFT / inter-token latency samples the stats snapshot keeps.

@@ -45,7 +45,7 @@ from serve.artifact import read_manifest
 from serve.config import ConfigError, ServeConfig
 from serve.engine_stats import EngineCounters, EngineStats, FinishedRequestSample
 from serve.in_flight import InFlightRequest
-from serve.kv_cache import BlockManager, KVCacheSpec, num_blocks_for_budget
+from serve.kv_cache import ROW_COPIES, BlockManager, KVCacheSpec, num_blocks_for_budget
 from serve.request_handle import RequestHandle, RequestOutput, TokenEvent
 from serve.runner import Runner, RunRow
 from serve.sampling import SamplingError, SamplingParams, sample_token, token_logprobs
@@ -58,22 +58,24 @@ __all__ = ["Engine", "EngineStats", "RequestHandle", "RequestOutput", "TokenEven
 
 
 def kv_layout(config: ServeConfig, spec: KVCacheSpec, layout: str) -> tuple[int, int | None]:
-    """(pool blocks, KV row positions or None) from the one KV budget (docs/serving.md, "One KV budget").
+    """(pool blocks, dense row positions or None) from the one KV budget (docs/serving.md, "One KV budget").
 
-    Layout ``gqa`` keeps K/V twice (the pool and the in-place rows): ``kv_rows_share`` of
-    ``serve.kv_memory_mb`` goes to the rows, the rest to the pool. With ``serve.num_blocks`` set the
-    pool is that size and the rows get the matching share.
+    Layouts ``gqa`` and ``standard`` keep K/V twice: in the block pool and in dense rows (gqa's in-place
+    rows; standard's per-step past buffers and ORT's present outputs). ``kv_rows_share`` of
+    ``serve.kv_memory_mb`` goes to the rows, the rest to the pool. With ``serve.num_blocks`` set the pool
+    is that size and the rows get the matching share.
     """
     bs = config.block_size
-    share = config.kv_rows_share if layout == "gqa" else 0.0
+    copies = ROW_COPIES.get(layout)
+    share = config.kv_rows_share if copies else 0.0
     if config.num_blocks:
         num_blocks = config.num_blocks
-        rows = int(num_blocks * bs * share / (1 - share)) if share else None
+        rows = int(num_blocks * bs * share / (1 - share)) // copies if share else None
     else:
         budget = config.kv_memory_mb * 2**20
         row_bytes = int(budget * share)
         num_blocks = num_blocks_for_budget(budget - row_bytes, spec, bs)
-        rows = row_bytes // spec.bytes_per_token if share else None
+        rows = row_bytes // (spec.bytes_per_token * copies) if share else None
     if rows is not None and rows < 1:
         raise ConfigError(f"serve.kv_memory_mb {config.kv_memory_mb} x kv_rows_share {share} leaves the KV rows no "
                           f"position ({spec.bytes_per_token} bytes each); raise serve.kv_memory_mb")
@@ -81,7 +83,7 @@ def kv_layout(config: ServeConfig, spec: KVCacheSpec, layout: str) -> tuple[int,
 
 
 def context_length(config: ServeConfig, spec: KVCacheSpec, manifest: dict, num_blocks: int,
-                   row_tokens: int | None) -> int:
+                   row_tokens: int | None, layout: str = "gqa") -> int:
     """The context length served: serve.max_model_len (else the manifest's max positions), within what the KV
     budget holds for one sequence. An explicit serve.max_model_len the budget cannot hold is a ConfigError."""
     bs = config.block_size
@@ -95,13 +97,16 @@ def context_length(config: ServeConfig, spec: KVCacheSpec, manifest: dict, num_b
     parts = f"the block pool {pool_tokens} tokens ({num_blocks} blocks of {bs})"
     if row_tokens is not None:
         share = config.kv_rows_share
-        parts += f" and the gqa KV rows {row_tokens} positions (kv_rows_share {share})"
-        need_mb = max(-(-want // bs) * bs * bpt / (1 - share), want * bpt / share) / 2**20
+        copies = ROW_COPIES.get(layout, 1)
+        what = "gqa KV rows" if layout == "gqa" else f"{layout} layout's past buffers"
+        parts += f" and the {what} {row_tokens} positions (kv_rows_share {share})"
+        need_mb = max(-(-want // bs) * bs * bpt / (1 - share), want * bpt * copies / share) / 2**20
     else:
         need_mb = -(-want // bs) * bs * bpt / 2**20
     if config.num_blocks:
         share = config.kv_rows_share if row_tokens is not None else 0.5
-        need_blocks = max(-(-want // bs), -(-int(want * (1 - share) / share) // bs))
+        copies = ROW_COPIES.get(layout, 1) if row_tokens is not None else 1
+        need_blocks = max(-(-want // bs), -(-int(want * copies * (1 - share) / share) // bs))
         budget, key, need = f"serve.num_blocks {config.num_blocks}", "serve.num_blocks", f"{need_blocks}"
     else:
         budget, key = f"serve.kv_memory_mb {config.kv_memory_mb} MiB", "serve.kv_memory_mb"
@@ -126,7 +131,7 @@ class Engine:
         layout = self.manifest.get("attention_layout", "standard")
         num_blocks, row_tokens = kv_layout(config, spec, layout)
         # Served (advertised) context: the model's, within what the KV budget holds for one sequence.
-        self.max_model_len = context_length(config, spec, self.manifest, num_blocks, row_tokens)
+        self.max_model_len = context_length(config, spec, self.manifest, num_blocks, row_tokens, layout)
         max_pos = int(self.manifest.get("max_positions") or 2048)
         model_context = min(config.max_model_len or max_pos, max_pos)
         self.eos_ids = frozenset(int(i) for i in self.manifest.get("eos_token_ids") or [])
@@ -143,11 +148,13 @@ class Engine:
             cls = GqaRunner if layout == "gqa" else PagedRunner
             extra = {"row_tokens": row_tokens} if layout == "gqa" else {}
             self.runner = cls(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
-                              intra_op_threads=config.intra_op_threads, max_batch_size=config.max_batch_size,
+                              intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
+                              max_batch_size=config.max_batch_size,
                               max_model_len=self.max_model_len, **extra)
         else:
             self.runner = Runner(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
-                                 intra_op_threads=config.intra_op_threads)
+                                 intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
+                                 row_tokens=row_tokens)
         self._pool_bytes = num_blocks * spec.bytes_per_block(bs)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)%s; context %d; provider %s",
                  num_blocks, bs, num_blocks * bs, self._pool_bytes / 2**20, spec.bytes_per_token,

@@ -94,6 +94,12 @@ class KVCacheSpec:
                    str(manifest.get("kv_dtype", "float32")))
 
 
+# Dense copies of a row's K/V per position kept beside the block pool, by attention layout: gqa's in-place rows
+# (1); standard's past buffers plus ORT's present outputs of the same size while a call runs (2). The paged
+# layout attends over the pool itself. ``serve.kv_rows_share`` of the budget pays for them (docs/serving.md).
+ROW_COPIES: dict[str, int] = {"gqa": 1, "standard": 2}
+
+
 def num_blocks_for_budget(budget_bytes: int, spec: KVCacheSpec, block_size: int) -> int:
     """How many blocks of ``block_size`` tokens fit in ``budget_bytes``."""
     if block_size < 1:

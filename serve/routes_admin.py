@@ -33,7 +33,8 @@ async def ready(request: Request):
 
 @router.get("/metrics")
 async def prometheus(request: Request):
-    return Response(app_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    # render reads the engine's counters under its lock: in a thread, so the loop never waits for a step
+    return Response(await anyio.to_thread.run_sync(app_state(request).metrics.render), media_type=CONTENT_TYPE)
 
 
 @router.post("/admin/reload")

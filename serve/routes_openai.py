@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -94,23 +95,27 @@ async def tokenize(request: Request):
     lm = state.lease()
     try:
         check_model(lm, body.model)
-        tok = lm.engine.tokenizer
-        if body.messages is not None:
-            if not body.messages:
-                raise ApiError(400, "messages is empty", param="messages")
-            text = render_chat(lm, body.messages, body.add_generation_prompt, body.continue_final_message,
-                               body.chat_template_kwargs)
-            if body.add_special_tokens:  # as /v1/chat/completions refuses it
-                raise ApiError(400, "add_special_tokens: not supported with messages (the chat template writes "
-                               "the special tokens)", param="add_special_tokens", code="unsupported_parameter")
-            ids = encode_chat(tok, lm.manifest, text)
-        else:
-            ids = (encode_prompt(tok, lm.manifest, body.prompt) if body.add_special_tokens in (None, True)
-                   else tok.encode(body.prompt, add_special_tokens=False).ids)
-        strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": lm.engine.max_model_len, "tokens": ids, "token_strs": strs}
+        return await state.off_loop(tokenize_body, lm, body)
     finally:
         state.manager.release(lm)
+
+
+def tokenize_body(lm: LoadedModel, body: TokenizeRequest) -> dict:
+    tok = lm.engine.tokenizer
+    if body.messages is not None:
+        if not body.messages:
+            raise ApiError(400, "messages is empty", param="messages")
+        text = render_chat(lm, body.messages, body.add_generation_prompt, body.continue_final_message,
+                           body.chat_template_kwargs)
+        if body.add_special_tokens:  # as /v1/chat/completions refuses it
+            raise ApiError(400, "add_special_tokens: not supported with messages (the chat template writes "
+                           "the special tokens)", param="add_special_tokens", code="unsupported_parameter")
+        ids = encode_chat(tok, lm.manifest, text)
+    else:
+        ids = (encode_prompt(tok, lm.manifest, body.prompt) if body.add_special_tokens in (None, True)
+               else tok.encode(body.prompt, add_special_tokens=False).ids)
+    strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": lm.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
 
 @router.post("/detokenize")
@@ -124,7 +129,9 @@ async def detokenize(request: Request):
         vocab = lm.engine.runner.vocab_size
         if any(t < 0 or t >= vocab for t in body.tokens):
             raise ApiError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": lm.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        text = await state.off_loop(functools.partial(lm.engine.tokenizer.decode, skip_special_tokens=False),
+                                    body.tokens)
+        return {"prompt": text}
     finally:
         state.manager.release(lm)
 
@@ -140,9 +147,7 @@ def admit(lm: LoadedModel, prompt, params: SamplingParams, rid: str) -> RequestH
     try:
         return lm.engine.add_request(prompt, params, request_id=rid)
     except QueueFullError as e:
-        retry = max(1, round(e.retry_after_s))
-        raise ApiError(429, str(e), "rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(retry)}) from None
+        raise queue_full(e) from None
     except RequestTooLargeError as e:
         raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
     except SamplingError as e:
@@ -264,6 +269,83 @@ def prompt_list(body: CompletionRequest) -> list:
     return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
 
+def refuse_if_queue_full(lm: LoadedModel) -> None:
+    """429 before any tokenizing when the waiting queue is already full (read without the engine's lock; the
+    engine decides again, exactly, when the request is added)."""
+    sched = lm.engine.scheduler
+    if len(sched.waiting) >= sched.max_waiting:
+        raise queue_full(sched.queue_full_error())
+
+
+def queue_full(e: QueueFullError) -> ApiError:
+    retry = max(1, round(e.retry_after_s))
+    return ApiError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": str(retry)})
+
+
+def admit_choices(lm: LoadedModel, body, chat: bool, cache, choices: list[Choice]) -> dict:
+    """Render and tokenize the prompts, look each choice up in the result cache and admit the misses to the
+    engine, appending to ``choices`` as it goes (so the caller can cancel what was admitted if a later choice
+    fails). Returns the response's id fields. Blocking: runs in a worker thread."""
+    tok = lm.engine.tokenizer
+    prompts: list[tuple[list[int], str]] = []  # (ids, echo text)
+    prompt_only = False
+    if chat:
+        text = render_chat(lm, body.messages, body.add_generation_prompt, body.continue_final_message,
+                           body.chat_template_kwargs)
+        # The template writes the special tokens itself; BOS only if the model takes one and it did not.
+        prompts.append((encode_chat(tok, lm.manifest, text), ""))
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        for prompt in prompt_list(body):
+            # Text gets the model's BOS (manifest add_bos_token) unless add_special_tokens is false; token
+            # ids are taken as sent (as vLLM does).
+            if isinstance(prompt, str):
+                ids = (encode_prompt(tok, lm.manifest, prompt) if body.add_special_tokens
+                       else tok.encode(prompt, add_special_tokens=False).ids)
+            else:
+                ids = [int(t) for t in prompt]
+            prompts.append((ids, prompt))
+        max_tokens = body.max_tokens
+        logprobs = body.logprobs
+        # echo with logprobs: the prompt's log-probs too; max_tokens 0 runs one token and drops it
+        prompt_only = body.echo and max_tokens == 0
+        if prompt_only:
+            max_tokens = 1
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise ApiError(400, f"n x prompts = {len(prompts) * body.n} choices exceeds {MAX_CHOICES}", param="n")
+    for p_idx, (ids, raw) in enumerate(prompts):
+        if body.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens (-1: the context)
+            k = lm.engine.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+            ids = ids[-k:]
+        echo_text = ""
+        if not chat and body.echo:
+            echo_text = (raw if isinstance(raw, str) and body.truncate_prompt_tokens is None
+                         else tok.decode(ids, skip_special_tokens=body.skip_special_tokens))
+        # chat's default, or null: as long as the context allows
+        base = body.sampling(max_tokens if max_tokens is not None else context_room(lm, len(ids)), logprobs)
+        if not chat and body.echo and logprobs is not None:
+            base.prompt_logprobs = logprobs
+        try:
+            base.validate()
+        except SamplingError as e:
+            field = str(e).split(" ", 1)[0]
+            raise ApiError(400, str(e), param=field) from None
+        for j in range(body.n):
+            # n > 1 with a seed: sample j draws from seed + j (as vLLM), so the samples differ reproducibly
+            params = base if j == 0 or base.seed is None else dataclasses.replace(base, seed=base.seed + j)
+            choices.append(Choice(p_idx * body.n + j, ids, params, echo_text, prompt_only=prompt_only))
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    meta = dict(id=rid, created=int(time.time()), model=lm.name, system_fingerprint=fingerprint(lm))
+    for c in choices:
+        # log-probs are not kept in the result cache: such requests always run
+        c.key = cache_key(lm.key, c.prompt_ids, c.params) if logprobs is None and not c.prompt_only else None
+        c.hit = cache.get(c.key)
+        if c.hit is None:
+            c.handle = admit(lm, c.prompt_ids, c.params, rid if len(choices) == 1 else f"{rid}-{c.index}")
+    return meta
+
+
 async def generate(request: Request, chat: bool):
     """/v1/completions and /v1/chat/completions: lease the model, answer each choice (n per prompt, a list of
     prompts) from the result cache or the engine, as one JSON body or as a stream of events."""
@@ -278,69 +360,17 @@ async def generate(request: Request, chat: bool):
     choices: list[Choice] = []
     try:
         check_model(lm, body.model)
-        tok = lm.engine.tokenizer
-        prompts: list[tuple[list[int], str]] = []  # (ids, echo text)
-        prompt_only = False
-        if chat:
-            text = render_chat(lm, body.messages, body.add_generation_prompt, body.continue_final_message,
-                               body.chat_template_kwargs)
-            # The template writes the special tokens itself; BOS only if the model takes one and it did not.
-            prompts.append((encode_chat(tok, lm.manifest, text), ""))
-            max_tokens = body.max_completion_tokens or body.max_tokens
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        else:
-            for prompt in prompt_list(body):
-                # Text gets the model's BOS (manifest add_bos_token) unless add_special_tokens is false; token
-                # ids are taken as sent (as vLLM does).
-                if isinstance(prompt, str):
-                    ids = (encode_prompt(tok, lm.manifest, prompt) if body.add_special_tokens
-                           else tok.encode(prompt, add_special_tokens=False).ids)
-                else:
-                    ids = [int(t) for t in prompt]
-                prompts.append((ids, prompt))
-            max_tokens = body.max_tokens
-            logprobs = body.logprobs
-            # echo with logprobs: the prompt's log-probs too; max_tokens 0 runs one token and drops it
-            prompt_only = body.echo and max_tokens == 0
-            if prompt_only:
-                max_tokens = 1
-        if len(prompts) * body.n > MAX_CHOICES:
-            raise ApiError(400, f"n x prompts = {len(prompts) * body.n} choices exceeds {MAX_CHOICES}", param="n")
-        for p_idx, (ids, raw) in enumerate(prompts):
-            if body.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens (-1: the context)
-                k = lm.engine.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
-                ids = ids[-k:]
-            echo_text = ""
-            if not chat and body.echo:
-                echo_text = (raw if isinstance(raw, str) and body.truncate_prompt_tokens is None
-                             else tok.decode(ids, skip_special_tokens=body.skip_special_tokens))
-            # chat's default, or null: as long as the context allows
-            base = body.sampling(max_tokens if max_tokens is not None else context_room(lm, len(ids)), logprobs)
-            if not chat and body.echo and logprobs is not None:
-                base.prompt_logprobs = logprobs
-            try:
-                base.validate()
-            except SamplingError as e:
-                field = str(e).split(" ", 1)[0]
-                raise ApiError(400, str(e), param=field) from None
-            for j in range(body.n):
-                # n > 1 with a seed: sample j draws from seed + j (as vLLM), so the samples differ reproducibly
-                params = base if j == 0 or base.seed is None else dataclasses.replace(base, seed=base.seed + j)
-                choices.append(Choice(p_idx * body.n + j, ids, params, echo_text, prompt_only=prompt_only))
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        meta = dict(id=rid, created=int(time.time()), model=lm.name, system_fingerprint=fingerprint(lm))
-        for c in choices:
-            # log-probs are not kept in the result cache: such requests always run
-            c.key = cache_key(lm.key, c.prompt_ids, c.params) if logprobs is None and not c.prompt_only else None
-            c.hit = cache.get(c.key)
-            if c.hit is None:
-                c.handle = admit(lm, c.prompt_ids, c.params, rid if len(choices) == 1 else f"{rid}-{c.index}")
+        refuse_if_queue_full(lm)
+        # Chat template, tokenization, cache look-ups and admission (which waits for the engine's lock) run in a
+        # worker thread: the event loop keeps answering /health, /metrics and 429s during a burst.
+        meta = await state.off_loop(admit_choices, lm, body, chat, cache, choices)
     except BaseException:
         for c in choices:
             if c.handle is not None:
                 c.handle.cancel()
         manager.release(lm)
         raise
+    tok = lm.engine.tokenizer
     cache_state = ("hit" if all(c.hit is not None for c in choices)
                    else "off" if all(c.key is None for c in choices) else "miss")
     headers = {"X-Result-Cache": cache_state}

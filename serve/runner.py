@@ -77,16 +77,22 @@ class RunRow:
 
 
 class _PastBuffer:
-    """Reusable right-padded past tensors for one call group, with per-row content tracking."""
+    """Reusable right-padded past tensors for one call group, with per-row content tracking.
 
-    def __init__(self, n_kv: int, heads: int, head_dim: int, block_size: int, dtype):
+    ``limit``: a shared one-element list, the most positions (slots x P) this buffer and its ``peer`` may
+    hold together; None = unbounded."""
+
+    def __init__(self, n_kv: int, heads: int, head_dim: int, block_size: int, dtype, limit: int | None = None):
         self.n_kv, self.heads, self.head_dim, self.bs, self.dtype = n_kv, heads, head_dim, block_size, dtype
+        self.limit = limit
+        self.peer: _PastBuffer | None = None  # the other group's buffer, sharing ``limit``
         self.flat = np.zeros(0, dtype=dtype)
         self.view: np.ndarray | None = None
         self.shape_key: tuple[int, int] = (0, -1)  # (B_cap, P)
         self.rows: list[tuple[Hashable, int]] = []  # per row: (key, valid positions)
         self.gathered_tokens = 0  # counter: positions copied from the pool (cost indicator)
         self.reshapes = 0
+        self.cut_short = 0  # calls whose past was not rounded up to a whole block, to stay within ``limit``
 
     def release(self) -> None:
         """Give the buffer's memory back (nothing runs); the next ``prepare`` allocates afresh."""
@@ -101,11 +107,28 @@ class _PastBuffer:
         max_past = max(r.start for r in rows)
         P = -(-max_past // bs) * bs
         B = len(rows)
+        limit = self.limit
+        if limit is not None and B * P > limit:
+            P = max_past  # unrounded: the scheduler keeps rows x longest row end within the limit
+            self.cut_short += 1
+            if B * P > limit:
+                raise RunnerError(f"{B} rows x {P} past positions exceed the past buffers' {limit} positions "
+                                  f"(the scheduler should have kept the step within them)")
         b_cap = max(B, self.shape_key[0])
+        if limit is not None and b_cap * P > limit:
+            b_cap = B  # fewer spare slots rather than more memory
         if (b_cap, P) != self.shape_key:
-            need = self.n_kv * b_cap * self.heads * P * self.head_dim
+            per_pos = self.n_kv * self.heads * self.head_dim
+            need = per_pos * b_cap * P
             if need > self.flat.size:
-                self.flat = np.zeros(max(need, int(self.flat.size * 1.25)), dtype=self.dtype)
+                size = max(need, int(self.flat.size * 1.25))
+                if limit is not None:
+                    size = min(size, limit * per_pos)
+                    peer = self.peer
+                    if peer is not None and peer.flat.size and size + peer.flat.size > limit * per_pos:
+                        peer.release()  # its rows are in the pool too: the next call re-gathers them
+                    self.flat = np.zeros(0, dtype=self.dtype)  # the old buffer goes before the new one comes
+                self.flat = np.zeros(size, dtype=self.dtype)
             self.view = self.flat[:need].reshape(self.n_kv, b_cap, self.heads, P, self.head_dim)
             self.shape_key = (b_cap, P)
             self.rows = [(None, 0)] * b_cap
@@ -132,11 +155,18 @@ class _PastBuffer:
             valid = min(valid, r.start)
             if valid < r.start:
                 j0, j1 = valid // bs, -(-r.start // bs)
-                blocks = np.asarray(r.block_table[j0:j1], dtype=np.intp)
-                g = pool[:, blocks]  # [n_kv, nb, H, bs, D]
-                dst = view[:, slot, :, j0 * bs:j1 * bs, :].reshape(self.n_kv, self.heads, j1 - j0, bs, self.head_dim)
-                assert np.may_share_memory(dst, view), "splitting one axis must give a view"
-                np.copyto(dst, g.transpose(0, 2, 1, 3, 4))
+                j_full = min(j1, P // bs)  # P is a whole number of blocks unless the row budget cut it short
+                if j_full > j0:
+                    blocks = np.asarray(r.block_table[j0:j_full], dtype=np.intp)
+                    g = pool[:, blocks]  # [n_kv, nb, H, bs, D]
+                    dst = view[:, slot, :, j0 * bs:j_full * bs, :].reshape(self.n_kv, self.heads, j_full - j0, bs,
+                                                                           self.head_dim)
+                    assert np.may_share_memory(dst, view), "splitting one axis must give a view"
+                    np.copyto(dst, g.transpose(0, 2, 1, 3, 4))
+                if j_full < j1:  # the part of the last block that fits before P
+                    lo = max(j_full * bs, j0 * bs)
+                    blk = r.block_table[j_full]
+                    view[:, slot, :, lo:P, :] = pool[:, blk, :, lo - j_full * bs:P - j_full * bs, :]
                 self.gathered_tokens += r.start - valid
             self.rows[slot] = (r.key, r.start)
         return slots, P  # type: ignore[return-value]
@@ -146,7 +176,8 @@ class Runner:
     """Owns the ORT session and the KV pool; ``execute`` runs one scheduled step."""
 
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
-                 providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0):
+                 providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0,
+                 ort_spinning: bool = True, row_tokens: int | None = None):
         layout = manifest.get("attention_layout", "standard")
         if layout != "standard":
             raise RunnerError(f"attention layout {layout!r} is not supported by this runner (only 'standard')")
@@ -157,13 +188,19 @@ class Runner:
         self.vocab_size = int(manifest["vocab_size"])
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads)
+        self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads,
+                                            allow_spinning=ort_spinning)
         self.provider = self.session.get_providers()[0]
         self.output_names = ["logits", *self.present_names]
         n_kv = 2 * self.num_layers
         self.pool = np.zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), dtype=self.dtype)
-        self._decode_buf = _PastBuffer(n_kv, self.kv_heads, self.head_dim, block_size, self.dtype)
-        self._prefill_buf = _PastBuffer(n_kv, self.kv_heads, self.head_dim, block_size, self.dtype)
+        # row_tokens: the positions the two past buffers may hold together (None: unbounded, as before). ORT's
+        # present outputs are as large again during a call, which is why the engine gives each half of the share.
+        self.row_tokens = row_tokens
+        self._decode_buf = _PastBuffer(n_kv, self.kv_heads, self.head_dim, block_size, self.dtype, row_tokens)
+        self._prefill_buf = _PastBuffer(n_kv, self.kv_heads, self.head_dim, block_size, self.dtype, row_tokens)
+        self._decode_buf.peer, self._prefill_buf.peer = self._prefill_buf, self._decode_buf
+        self.bytes_per_token = n_kv * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
         self.calls = 0
         self.run_seconds = 0.0  # inside session.run
         self.step_seconds = 0.0  # whole execute (gather + run + scatter)
@@ -179,8 +216,10 @@ class Runner:
         return int(self.pool.nbytes + self._decode_buf.flat.nbytes + self._prefill_buf.flat.nbytes)
 
     def kv_budget_bytes(self) -> int:
-        """The pool's budget. The past buffers come on top, unbounded (docs/serving.md, "One KV budget")."""
-        return int(self.pool.nbytes)
+        """The most ``kv_bytes`` reaches: the pool plus the past buffers' positions (docs/serving.md, "One KV
+        budget"); the pool alone when the buffers are unbounded (a runner built without ``row_tokens``)."""
+        rows = self.row_tokens * self.bytes_per_token if self.row_tokens is not None else 0
+        return int(self.pool.nbytes + rows)
 
     def trim(self, longest: int) -> None:
         """Give the past buffers' memory back once nothing runs."""

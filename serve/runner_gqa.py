@@ -55,8 +55,8 @@ class GqaRunner:
     """Owns the ORT session, the block pool and the per-sequence KV rows; ``execute`` runs one step."""
 
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
-                 providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, max_batch_size: int = 16,
-                 max_model_len: int | None = None, row_tokens: int | None = None):
+                 providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: bool = True,
+                 max_batch_size: int = 16, max_model_len: int | None = None, row_tokens: int | None = None):
         layout = manifest.get("attention_layout")
         if layout != "gqa":
             raise RunnerError(f"attention layout {layout!r}: GqaRunner runs 'gqa' artifacts (serve.runner.Runner runs 'standard')")
@@ -68,7 +68,8 @@ class GqaRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_len = int(max_model_len or manifest.get("max_positions") or 2048)
-        self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads)
+        self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads,
+                                            allow_spinning=ort_spinning)
         self.provider = self.session.get_providers()[0]
         if self.provider != CPU:
             # The buffers below are host numpy arrays bound by pointer; a device EP would need OrtValues on

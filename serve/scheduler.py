@@ -190,11 +190,14 @@ class Scheduler:
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens can never fit the "
                 f"KV rows of {self.max_row_tokens} positions; lower max_tokens or raise serve.kv_memory_mb")
 
+    def queue_full_error(self) -> QueueFullError:
+        return QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later",
+                              retry_after_s=max(1.0, self.max_wait_s))
+
     def add(self, seq: SequenceState) -> None:
         self.check_admissible(seq.prompt_len, seq.params.max_tokens)
         if len(self.waiting) >= self.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later",
-                                 retry_after_s=max(1.0, self.max_wait_s))
+            raise self.queue_full_error()
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 

@@ -93,6 +93,22 @@ def test_kv_calc_matches_hand_computed_figures(tiny_artifact, tmp_path):
         KVShape(1, 1, 1, "float13")
 
 
+def test_kv_calc_layout_gives_the_context_the_server_serves(tiny_artifact):
+    """--layout models the server's split of serve.kv_memory_mb: its max context is what the engine advertises."""
+    from serve.config import ServeConfig
+    from serve.engine import Engine
+    from serve.runner import CPU
+
+    shape = kv_calc.shape_from_manifest(tiny_artifact)
+    for mb, share in ((1, 0.2), (1, 0.1)):  # small enough that the rows, not the manifest, set the context
+        eng = Engine(tiny_artifact, ServeConfig(providers=[CPU], kv_memory_mb=mb, kv_rows_share=share,
+                                                max_model_len=None), start=False)
+        r = kv_calc.report(shape, 64, 1, mb * 2**20, eng.block_manager.block_size, layout="standard",
+                           rows_share=share)
+        assert r["row_positions"] == eng.runner.row_tokens
+        assert r["max_context"] == eng.max_model_len < 512
+
+
 def test_kv_calc_cli(capsys, tiny_artifact):
     assert kv_calc.main(["--preset", "llama-2-7b", "--context", "4096", "--concurrency", "32",
                          "--budget-gib", "24", "--json"]) == 0

@@ -1,4 +1,5 @@
-"""One KV budget (issue 16): the gqa layout's block pool *and* in-place rows stay within the configured budget
+"""One KV budget (issue 16): the gqa layout's block pool *and* in-place rows (the standard layout's pool and past
+buffers) stay within the configured budget
 under any mix of requests, the rows' memory comes back after a long request, and a context length the budget
 cannot hold is refused at start-up (explicit serve.max_model_len) or advertised lower (the model's default)."""
 
@@ -90,9 +91,11 @@ def test_explicit_max_model_len_the_budget_cannot_hold_fails_with_the_numbers(gq
     msg = str(e.value)
     assert "serve.max_model_len 512" in msg and "at most 320 tokens" in msg and "block pool 320 tokens" in msg
     assert "KV rows 320 positions" in msg and "bytes per token" in msg and "serve.num_blocks >= 32" in msg
-    with pytest.raises(ConfigError, match="at most 160 tokens"):  # the standard layout: the pool alone
+    # The standard layout: 160 pool tokens; its past buffers get the same share, halved for ORT's presents.
+    with pytest.raises(ConfigError, match="at most 80 tokens") as e:
         Engine(tiny_artifact, ServeConfig(providers=[CPU], num_blocks=10, block_size=16, max_model_len=300),
                start=False)
+    assert "past buffers 80 positions" in str(e.value) and "serve.num_blocks >= 38" in str(e.value)
 
 
 def test_default_context_is_lowered_to_what_the_budget_holds(gqa_art):
@@ -111,3 +114,36 @@ def test_kv_memory_mb_is_split_between_pool_and_rows(gqa_art):
     assert eng.kv_budget_bytes() <= 2**20
     assert r.row_tokens * r.bytes_per_token == 2**18
     assert r.pool.nbytes <= 3 * 2**18
+
+
+def test_standard_layout_past_buffers_stay_within_the_budget(tiny_artifact):
+    # 40 blocks x 16 = 640 pool tokens; the past buffers get 640 / 2 = 320 positions (ORT's presents the other half).
+    cfg = ServeConfig(providers=[CPU], num_blocks=40, block_size=16, max_batch_size=8, max_num_batched_tokens=64)
+    eng = Engine(tiny_artifact, cfg, start=False)
+    r = eng.runner
+    assert r.row_tokens == 320 and eng.max_model_len == 320
+    assert eng.kv_budget_bytes() == r.pool.nbytes + 320 * r.bytes_per_token
+    idle = eng.kv_bytes()
+    long = (ids(250, 1), 60)  # 310 positions: alone, it fills the buffers
+    short = [(ids(20 + 5 * k, 10 + k), 30) for k in range(6)]
+    out, peak = drive(eng, [long, *short])
+    assert idle < peak <= eng.kv_budget_bytes()
+    assert eng.kv_bytes() == idle  # the buffers are given back once nothing runs
+
+    ref_eng = Engine(tiny_artifact, ServeConfig(providers=[CPU], num_blocks=400, block_size=16), start=False)
+    want = [ref_eng.generate(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in [long, *short]]
+    assert out == want
+
+
+def test_standard_layout_rows_cut_short_of_a_block_when_the_budget_says_so(tiny_artifact):
+    # 213 buffer positions, not a whole number of blocks: two ~100-token rows fit (2 x 106 <= 213) only if the
+    # past is not rounded up to the next block (2 x 112 > 213), which the runner then does.
+    cfg = ServeConfig(providers=[CPU], num_blocks=40, block_size=16, kv_rows_share=0.4, max_batch_size=4)
+    eng = Engine(tiny_artifact, cfg, start=False)
+    assert eng.runner.row_tokens == 213
+    reqs = [(ids(90, 7), 16), (ids(88, 8), 18)]
+    out, peak = drive(eng, reqs)
+    assert peak <= eng.kv_budget_bytes()
+    assert eng.runner._decode_buf.cut_short > 0
+    ref_eng = Engine(tiny_artifact, ServeConfig(providers=[CPU], num_blocks=400, block_size=16), start=False)
+    assert out == [ref_eng.generate(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in reqs]

@@ -25,6 +25,7 @@ from serve.__main__ import BackgroundServer
 from serve.api import create_app
 from serve.config import ServeConfig
 from serve.runner import CPU
+from serve.sampling import SamplingParams
 from step_gate import SAFETY_S, held_steps
 
 pytestmark = pytest.mark.timeout(180)
@@ -236,6 +237,41 @@ def test_a_request_that_can_never_fit_the_pool_is_400_at_admission(small):
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 115}]})
         assert r.status_code == 400 and "can never fit the KV cache" in r.json()["error"]["message"], r.text
     assert eng.stats().requests_added == added + 1  # only the chat that fits was queued
+
+
+def test_the_event_loop_answers_while_the_model_runs_and_while_the_engine_holds_its_lock(small):
+    """/health, /metrics, 429s and /tokenize never wait for the engine: not while a step runs the model (held
+    here inside the runner), and not while the engine's lock is taken (as it is while a step is scheduled and
+    post-processed). If the event loop waited for the lock, every call below would time out."""
+    eng = engine_of(small)
+    n = 1 + SMALL["max_waiting"]
+    with held_steps(eng) as hold, httpx.Client(base_url=small.url, timeout=TIMEOUT) as c:
+        handles = [eng.add_request("fill number 0", SamplingParams.greedy(3))]
+        hold.wait_held()  # one request inside the held step; no step ends, so the next ones all wait
+        handles += [eng.add_request(f"fill number {i}", SamplingParams.greedy(3)) for i in range(1, n)]
+        with eng._lock:
+            assert c.get("/health").status_code == 200
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+            assert int(r.headers["retry-after"]) >= 1
+            r = c.post("/tokenize", json={"prompt": "hello there"})
+            assert r.status_code == 200 and r.json()["count"] >= 2
+            # /metrics reads the counters under the lock, in a worker thread: it answers once the lock is free
+            # while /health keeps answering meanwhile.
+            got: dict = {}
+            t = threading.Thread(target=lambda: got.update(r=c.get("/metrics")))
+            t.start()
+            t.join(0.5)
+            assert c.get("/health").status_code == 200
+        t.join(SAFETY_S)
+        assert got["r"].status_code == 200 and b"vllm:num_requests_waiting" in got["r"].content
+        m = c.get("/metrics")  # while the model runs (the step is still held), not waiting for it
+        assert m.status_code == 200
+        waiting = [ln for ln in m.text.splitlines() if ln.startswith("vllm:num_requests_waiting")]
+        assert waiting and float(waiting[0].split()[-1]) == SMALL["max_waiting"], waiting
+        hold.release()
+    outs = [h.result(SAFETY_S) for h in handles]
+    assert [len(o.output_ids) for o in outs] == [3] * n
 
 
 def test_overload_at_10x_capacity_gives_429_bounded_memory_and_completes_the_rest(small):
