@@ -2,6 +2,9 @@
 
 GGUF checkpoints are dequantized to fp32 by transformers once and cached as
 safetensors, because loading a GGUF takes ~20 s and a safetensors reload 0.3 s.
+transformers reads GGUF files of the llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3 (and a few
+other) architectures; llama.cpp's end-of-turn ids (``tokenizer.ggml.eot_token_id`` /
+``eom_token_id``), which transformers drops, are added to the saved generation config's EOS ids.
 """
 
 from __future__ import annotations
@@ -61,13 +64,80 @@ def _convert_gguf(gguf: Path, cache_root: Path) -> Path:
     # Without offline mode transformers tries to fetch a GGUF kernel from the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 **_gguf_config(gguf))
     _strip_gguf_quantizer(model)
+    _add_end_of_turn_ids(model, gguf)
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def gguf_end_of_turn_ids(gguf: Path) -> list[int]:
+    """llama.cpp's end-of-turn / end-of-message token ids from a GGUF's metadata (empty when absent)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # transformers' GGUF loading needs the package anyway
+        return []
+    reader = GGUFReader(str(gguf))
+    out = []
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        f = reader.fields.get(key)
+        if f is not None and f.data:
+            out.append(int(f.parts[f.data[0]][0]))
+    return out
+
+
+def _gguf_config(gguf: Path) -> dict:
+    """{"config": ...} when transformers' GGUF mapping skips a field the file has, else {}: ``head_dim`` from
+    ``<arch>.attention.key_length`` (its qwen3 mapping ignores it and falls back to the default 128), and
+    Gemma 2/3's ``query_pre_attn_scalar``, which GGUF does not store: llama.cpp scales by the head size
+    except on the 27B models (46 / 62 layers), which use hidden / heads; transformers assumes 256."""
+    from transformers import AutoConfig
+
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return {}
+    fields = GGUFReader(str(gguf)).fields
+    arch = fields.get("general.architecture")
+    if arch is None:
+        return {}
+    name = bytes(arch.parts[arch.data[0]]).decode()
+    f = fields.get(f"{name}.attention.key_length")
+    if f is None or not f.data:
+        return {}
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    key_length = int(f.parts[f.data[0]][0])
+    fix = {}
+    if getattr(config, "head_dim", None) not in (None, key_length):
+        fix["head_dim"] = key_length
+    if name in ("gemma2", "gemma3") and hasattr(config, "query_pre_attn_scalar"):
+        big = config.num_hidden_layers == (46 if name == "gemma2" else 62)
+        scalar = config.hidden_size // config.num_attention_heads if big else key_length
+        if config.query_pre_attn_scalar != scalar:
+            fix["query_pre_attn_scalar"] = scalar
+    if not fix:
+        return {}
+    log.info("GGUF %s: config fields transformers' GGUF mapping does not set: %s", gguf.name, fix)
+    for k, v in fix.items():
+        setattr(config, k, v)
+    return {"config": config}
+
+
+def _add_end_of_turn_ids(model, gguf: Path) -> None:
+    """Generation stops on the GGUF's end-of-turn tokens too (chat models end a turn with them, not EOS)."""
+    extra = gguf_end_of_turn_ids(gguf)
+    gen = getattr(model, "generation_config", None)
+    if not extra or gen is None:
+        return
+    eos = gen.eos_token_id
+    ids = list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+    ids += [i for i in extra if i not in ids]
+    gen.eos_token_id = ids if len(ids) > 1 else ids[0]
+    log.info("GGUF end-of-turn ids %s added to the EOS ids: %s", extra, ids)
 
 
 def _tiny_folder(source: str, cache_root: Path) -> Path:
