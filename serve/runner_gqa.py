@@ -153,7 +153,8 @@ class GqaRunner:
         keep = old.size > 0 and slots > 0 and cap > 0 and \
             old.nbytes + new_bytes <= self.row_tokens * self.bytes_per_token
         if not keep:  # drop the old rows before allocating: the rows never hold more than row_tokens
-            self.kv = old = None  # type: ignore[assignment]
+            # an empty array, not None: /metrics reads kv_bytes() from another thread at any moment
+            self.kv, old = np.zeros(0, dtype=self.dtype), None
         new = np.zeros(shape, dtype=self.dtype)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.pool.nbytes + new_bytes + (old.nbytes if keep else 0))
         m = min(n_old, slots)
