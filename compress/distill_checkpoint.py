@@ -185,4 +185,9 @@ def load_best(student, workdir: str | Path) -> None:
     missing, unexpected = student.load_state_dict(sd, strict=False)
     tied = {"lm_head.weight"} if getattr(student.config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
+        # Some families are saved under their original checkpoint names (GPT-NeoX: lm_head -> embed_out);
+        # from_pretrained maps them back.
+        saved = type(student).from_pretrained(str(Path(workdir) / BEST), dtype=next(student.parameters()).dtype)
+        missing, unexpected = student.load_state_dict(saved.state_dict(), strict=False)
+    if unexpected or set(missing) - tied:
         raise DistillError(f"best checkpoint in {workdir} does not fit the student: missing {missing}, unexpected {unexpected}")
