@@ -225,6 +225,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--int8", help="our INT8 artifact folder")
     ap.add_argument("--fp32", help="our fp32 artifact folder")
+    ap.add_argument("--int8-before", help="another INT8 artifact (e.g. the champion before a change), timed in "
+                    "the same turns as engine_before / graph_before")
     ap.add_argument("--genai-int8", default=str(ROOT / ".cache/bench/genai/int8"))
     ap.add_argument("--genai-fp32", default=str(ROOT / ".cache/bench/genai/fp32"))
     ap.add_argument("--systems", nargs="+", default=["engine", "graph", "genai"], choices=["engine", "graph", "genai"])
@@ -253,6 +255,11 @@ def main(argv=None) -> int:
             systems["engine"] = EngineSystem(art, a.threads, a.ort_spinning)
         if "graph" in a.systems:
             systems["graph"] = GraphSystem(art, a.threads, a.ort_spinning)
+        if prec == "int8" and a.int8_before:
+            if "engine" in a.systems:
+                systems["engine_before"] = EngineSystem(a.int8_before, a.threads, a.ort_spinning)
+            if "graph" in a.systems:
+                systems["graph_before"] = GraphSystem(a.int8_before, a.threads, a.ort_spinning)
         if "genai" in a.systems:
             why = genai_skip_reason(gm)
             if why:
@@ -260,7 +267,8 @@ def main(argv=None) -> int:
                 print(f"{prec}: genai skipped: {why}", flush=True)
             else:
                 systems["genai"] = GenaiSystem(gm)
-        res["artifacts"][prec] = {"ours": art, "genai": gm if "genai" in systems else None}
+        res["artifacts"][prec] = {"ours": art, "genai": gm if "genai" in systems else None,
+                                  **({"before": a.int8_before} if prec == "int8" and a.int8_before else {})}
         print(f"{prec}: {', '.join(systems)} on {a.requests} prompts x {a.max_tokens} tokens", flush=True)
         res["results"][prec] = run(systems, prompts, a.rounds)
         for s in systems.values():
