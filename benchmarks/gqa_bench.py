@@ -31,7 +31,7 @@ def _session(folder: Path, threads: int):
 def standard_step(sess, man, B: int, past: int):
     L, H, D = man["num_layers"], man["num_kv_heads"], man["head_dim"]
     rng = np.random.default_rng(0)
-    feeds = {"input_ids": rng.integers(100, 1000, (B, 1)), "attention_mask": np.ones((B, past + 1), np.int64),
+    feeds = {"input_ids": rng.integers(1, min(1000, man["vocab_size"]), (B, 1)), "attention_mask": np.ones((B, past + 1), np.int64),
              "position_ids": np.full((B, 1), past, np.int64)}
     for n in man["io"]["inputs"]:
         if n.startswith("past_key_values."):
@@ -50,7 +50,7 @@ def gqa_step(sess, man, B: int, past: int):
     past_names = [n for n in man["io"]["inputs"] if n.startswith("past_key_values.")]
     present_names = [n for n in man["io"]["outputs"] if n.startswith("present.")]
     logits = np.empty((B, 1, V), np.float32)
-    ids = rng.integers(100, 1000, (B, 1))
+    ids = rng.integers(1, min(1000, man["vocab_size"]), (B, 1))
     seqlens = np.full(B, past, np.int32)  # the new token lands at `past`, rewritten in place each call
 
     def run():
