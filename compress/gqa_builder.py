@@ -67,8 +67,11 @@ def gqa_io_names(num_layers: int) -> dict[str, list[str]]:
 
 
 def _rope_type(config) -> str:
+    """The rope type; with one parameter set per layer type (Gemma 3), the first that is not static, if any."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return str(params.get("rope_type") or params.get("type") or "default")
+    sets = [v for v in params.values() if isinstance(v, dict)] or [params]
+    types = [str(p.get("rope_type") or p.get("type") or "default") for p in sets]
+    return next((t for t in types if t not in STATIC_ROPE_TYPES), types[0])
 
 
 def check_supported(model) -> None:
