@@ -82,6 +82,10 @@ def check_supported(model) -> None:
     if rope not in STATIC_ROPE_TYPES:
         raise GqaBuildError(f"rope type {rope!r} (config.rope_scaling / rope_parameters): the GQA builder supports "
                             f"{', '.join(STATIC_ROPE_TYPES)}; dynamic or length-dependent scalings need the standard export")
+    if c.model_type == "gpt_neox":  # its own decoder and checks
+        from compress.gqa_neox import check_neox
+
+        return check_neox(model)
     prf = getattr(c, "partial_rotary_factor", None) or (getattr(c, "rope_parameters", None) or {}).get(
         "partial_rotary_factor") or 1.0
     if prf != 1.0:
@@ -125,11 +129,11 @@ def choose_exporter(model, requested: str) -> tuple[str, str]:
 def rope_tables(model, max_positions: int, head_dim: int, layer_type: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [max_positions, head_dim/2] from the model's own rotary module (includes attention_scaling);
     layer_type for rotary modules with one table per layer type (Gemma 3)."""
-    rot = model.model.rotary_emb
+    rot = model.base_model.rotary_emb
     pos = torch.arange(max_positions, dtype=torch.int64)[None]
     x = torch.zeros(1, dtype=torch.float32)
     cos, sin = rot(x, pos) if layer_type is None else rot(x, pos, layer_type)
-    half = head_dim // 2
+    half = cos.shape[-1] // 2  # head_dim // 2, or fewer with partial rotary (GQA rotates 2 * half dims)
     # HF builds cat(freqs, freqs): the first half is the table GQA wants (non-interleaved rotation).
     return cos[0, :, :half].float().numpy().copy(), sin[0, :, :half].float().numpy().copy()
 
@@ -188,6 +192,10 @@ def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "
     Returns (logits tensor name, embedding initializer name).
     """
     c = model.config
+    if c.model_type == "gpt_neox":
+        from compress.gqa_neox import neox_decoder
+
+        return neox_decoder(model, g, attention, select_positions, logits_name, _linear)
     fam = fams.family_of(model)
     info = model_info(model)
     H, KV, D = info["num_heads"], info["num_kv_heads"], info["head_dim"]
@@ -303,7 +311,9 @@ def _layer_attention(model, g: _Graph, max_positions: int, head_dim: int) -> lis
             cos, sin = rope_tables(model, max_positions, head_dim, rope_key)
             sfx = "" if rope_key is None else f"_{rope_key}"
             tables[rope_key] = (g.init(f"cos_cache{sfx}", cos), g.init(f"sin_cache{sfx}", sin))
-        kw = dict(scale=float(getattr(model.model.layers[i].self_attn, "scaling", head_dim ** -0.5)),
+        layer = model.base_model.layers[i]
+        attn = getattr(layer, "self_attn", None) or layer.attention  # GPT-NeoX: .attention
+        kw = dict(scale=float(getattr(attn, "scaling", head_dim ** -0.5)),
                   local_window_size=fams.layer_window(c, layer_type))
         if fams.softcap(c):
             kw["softcap"] = fams.softcap(c)

@@ -40,11 +40,11 @@ FAMILIES = {
     "gemma2": Family("gemma2", norm_offset=1.0, embed_scale=True, sandwich_norms=True),
     "gemma3_text": Family("gemma3_text", norm_offset=1.0, embed_scale=True, sandwich_norms=True, qk_norm=True),
     "phi3": Family("phi3", fused_qkv=True, fused_gate_up=True),
+    # Written by its own decoder (compress/gqa_neox.py): LayerNorm, parallel residual, partial rotary.
+    "gpt_neox": Family("gpt_neox"),
 }
 # Why the others are refused (the standard export serves them).
 REFUSED = {
-    "gpt_neox": "multi-head attention with a head-interleaved fused query_key_value, LayerNorm with biases, "
-                "parallel residual and partial rotary",
     "gpt2": "learned absolute positions with a Conv1D fused c_attn and LayerNorm with biases",
     "opt": "learned absolute positions (offset 2) and LayerNorm with biases",
     "gemma": "Gemma 1 is not built (Gemma 2/3 are)",
@@ -126,7 +126,7 @@ def softcap(config) -> float:
 
 def rope_layer_type(model, layer_type: str) -> str | None:
     """The key the rotary module takes for this layer (Gemma 3: one RoPE base per layer type), else None."""
-    rot = model.model.rotary_emb
+    rot = model.base_model.rotary_emb
     if "layer_type" in inspect.signature(rot.forward).parameters:
         return layer_type
     return None

@@ -95,9 +95,10 @@ def _family_configs() -> dict:
         # Phi-3's qkv_proj and gate_up_proj are fused; it is not tied.
         "phi3": (Phi3Config, dict(num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None)),
         # An MHA family with partial rotary (Pythia-style: a quarter of each head rotated), parallel residual,
-        # LayerNorm with biases, GELU and a fused, head-interleaved query_key_value.
-        "gpt_neox": (GPTNeoXConfig, dict(intermediate_size=256, rotary_pct=0.25, use_parallel_residual=True,
-                                         tie_word_embeddings=False)),
+        # LayerNorm with biases, GELU and a fused, head-interleaved query_key_value. Two heads of 64 (Pythia's
+        # head size): ORT's GroupQueryAttention rotates a multiple of 16 dims, 0.25 x 64 is 16.
+        "gpt_neox": (GPTNeoXConfig, dict(hidden_size=128, num_attention_heads=2, intermediate_size=256,
+                                         rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False)),
     }
 
 

@@ -22,8 +22,8 @@ from compress.golden import compare_onnx, record_golden
 from compress.gqa_builder import build_gqa_artifact, choose_exporter
 from compress.tiny import FAMILIES, SLIDING_WINDOW, build_tiny
 
-# The one family the gqa builder refuses (MHA, head-interleaved fused QKV, partial rotary, parallel residual).
-STANDARD_ONLY = {"gpt_neox"}
+# Families the gqa builder refuses (none of the tiny ones; test_auto_falls_back_with_the_reason covers the path).
+STANDARD_ONLY: set[str] = set()
 PRUNE_REFUSED = {"gpt_neox"}
 LONG = ("The cat sat on the mat and then it went to the store to buy some bread and milk "
         "for the family before the rain")
@@ -87,7 +87,14 @@ def test_export_auto_and_golden(family, models, artifacts):
     assert m["golden_max_abs_error"] < 1e-4 and m["golden_batched_max_abs_error"] < 1e-4
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "gemma3", "phi3"])
+def test_auto_falls_back_with_the_reason(models):
+    """A model the gqa graph cannot express gets the dynamo export, and the log line says why."""
+    model = build_tiny("gpt_neox", seed=0, hidden_size=64, num_attention_heads=4)[0]  # rotates 4 of 16 dims
+    exporter, why = choose_exporter(model, "auto")
+    assert exporter == "dynamo" and "multiple of 8" in why and "partial rotary" in why
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "gemma3", "phi3", "gpt_neox"])
 def test_standard_layout_golden_and_serving(family, models, artifacts, tmp_path):
     """The dynamo export (standard layout, the fallback) of the sliding-window families and of those the gqa
     graph was extended to: golden, and the engine's greedy tokens equal the gqa artifact's. Sliding-window
