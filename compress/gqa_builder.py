@@ -88,8 +88,11 @@ def check_supported(model) -> None:
         return check_neox(model)
     prf = getattr(c, "partial_rotary_factor", None) or (getattr(c, "rope_parameters", None) or {}).get(
         "partial_rotary_factor") or 1.0
-    if prf != 1.0:
-        raise GqaBuildError(f"partial_rotary_factor {prf}: only full-head rotary is supported")
+    head_dim = model_info(model)["head_dim"]
+    if prf != 1.0 and (int(head_dim * prf) // 2) % 8:
+        # GQA rotates the first 2 * cos_cache.shape[1] dims of a head; ORT wants that half a multiple of 8.
+        raise GqaBuildError(f"partial_rotary_factor {prf} rotates {int(head_dim * prf)} of {head_dim} head dims: "
+                            "ORT's GroupQueryAttention needs the rotated half to be a multiple of 8")
     fams.activation(c)  # SiLU or tanh-GELU gated MLPs
     if getattr(c, "mlp_bias", False):
         raise GqaBuildError("mlp_bias=True is not supported")
