@@ -27,6 +27,8 @@ def size_overrides(family: str, size: str) -> dict:
               num_attention_heads=8, max_position_embeddings=2048)
     if family not in ("phi3", "gpt_neox"):
         kw["head_dim"] = 32
+    if family == "gpt_neox":  # Pythia's head size 64 (a quarter of it rotated: what GQA can take)
+        kw["num_attention_heads"] = 4
     if family.startswith("gemma"):
         kw.update(query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"] * 2)
     return kw
