@@ -327,14 +327,13 @@ class GqaRunner:
         self.session.run_with_iobinding(binding)
         self.run_seconds += time.perf_counter() - t
         self.calls += 1
-        # Write the new K/V back to the pool (one fancy-indexed copy for the whole batch).
-        slots = np.arange(B)
-        vals = self.kv[:, slots, :, starts, :]  # advanced indices first: [B, n_kv, H, D]
-        bs = self.block_size
-        blk = np.array([r.block_table[s // bs] for r, s in zip(rows, starts)], dtype=np.intp)
-        self.pool[:, blk, :, starts % bs, :] = vals
+        # Write the new K/V back to the pool, row by row: a basic-indexed strided copy per row is 3-10x faster
+        # than one fancy-indexed copy of the whole batch (numpy's advanced indexing around a slice).
+        bs, kv, pool = self.block_size, self.kv, self.pool
         for i, r in enumerate(rows):
-            self.slot_valid[i] = r.start + 1
+            s = r.start
+            pool[:, r.block_table[s // bs], :, s % bs, :] = kv[:, i, :, s, :]
+            self.slot_valid[i] = s + 1
         return logits[:, 0, :]
 
     def _run_prefill(self, slot: int, r: RunRow) -> np.ndarray:
