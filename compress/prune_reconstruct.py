@@ -64,11 +64,18 @@ class ReconstructionReport:
 
 
 class _Fit:
-    """Running sums for one projection: C = sum x_T x_S^T, G = sum x_S x_S^T, ||y||^2 (float64)."""
+    """Running sums for one projection: C = sum w x_T x_S^T, G = sum w x_S x_S^T, sum w ||y||^2 (float64).
 
-    def __init__(self, w_teacher: torch.Tensor, keep: torch.Tensor):
+    token_weight 'relative' weighs each token by 1 / ||y||^2 (its target's squared norm, floored at a tenth
+    of the batch mean), so every token's *relative* error counts alike: without it the few attention-sink
+    tokens whose activations are ~100x the others' dominate the sums, and the fit reproduces them at the
+    expense of every ordinary token. 'none' = plain least squares.
+    """
+
+    def __init__(self, w_teacher: torch.Tensor, keep: torch.Tensor, token_weight: str = "relative"):
         self.wt = w_teacher.double()  # [out, in_full]
         self.keep = keep
+        self.token_weight = token_weight
         k = len(keep)
         self.C = torch.zeros(self.wt.shape[1], k, dtype=torch.float64)
         self.G = torch.zeros(k, k, dtype=torch.float64)
@@ -78,9 +85,16 @@ class _Fit:
     def add(self, x_t: torch.Tensor, x_s: torch.Tensor) -> None:
         x_t = x_t.reshape(-1, x_t.shape[-1]).double().cpu()
         x_s = x_s.reshape(-1, x_s.shape[-1]).double().cpu()
-        self.C += x_t.T @ x_s
-        self.G += x_s.T @ x_s
-        self.yy += float((x_t @ self.wt.T).pow(2).sum())
+        y2 = (x_t @ self.wt.T).pow(2).sum(-1)
+        if self.token_weight == "relative":
+            w = 1.0 / y2.clamp_min(0.1 * float(y2.mean()) + 1e-30)
+            x_sw = x_s * w[:, None]
+        else:
+            w = torch.ones_like(y2)
+            x_sw = x_s
+        self.C += x_t.T @ x_sw
+        self.G += x_s.T @ x_sw
+        self.yy += float((y2 * w).sum())
         self.n += x_t.shape[0]
 
     def _err(self, w: torch.Tensor) -> float:
@@ -160,8 +174,8 @@ def _projections(plan: StructuredPlan, teacher_idx: int, n_rep: int, hd: int) ->
 
 
 @torch.no_grad()
-def reconstruct(teacher, student, plan: StructuredPlan, blocks: np.ndarray, ridge: float = 0.05,
-                inputs: str = "student", batch_size: int = 4) -> ReconstructionReport:
+def reconstruct(teacher, student, plan: StructuredPlan, blocks: np.ndarray, ridge: float = 0.5,
+                inputs: str = "student", batch_size: int = 4, token_weight: str = "relative") -> ReconstructionReport:
     """Re-fit, in place, student's o_proj / down_proj of every layer the plan cut (teacher unchanged).
 
     student must be teacher cut by apply_plan(student, plan); blocks are calibration token blocks.
@@ -199,7 +213,7 @@ def reconstruct(teacher, student, plan: StructuredPlan, blocks: np.ndarray, ridg
         s_layer = s_layers[s_idx[i]]
         for name, keep in projs:
             t_proj, s_proj = t_layer.get_submodule(name), s_layer.get_submodule(name)
-            fit = _Fit(t_proj.weight.detach(), keep)
+            fit = _Fit(t_proj.weight.detach(), keep, token_weight)
             if inputs == "teacher":
                 for x_t in t_in[name]:
                     fit.add(x_t, x_t[..., keep.to(x_t.device)])

@@ -1,0 +1,192 @@
+"""Why a narrower MLP decodes no faster: batch-1 decode of SmolLM2 and its MLP-pruned students, per op (docs/pruning.md).
+
+  .venv/bin/python -m benchmarks.prune_speed                    # teacher + mlp 0.25, fp32 and W8A8, profiled
+  .venv/bin/python -m benchmarks.prune_speed --ratios 0.25 0.5 --quant dynamic weight_only
+
+Each model is built with the gqa builder (the `auto` exporter's graph for SmolLM2), quantized with the
+default config's W8A8 (dynamic, per-token, SmoothQuant auto) and/or weight-only INT8, then:
+- decode ms/token: median over `--steps` greedy steps after a 32-token prompt, the models taking turns
+  `--rounds` times (the CPU is shared: turns spread the noise over every model alike);
+- an ORT profile of the same decode, summed per role (lm_head, mlp gate/up/down, attention projections,
+  GroupQueryAttention, norms, rest) and per op type, in ms per decode step.
+Results: .cache/bench/prune_speed/results.json and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / ".cache" / "bench" / "prune_speed"
+
+QUANT = {
+    "dynamic": dict(method="dynamic", activation_granularity="token", smoothquant_alpha="auto"),
+    "weight_only": dict(method="weight_only"),
+}
+
+
+def role(name: str) -> str:
+    for pat, r in ((r"lm_head", "lm_head"), (r"mlp/(gate_up|gate_proj|up_proj)", "mlp_gate_up"),
+                   (r"mlp/down_proj", "mlp_down"), (r"mlp", "mlp_other"),
+                   (r"self_attn/(q_proj|k_proj|v_proj|qkv)", "attn_qkv"), (r"self_attn/o_proj", "attn_o"),
+                   (r"GroupQueryAttention|self_attn", "attention"), (r"[Nn]orm|RMS|Skip", "norms"),
+                   (r"embed|Gather", "embedding")):
+        if re.search(pat, name):
+            return r
+    return "other"
+
+
+def build(name: str, model, tok, splits, quant: list[str]) -> dict[str, Path]:
+    from compress.config import QuantizeConfig
+    from compress.gqa_builder import build_gqa_artifact
+    from compress.quantize import Quantizer
+
+    out = {}
+    fp32 = OUT / name / "fp32"
+    if not (fp32 / "manifest.json").is_file():
+        build_gqa_artifact(model, tok, fp32)
+    out["fp32"] = fp32
+    for q in quant:
+        d = OUT / name / q
+        if not (d / "manifest.json").is_file():
+            t0 = time.perf_counter()
+            Quantizer(fp32, splits.calib, QuantizeConfig(**QUANT[q])).write(d, [])
+            print(f"{name} {q}: quantized in {time.perf_counter() - t0:.0f} s", flush=True)
+        out[q] = d
+    return out
+
+
+def _driver(folder: Path, profile: bool):
+    import onnxruntime as ort
+
+    from compress.artifact import read_manifest
+    from compress.lm_driver import load_lm
+
+    lm = load_lm(folder, threads=2, verify=False)
+    if profile:
+        man = read_manifest(folder, verify=False)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 2
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(OUT / f"prof-{folder.parent.name}-{folder.name}")
+        opts.log_severity_level = 3
+        lm._setup(man, ort.InferenceSession(str(folder / man.get("onnx_file", "model.onnx")), opts,
+                                            providers=["CPUExecutionProvider"]))
+    return lm
+
+
+def decode_ms(lm, prompt: list[int], steps: int) -> list[float]:
+    times: list[float] = []
+    lm.greedy(prompt, steps + 1, step_seconds=times)
+    return [1000 * t for t in times[2:]]
+
+
+def profile(folder: Path, prompt: list[int], steps: int) -> dict:
+    lm = _driver(folder, profile=True)
+    logits, past = lm.prefill(prompt, room=steps + 2, last_only=True)
+    start = time.perf_counter_ns() // 1000
+    tok = int(logits[-1].argmax())
+    for _ in range(steps):
+        logits, past = lm.decode([tok], past)
+        tok = int(logits[-1].argmax())
+    path = lm.session.end_profiling()
+    events = json.loads(Path(path).read_text())
+    # Only decode runs: skip the prefill's events (the profile's first model_run).
+    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    t_decode = runs[1]["ts"] if len(runs) > 1 else 0
+    by_role, by_op, by_node = defaultdict(float), defaultdict(float), defaultdict(float)
+    shapes = {}
+    for e in events:
+        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time") or e["ts"] < t_decode:
+            continue
+        node = e["name"][: -len("_kernel_time")]
+        op = e.get("args", {}).get("op_name", "?")
+        by_role[role(node)] += e["dur"] / 1000 / steps
+        by_op[op] += e["dur"] / 1000 / steps
+        by_node[node] += e["dur"] / 1000 / steps
+        if "mlp" in node and node not in shapes:
+            a = e.get("args", {})
+            shapes[node] = {"op": op, "in": a.get("input_type_shape"), "out": a.get("output_type_shape"),
+                            "provider": a.get("provider")}
+    Path(path).unlink()
+    del start
+    top = dict(sorted(by_node.items(), key=lambda kv: -kv[1])[:12])
+    return {"by_role": dict(by_role), "by_op": dict(by_op), "top_nodes": top,
+            "mlp_layer0": {k: v for k, v in shapes.items() if "/layers/0/" in k},
+            "kernel_ms_per_step": sum(by_op.values())}
+
+
+def main():
+    import numpy as np
+
+    from compress.config import PruneConfig
+    from compress.data import make_splits
+    from compress.models import load_teacher
+    from compress.prune import prune_model
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ratios", type=float, nargs="*", default=[0.25], help="MLP ratios")
+    ap.add_argument("--layer-ratios", type=float, nargs="*", default=[], help="depth pruning ratios, for comparison")
+    ap.add_argument("--quant", nargs="*", default=["dynamic"])
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile-steps", type=int, default=32)
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    model, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
+    splits = make_splits(tok, "embedded", block_size=128, train_blocks=64, calib_blocks=32, eval_blocks=32)
+    arts: dict[str, dict[str, Path]] = {"teacher": build("teacher", model, tok, splits, args.quant)}
+    widths = {"teacher": model.config.intermediate_size}
+    specs = [(f"mlp{int(round(r * 1000)):03d}", dict(mlp_ratio=r)) for r in args.ratios]
+    specs += [(f"layers{int(round(r * 1000)):03d}", dict(mlp_ratio=0.0, layer_ratio=r)) for r in args.layer_ratios]
+    for name, spec in specs:
+        width_file = OUT / name / "intermediate_size.txt"
+        if not width_file.is_file():
+            student, _ = prune_model(model, splits.calib, PruneConfig(enabled=True, sensitivity=False,
+                                                                      reconstruct=False, **spec))
+            build(name, student, tok, splits, [])
+            width_file.write_text(str(student.config.intermediate_size))
+            del student
+        arts[name] = build(name, None, tok, splits, args.quant)
+        widths[name] = int(width_file.read_text())
+    prompt = splits.eval[0][:32].tolist()
+    kinds = ["fp32", *args.quant]
+    times: dict[tuple[str, str], list[float]] = defaultdict(list)
+    drivers = {(n, k): _driver(a[k], profile=False) for n, a in arts.items() for k in kinds}
+    for _ in range(args.rounds):
+        for key, lm in drivers.items():  # taking turns
+            times[key] += decode_ms(lm, prompt, args.steps)
+    results = []
+    for (n, k), ts in times.items():
+        prof = profile(arts[n][k], prompt, args.profile_steps)
+        size = sum(p.stat().st_size for p in arts[n][k].glob("model.onnx*"))
+        results.append({"model": n, "kind": k, "intermediate": widths.get(n), "size_mib": size / 2**20,
+                        "decode_ms_median": float(np.median(ts)), "decode_ms_p10": float(np.percentile(ts, 10)),
+                        "profile": prof})
+        print(n, k, f"{np.median(ts):.2f} ms/token", {r: round(v, 3) for r, v in sorted(prof['by_role'].items())},
+              flush=True)
+    res = {"results": results, "loadavg": os.getloadavg(), "rounds": args.rounds, "steps": args.steps}
+    (OUT / "results.json").write_text(json.dumps(res, indent=1))
+    roles = sorted({r for x in results for r in x["profile"]["by_role"]})
+    print("| model | kind | I | MiB | decode ms/token (median, p10) | kernel ms/step | "
+          + " | ".join(roles) + " |")
+    print("|---" * (6 + len(roles)) + "|")
+    for x in results:
+        p = x["profile"]
+        print(f"| {x['model']} | {x['kind']} | {x['intermediate']} | {x['size_mib']:.0f} | "
+              f"{x['decode_ms_median']:.2f}, {x['decode_ms_p10']:.2f} | {p['kernel_ms_per_step']:.2f} | "
+              + " | ".join(f"{p['by_role'].get(r, 0):.3f}" for r in roles) + " |")
+    print("load average", os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()
