@@ -142,14 +142,15 @@ def _add_end_of_turn_ids(model, gguf: Path) -> None:
 
 def _tiny_folder(source: str, cache_root: Path) -> Path:
     """model.source 'tiny[-FAMILY][:SEED]': a seeded tiny model of compress/tiny.py (Llama by default), saved once."""
-    from compress.tiny import FAMILIES, save_tiny
+    from compress.tiny import FAMILIES, FAMILY_CONFIGS_VERSION, save_tiny
 
     name, _, seed = source.partition(":")
     family = name.removeprefix("tiny").removeprefix("-") or "llama"
     if (seed and not seed.isdigit()) or family not in FAMILIES:
         raise ModelError(f"model.source {source!r}: write 'tiny', 'tiny:<integer seed>' or 'tiny-<family>[:<seed>]' "
                          f"with a family of {', '.join(FAMILIES)}")
-    out = cache_root / (f"tiny-seed{int(seed or 0)}" if family == "llama" else f"tiny-{family}-seed{int(seed or 0)}")
+    out = cache_root / (f"tiny-seed{int(seed or 0)}" if family == "llama"
+                        else f"tiny-{family}-v{FAMILY_CONFIGS_VERSION}-seed{int(seed or 0)}")
     if not (out / "config.json").is_file():
         tmp = out.with_name(out.name + ".tmp")
         save_tiny(tmp, family, seed=int(seed or 0))

@@ -103,6 +103,8 @@ def _family_configs() -> dict:
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt_neox")
+# Part of the cached folder name of a tiny-<family> model source: bump when a family's config changes.
+FAMILY_CONFIGS_VERSION = 2
 
 
 def tiny_config(family: str, vocab_size: int, **overrides):
