@@ -45,8 +45,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compress import gqa_families as fams
 from compress.artifact import write_manifest
-from compress.graph_fusion import fuse_decoder
 from compress.gqa_families import GqaBuildError
+from compress.graph_fusion import fuse_decoder
 from compress.models import model_info
 
 log = logging.getLogger(__name__)
