@@ -55,6 +55,9 @@ VARIANTS: dict[str, dict] = {
     "mlp37": dict(method="structured", mlp_ratio=0.375),
     "mlp37_rec": dict(method="structured", mlp_ratio=0.375, reconstruct=True),
     "mlp25_kv1_rec": dict(method="structured", mlp_ratio=0.25, head_ratio=0.34, reconstruct=True),
+    # More calibration tokens for the re-fit: 64 train blocks (8192 tokens) instead of the 16 calib blocks.
+    "mlp25_rec_calib64": dict(method="structured", mlp_ratio=0.25, reconstruct=True, calib_from_train=64),
+    "mlp37_rec_calib64": dict(method="structured", mlp_ratio=0.375, reconstruct=True, calib_from_train=64),
 }
 # reconstruct off unless a variant says so: the rows above it were measured before it existed.
 BASE = dict(enabled=True, head_ratio=0.0, layer_ratio=0.0, sensitivity_blocks=8, reconstruct=False)
@@ -123,10 +126,11 @@ def run_variant(name, model, tok, splits, ev: EvalSet, teacher_ppl, export: bool
 
     spec = dict(VARIANTS[name])
     use_sens = spec.pop("use_sensitivity", False)
+    n_train = spec.pop("calib_from_train", 0)
     cfg = PruneConfig(**{**BASE, **spec})
     sens = sensitivity(model, splits) if use_sens else None
     cpu0 = time.process_time()
-    student, rep = prune_model(model, splits.calib, cfg, sens)
+    student, rep = prune_model(model, splits.train[:n_train] if n_train else splits.calib, cfg, sens)
     cpu = time.process_time() - cpu0
     t0 = time.perf_counter()
     m = ev.measure(student)

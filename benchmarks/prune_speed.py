@@ -84,45 +84,89 @@ def _driver(folder: Path, profile: bool):
     return lm
 
 
+def decode_cpu_ms(folder: Path, prompt: list[int], steps: int, rounds: int) -> list[float]:
+    """CPU ms per decode step on one intra-op thread: what the step costs, whatever else the cores run
+    (wall time on a shared 2-core machine mostly measures the neighbours)."""
+    from compress.lm_driver import load_lm
+
+    lm = load_lm(folder, threads=1, verify=False)
+    out: list[float] = []
+    for _ in range(rounds):
+        logits, past = lm.prefill(prompt, room=steps + 2, last_only=True)
+        tok = int(logits[-1].argmax())
+        for i in range(steps):
+            c0 = time.process_time()
+            logits, past = lm.decode([tok], past)
+            if i >= 2:
+                out.append(1000 * (time.process_time() - c0))
+            tok = int(logits[-1].argmax())
+    return out
+
+
 def decode_ms(lm, prompt: list[int], steps: int) -> list[float]:
     times: list[float] = []
     lm.greedy(prompt, steps + 1, step_seconds=times)
     return [1000 * t for t in times[2:]]
 
 
-def profile(folder: Path, prompt: list[int], steps: int) -> dict:
-    lm = _driver(folder, profile=True)
-    logits, past = lm.prefill(prompt, room=steps + 2, last_only=True)
-    start = time.perf_counter_ns() // 1000
-    tok = int(logits[-1].argmax())
-    for _ in range(steps):
-        logits, past = lm.decode([tok], past)
+class Profiled:
+    """A profiling session of one artifact; decode runs accumulate, then per-step kernel times by role."""
+
+    def __init__(self, folder: Path, prompt: list[int]):
+        self.lm = _driver(folder, profile=True)
+        self.prompt = prompt
+        self.steps, self.bursts = 0, 0
+
+    def run(self, steps: int) -> None:
+        self.steps, self.bursts = steps, self.bursts + 1
+        logits, past = self.lm.prefill(self.prompt, room=steps + 2, last_only=True)
         tok = int(logits[-1].argmax())
-    path = lm.session.end_profiling()
-    events = json.loads(Path(path).read_text())
-    # Only decode runs: skip the prefill's events (the profile's first model_run).
-    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
-    t_decode = runs[1]["ts"] if len(runs) > 1 else 0
-    by_role, by_op, by_node = defaultdict(float), defaultdict(float), defaultdict(float)
-    shapes = {}
-    for e in events:
-        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time") or e["ts"] < t_decode:
-            continue
-        node = e["name"][: -len("_kernel_time")]
-        op = e.get("args", {}).get("op_name", "?")
-        by_role[role(node)] += e["dur"] / 1000 / steps
-        by_op[op] += e["dur"] / 1000 / steps
-        by_node[node] += e["dur"] / 1000 / steps
-        if "mlp" in node and node not in shapes:
+        for _ in range(steps):
+            logits, past = self.lm.decode([tok], past)
+            tok = int(logits[-1].argmax())
+
+    def summary(self) -> dict:
+        import numpy as np
+
+        path = self.lm.session.end_profiling()
+        events = json.loads(Path(path).read_text())
+        Path(path).unlink()
+        runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                      if e.get("cat") == "Session" and e.get("name") == "model_run")
+        # Each run() is one prefill then `steps` decodes: drop every burst's first run (the prefill).
+        per_run: dict[int, dict[str, float]] = {}
+        per_run_op: dict[int, dict[str, float]] = {}
+        burst = self.steps + 1
+        if len(runs) != self.bursts * burst:
+            raise RuntimeError(f"profile has {len(runs)} runs, expected {self.bursts} x {burst}")
+        prefill_runs = set(range(0, len(runs), burst))
+        starts = [r[0] for r in runs]
+        shapes = {}
+        import bisect
+
+        for e in events:
+            if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+                continue
+            node = e["name"][: -len("_kernel_time")]
             a = e.get("args", {})
-            shapes[node] = {"op": op, "in": a.get("input_type_shape"), "out": a.get("output_type_shape"),
-                            "provider": a.get("provider")}
-    Path(path).unlink()
-    del start
-    top = dict(sorted(by_node.items(), key=lambda kv: -kv[1])[:12])
-    return {"by_role": dict(by_role), "by_op": dict(by_op), "top_nodes": top,
-            "mlp_layer0": {k: v for k, v in shapes.items() if "/layers/0/" in k},
-            "kernel_ms_per_step": sum(by_op.values())}
+            i = bisect.bisect_right(starts, e["ts"]) - 1
+            if i < 0:
+                continue
+            per_run.setdefault(i, defaultdict(float))[role(node)] += e["dur"] / 1000
+            per_run_op.setdefault(i, defaultdict(float))[a.get("op_name", "?")] += e["dur"] / 1000
+            if "/layers/0/mlp" in node and node not in shapes and i not in prefill_runs:
+                shapes[node] = {"op": a.get("op_name"), "in": a.get("input_type_shape"),
+                                "out": a.get("output_type_shape"), "provider": a.get("provider")}
+        dec = [i for i in per_run if i not in prefill_runs]
+        roles = sorted({r for i in dec for r in per_run[i]})
+        ops = sorted({o for i in dec for o in per_run_op[i]})
+        med = {r: float(np.median([per_run[i].get(r, 0.0) for i in dec])) for r in roles}
+        low = {r: float(np.percentile([per_run[i].get(r, 0.0) for i in dec], 10)) for r in roles}
+        total = [sum(per_run[i].values()) for i in dec]
+        return {"decode_runs": len(dec), "by_role_median": med, "by_role_p10": low,
+                "by_op_median": {o: float(np.median([per_run_op[i].get(o, 0.0) for i in dec])) for o in ops},
+                "kernel_ms_median": float(np.median(total)), "kernel_ms_p10": float(np.percentile(total, 10)),
+                "mlp_layer0": shapes}
 
 
 def main():
@@ -139,7 +183,8 @@ def main():
     ap.add_argument("--quant", nargs="*", default=["dynamic"])
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--profile-steps", type=int, default=32)
+    ap.add_argument("--profile-steps", type=int, default=24)
+    ap.add_argument("--cpu-only", action="store_true", help="only CPU ms per decode step on one thread")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     model, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
@@ -160,31 +205,46 @@ def main():
         widths[name] = int(width_file.read_text())
     prompt = splits.eval[0][:32].tolist()
     kinds = ["fp32", *args.quant]
+    if args.cpu_only:
+        cpu = {(n, k): decode_cpu_ms(a[k], prompt, args.steps, args.rounds) for n, a in arts.items() for k in kinds}
+        print("| model | kind | I | MiB | CPU ms per decode step, 1 thread (median, p10) |")
+        print("|---|---|---|---|---|")
+        rows = []
+        for (n, k), ts in cpu.items():
+            size = sum(p.stat().st_size for p in arts[n][k].glob("model.onnx*")) / 2**20
+            rows.append({"model": n, "kind": k, "intermediate": widths.get(n), "size_mib": size,
+                         "cpu_ms_median": float(np.median(ts)), "cpu_ms_p10": float(np.percentile(ts, 10))})
+            print(f"| {n} | {k} | {widths.get(n)} | {size:.0f} | {np.median(ts):.2f}, {np.percentile(ts, 10):.2f} |")
+        (OUT / "cpu.json").write_text(json.dumps({"rows": rows, "loadavg": os.getloadavg()}, indent=1))
+        print("load average", os.getloadavg())
+        return
     times: dict[tuple[str, str], list[float]] = defaultdict(list)
     drivers = {(n, k): _driver(a[k], profile=False) for n, a in arts.items() for k in kinds}
+    profs = {(n, k): Profiled(a[k], prompt) for n, a in arts.items() for k in kinds}
     for _ in range(args.rounds):
-        for key, lm in drivers.items():  # taking turns
+        for key, lm in drivers.items():  # taking turns, timing and profile alike
             times[key] += decode_ms(lm, prompt, args.steps)
+            profs[key].run(args.profile_steps)
     results = []
     for (n, k), ts in times.items():
-        prof = profile(arts[n][k], prompt, args.profile_steps)
+        prof = profs[(n, k)].summary()
         size = sum(p.stat().st_size for p in arts[n][k].glob("model.onnx*"))
         results.append({"model": n, "kind": k, "intermediate": widths.get(n), "size_mib": size / 2**20,
                         "decode_ms_median": float(np.median(ts)), "decode_ms_p10": float(np.percentile(ts, 10)),
                         "profile": prof})
-        print(n, k, f"{np.median(ts):.2f} ms/token", {r: round(v, 3) for r, v in sorted(prof['by_role'].items())},
+        print(n, k, f"{np.median(ts):.2f} ms/token", {r: round(v, 3) for r, v in sorted(prof['by_role_p10'].items())},
               flush=True)
     res = {"results": results, "loadavg": os.getloadavg(), "rounds": args.rounds, "steps": args.steps}
     (OUT / "results.json").write_text(json.dumps(res, indent=1))
-    roles = sorted({r for x in results for r in x["profile"]["by_role"]})
-    print("| model | kind | I | MiB | decode ms/token (median, p10) | kernel ms/step | "
+    roles = sorted({r for x in results for r in x["profile"]["by_role_p10"]})
+    print("| model | kind | I | MiB | decode ms/token (median, p10) | kernel ms/step (median, p10) | "
           + " | ".join(roles) + " |")
     print("|---" * (6 + len(roles)) + "|")
     for x in results:
         p = x["profile"]
         print(f"| {x['model']} | {x['kind']} | {x['intermediate']} | {x['size_mib']:.0f} | "
-              f"{x['decode_ms_median']:.2f}, {x['decode_ms_p10']:.2f} | {p['kernel_ms_per_step']:.2f} | "
-              + " | ".join(f"{p['by_role'].get(r, 0):.3f}" for r in roles) + " |")
+              f"{x['decode_ms_median']:.2f}, {x['decode_ms_p10']:.2f} | {p['kernel_ms_median']:.2f}, {p['kernel_ms_p10']:.2f} | "
+              + " | ".join(f"{p['by_role_p10'].get(r, 0):.3f}" for r in roles) + " |")
     print("load average", os.getloadavg())
 
 
