@@ -205,3 +205,16 @@ def _torch_greedy(model, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def test_tiny_family_model_source(tmp_path):
+    """model.source tiny-<family>[:seed] resolves to a saved HF folder of that family; a wrong one names the choices."""
+    from transformers import AutoConfig
+
+    from compress.models import ModelError, resolve_source
+
+    folder = resolve_source("tiny-gemma2:3", None, tmp_path)
+    assert AutoConfig.from_pretrained(folder).model_type == "gemma2"
+    assert resolve_source("tiny-gemma2:3", None, tmp_path) == folder  # saved once
+    with pytest.raises(ModelError, match="gpt_neox"):
+        resolve_source("tiny-gpt3", None, tmp_path)
