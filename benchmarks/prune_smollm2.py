@@ -47,17 +47,17 @@ VARIANTS: dict[str, dict] = {
                        protected_layers=[]),
     # Reconstruction (compress/prune_reconstruct.py): one-shot, the same cuts with and without the re-fit.
     "mlp12": dict(method="structured", mlp_ratio=0.125),
-    "mlp12_rec": dict(method="structured", mlp_ratio=0.125, reconstruct=True),
+    "mlp12_rec": dict(method="structured", mlp_ratio=0.125, reconstruct=True, reconstruct_inputs="student"),
+    "mlp12_rec_teacher": dict(method="structured", mlp_ratio=0.125, reconstruct=True, reconstruct_inputs="teacher"),
     "mlp25": dict(method="structured", mlp_ratio=0.25),
-    "mlp25_rec": dict(method="structured", mlp_ratio=0.25, reconstruct=True),
+    "mlp25_rec": dict(method="structured", mlp_ratio=0.25, reconstruct=True, reconstruct_inputs="student"),
     "mlp25_rec_teacher": dict(method="structured", mlp_ratio=0.25, reconstruct=True, reconstruct_inputs="teacher"),
-    "mlp25_rec_r0.05": dict(method="structured", mlp_ratio=0.25, reconstruct=True, reconstruct_ridge=0.05),
     "mlp37": dict(method="structured", mlp_ratio=0.375),
-    "mlp37_rec": dict(method="structured", mlp_ratio=0.375, reconstruct=True),
+    "mlp37_rec": dict(method="structured", mlp_ratio=0.375, reconstruct=True, reconstruct_inputs="student"),
+    "mlp37_rec_teacher": dict(method="structured", mlp_ratio=0.375, reconstruct=True, reconstruct_inputs="teacher"),
     "mlp25_kv1_rec": dict(method="structured", mlp_ratio=0.25, head_ratio=0.34, reconstruct=True),
     # More calibration tokens for the re-fit: 64 train blocks (8192 tokens) instead of the 16 calib blocks.
     "mlp25_rec_calib64": dict(method="structured", mlp_ratio=0.25, reconstruct=True, calib_from_train=64),
-    "mlp37_rec_calib64": dict(method="structured", mlp_ratio=0.375, reconstruct=True, calib_from_train=64),
 }
 # reconstruct off unless a variant says so: the rows above it were measured before it existed.
 BASE = dict(enabled=True, head_ratio=0.0, layer_ratio=0.0, sensitivity_blocks=8, reconstruct=False)

@@ -124,9 +124,9 @@ class PruneConfig(Section):
     # (0 = plain least squares, which over-fits a few thousand calib tokens; large = no reconstruction).
     # 0.5: best or near-best held-out layer error on SmolLM2 with 16 and 64 calib blocks (docs/pruning.md).
     reconstruct_ridge: float = Field(0.5, ge=0)
-    # student = fit on the cut student's own activations layer by layer (also corrects earlier layers' loss);
-    # teacher = on the teacher's activations (one pass, no error correction).
-    reconstruct_inputs: Literal["student", "teacher"] = "student"
+    # teacher = fit on the teacher's activations (one pass; better on SmolLM2: 25 % cut 25.77 -> 23.17);
+    # student = on the cut student's own activations layer by layer (tries to correct earlier layers' loss).
+    reconstruct_inputs: Literal["teacher", "student"] = "teacher"
 
 
 class DistillConfig(Section):

@@ -122,4 +122,4 @@ def test_refit_with_dropped_layers_and_a_huge_ridge(teacher, calib, tiny_splits)
     plain, _ = prune_model(teacher, calib, _cfg(head_ratio=0.0, reconstruct=False))
     for a, b in zip(decoder_layers(stiff), decoder_layers(plain)):
         torch.testing.assert_close(a.mlp.down_proj.weight, b.mlp.down_proj.weight, rtol=1e-5, atol=1e-6)
-    assert json.loads(json.dumps(rep.to_dict()))["reconstruction"]["inputs"] == "student"
+    assert json.loads(json.dumps(rep.to_dict()))["reconstruction"]["inputs"] == "teacher"
