@@ -84,7 +84,9 @@ def test_mc_accuracy_equals_torch_log_likelihoods(tiny_model, tiny_artifact, tin
     assert scores["downstream_accuracy"] == pytest.approx((acc + scores["downstream_heldout_accuracy"]) / 2)
 
 
-def test_accept_stage_judges_a_pruned_student_on_quality(tiny, tiny_artifact, tiny_splits, tmp_path):
+def test_accept_stage_judges_a_pruned_student_on_quality(tiny, tiny_artifact, tiny_splits, tmp_path, mlflow_store):
+    import mlflow
+
     from compress.config import PruneConfig
     from compress.gqa_builder import build_gqa_artifact
     from compress.prune import prune_model
@@ -100,8 +102,14 @@ def test_accept_stage_judges_a_pruned_student_on_quality(tiny, tiny_artifact, ti
                  "accept": {"enabled": True, "max_perplexity_ratio": 5.0, "min_top1_agreement": 1.0,
                             "max_heldout_perplexity_ratio": 1.0, "max_downstream_drop": 1.0, "downstream_items": 8}}
     cfg = PipelineConfig.model_validate(overrides)
-    out = accept_task.fn(cfg, "accept", "k-quality", None, str(tmp_path / "student"), str(tiny_artifact),
-                         str(tmp_path / "splits.npz"), str(tmp_path / "heldout.npz"))
+    mlflow.set_experiment("accept-criteria")
+    with mlflow.start_run() as parent:  # the stage logs to a child run, as under the flow
+        out = accept_task.fn(cfg, "accept", "k-quality", parent.info.run_id, str(tmp_path / "student"),
+                             str(tiny_artifact), str(tmp_path / "splits.npz"), str(tmp_path / "heldout.npz"))
+    assert mlflow.active_run() is None
+    (child,) = mlflow.search_runs(filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+                                  output_format="list")
+    assert child.data.tags["accept_criteria"] == "quality" and child.data.metrics["accepted"] == 0.0
     assert out["criteria"] == "quality"
     assert [c["name"] for c in out["checks"]] == ["perplexity_ratio", "heldout_perplexity_ratio", "downstream_drop"]
     # Agreement 1.0 was asked, and not checked: a pruned student is judged on quality. The held-out source's
