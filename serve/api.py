@@ -78,7 +78,8 @@ def create_app(model: str | ModelManager, config: ServeConfig | None = None, *, 
     app.state.manager, app.state.cache, app.state.metrics, app.state.config = manager, cache, metrics, config
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_middleware(CountRequests, counter=metrics.requests)
+    app.add_middleware(ShedWhenFull, manager=manager, max_body=config.max_request_bytes)
+    app.add_middleware(CountRequests, counter=metrics.requests)  # added last: outermost, so it counts the 429s too
     app.include_router(routes_openai.router)
     app.include_router(routes_admin.router)
     return app
@@ -116,3 +117,42 @@ class CountRequests:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
             self.counter.labels(path, str(status["code"])).inc()
+
+
+class _ShedRoute:
+    """What CountRequests reads from ``scope["route"]`` for a request the shedder answered before routing."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+
+class ShedWhenFull:
+    """Pure ASGI middleware: a completion that arrives while the waiting queue is full gets its 429 here, before
+    routing, JSON parsing and validation, which are most of what a refused request costs the event loop. In a
+    burst of hundreds of requests that is what keeps /health, /metrics and the 429s quick (docs/serving.md,
+    "The event loop under bursts"). The check reads the queue length without the engine's lock; the engine
+    decides again, exactly, when a request is added. The body is read and dropped so the connection stays
+    usable (up to ``max_body`` bytes; a longer one closes the connection after the answer)."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app, manager: ModelManager, max_body: int):
+        self.app, self.manager, self.max_body = app, manager, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.PATHS:
+            lm = self.manager.current
+            sched = lm.engine.scheduler if lm is not None and not lm.closed else None
+            if sched is not None and len(sched.waiting) >= sched.max_waiting:
+                read, more = 0, True
+                while more and read <= self.max_body:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return
+                    read += len(msg.get("body", b""))
+                    more = msg.get("more_body", False)
+                scope["route"] = _ShedRoute(scope["path"])
+                await routes_openai.queue_full(sched.queue_full_error()).response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+

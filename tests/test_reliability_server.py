@@ -267,6 +267,12 @@ def test_the_event_loop_answers_while_the_model_runs_and_while_the_engine_holds_
         assert got["r"].status_code == 200 and b"vllm:num_requests_waiting" in got["r"].content
         m = c.get("/metrics")  # while the model runs (the step is still held), not waiting for it
         assert m.status_code == 200
+        # The 429 came from the shedder, before routing: still counted under its endpoint, and the keep-alive
+        # connection it used still serves the next request.
+        shed = [ln for ln in m.text.splitlines()
+                if ln.startswith("compressor:http_requests_total") and 'endpoint="/v1/chat/completions"' in ln
+                and 'status="429"' in ln]
+        assert shed and float(shed[0].split()[-1]) >= 1, shed
         waiting = [ln for ln in m.text.splitlines() if ln.startswith("vllm:num_requests_waiting")]
         assert waiting and float(waiting[0].split()[-1]) == SMALL["max_waiting"], waiting
         hold.release()
