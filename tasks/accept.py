@@ -68,14 +68,14 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
             side.update(side_figures("heldout", evaluate_onnx(candidate, held.heldout, reference_artifact=baseline,
                                                               latency=False),
                                      evaluate_onnx(baseline, held.heldout, latency=False)))
-            cand["heldout_perplexity"] = side["heldout_perplexity"]
-            base["heldout_perplexity"] = side["heldout_baseline_perplexity"]
         if criteria == "quality" and cfg.accept.max_downstream_drop is not None:
             n = cfg.accept.downstream_items
-            for who, art in (("candidate", candidate), ("baseline", baseline)):
-                scores = downstream_scores(art, held.test, held.heldout, n, seed=cfg.data.seed)
-                (cand if who == "candidate" else base).update(scores)
-        verdict = accept(cand, base, cfg.accept, criteria)
+            cand.update(downstream_scores(candidate, held.test, held.heldout, n, seed=cfg.data.seed))
+            base.update(downstream_scores(baseline, held.test, held.heldout, n, seed=cfg.data.seed))
+        # The gate reads the held-out source's perplexity beside the test split's (quality criteria).
+        held_ppl = ({"heldout_perplexity": side["heldout_perplexity"]},
+                    {"heldout_perplexity": side["heldout_baseline_perplexity"]}) if side else ({}, {})
+        verdict = accept({**cand, **held_ppl[0]}, {**base, **held_ppl[1]}, cfg.accept, criteria)
         if reusable(evaluated, baseline, splits):
             evaluated_in = "quantize"
             sel_base, sel_cand = evaluated["baseline"], evaluated["candidate"]
