@@ -40,30 +40,42 @@ def cpu_flags() -> str:
 
 
 def _probe(url: str, stop, out, period_s: float = 0.02) -> None:
-    """In its own process: until ``stop`` is set, three probes on their own connections, each every
-    ``period_s``: GET /health, GET /metrics, and a chat completion arriving during the burst (a 429 while
-    the queue is full; its latency is what a new client meets)."""
+    """In its own process: until ``stop`` is set, every ``period_s``: GET /health and GET /metrics (each on its
+    own connection, one after the other), and a new one-token chat completion (not waiting for the previous
+    ones: a 429 while the queue is full, whose latency is what a new client meets)."""
     lat: dict[str, list[float]] = {"/health": [], "/metrics": [], "429": [], "admitted": []}
     errors: list[str] = []
 
+    async def chat(c: httpx.AsyncClient) -> None:
+        t0 = time.perf_counter()
+        try:
+            r = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "A probe: say hi."}], "max_tokens": 1})
+            lat["429" if r.status_code == 429 else "admitted"].append(time.perf_counter() - t0)
+        except httpx.HTTPError as e:
+            errors.append(f"chat {type(e).__name__}")
+
     async def loop(kind: str) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+            pending = set()
             while not stop.is_set():
+                if kind == "chat":  # one every period, not waiting for the last: an admitted one takes seconds
+                    task = asyncio.create_task(chat(c))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                    await asyncio.sleep(period_s)
+                    continue
                 t0 = time.perf_counter()
                 try:
-                    if kind == "chat":
-                        r = await c.post("/v1/chat/completions", json={
-                            "messages": [{"role": "user", "content": "A probe: say hi."}], "max_tokens": 1})
-                        key = "429" if r.status_code == 429 else "admitted"
-                    else:
-                        r = await c.get(kind)
-                        key = kind
-                        if r.status_code != 200:
-                            errors.append(f"{kind} HTTP {r.status_code}")
-                    lat[key].append(time.perf_counter() - t0)
+                    r = await c.get(kind)
+                    if r.status_code != 200:
+                        errors.append(f"{kind} HTTP {r.status_code}")
+                    lat[kind].append(time.perf_counter() - t0)
                 except httpx.HTTPError as e:
                     errors.append(f"{kind} {type(e).__name__}")
                 await asyncio.sleep(period_s)
+            if pending:
+                await asyncio.gather(*pending)
 
     async def main() -> None:
         await asyncio.gather(loop("/health"), loop("/metrics"), loop("chat"))

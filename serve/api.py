@@ -78,7 +78,7 @@ def create_app(model: str | ModelManager, config: ServeConfig | None = None, *, 
     app.state.manager, app.state.cache, app.state.metrics, app.state.config = manager, cache, metrics, config
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_middleware(ShedWhenFull, manager=manager, max_body=config.max_request_bytes)
+    app.add_middleware(ShedWhenFull, state=app.state.server, max_body=config.max_request_bytes)
     app.add_middleware(CountRequests, counter=metrics.requests)  # added last: outermost, so it counts the 429s too
     app.include_router(routes_openai.router)
     app.include_router(routes_admin.router)
@@ -136,14 +136,14 @@ class ShedWhenFull:
 
     PATHS = ("/v1/completions", "/v1/chat/completions")
 
-    def __init__(self, app, manager: ModelManager, max_body: int):
-        self.app, self.manager, self.max_body = app, manager, max_body
+    def __init__(self, app, state: AppState, max_body: int):
+        self.app, self.state, self.max_body = app, state, max_body
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.PATHS:
-            lm = self.manager.current
+            lm = self.state.manager.current
             sched = lm.engine.scheduler if lm is not None and not lm.closed else None
-            if sched is not None and len(sched.waiting) >= sched.max_waiting:
+            if sched is not None and self.state.queue_full(lm):
                 read, more = 0, True
                 while more and read <= self.max_body:
                     msg = await receive()

@@ -32,6 +32,14 @@ class AppState:
     # the event loop share one GIL: more threads would only make the loop wait longer for it.
     off_loop_threads: int = 2
     _limiter: Any = field(default=None, repr=False)
+    # Completions between the shedding check and Engine.add_request (tokenizing, waiting for a worker thread).
+    # Changed on the event loop only.
+    admitting: int = 0
+
+    def queue_full(self, lm: LoadedModel) -> bool:
+        """The engine's waiting queue plus the requests on their way to it reach ``serve.max_waiting``."""
+        sched = lm.engine.scheduler
+        return len(sched.waiting) + self.admitting >= sched.max_waiting
 
     async def off_loop(self, fn: Callable, *args) -> Any:
         """``fn(*args)`` in a worker thread, so the event loop keeps answering while it runs."""

@@ -269,12 +269,11 @@ def prompt_list(body: CompletionRequest) -> list:
     return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
 
-def refuse_if_queue_full(lm: LoadedModel) -> None:
-    """429 before any tokenizing when the waiting queue is already full (read without the engine's lock; the
-    engine decides again, exactly, when the request is added)."""
-    sched = lm.engine.scheduler
-    if len(sched.waiting) >= sched.max_waiting:
-        raise queue_full(sched.queue_full_error())
+def refuse_if_queue_full(state: AppState, lm: LoadedModel) -> None:
+    """429 before any tokenizing when the waiting queue, counting the requests still being tokenized for it, is
+    full (read without the engine's lock; the engine decides again, exactly, when a request is added)."""
+    if state.queue_full(lm):
+        raise queue_full(lm.engine.scheduler.queue_full_error())
 
 
 def queue_full(e: QueueFullError) -> ApiError:
@@ -360,10 +359,15 @@ async def generate(request: Request, chat: bool):
     choices: list[Choice] = []
     try:
         check_model(lm, body.model)
-        refuse_if_queue_full(lm)
+        refuse_if_queue_full(state, lm)
         # Chat template, tokenization, cache look-ups and admission (which waits for the engine's lock) run in a
-        # worker thread: the event loop keeps answering /health, /metrics and 429s during a burst.
-        meta = await state.off_loop(admit_choices, lm, body, chat, cache, choices)
+        # worker thread: the event loop keeps answering /health, /metrics and 429s during a burst. Requests on
+        # their way to the engine count as waiting, so the ones behind them are refused now, not after the wait.
+        state.admitting += 1
+        try:
+            meta = await state.off_loop(admit_choices, lm, body, chat, cache, choices)
+        finally:
+            state.admitting -= 1
     except BaseException:
         for c in choices:
             if c.handle is not None:
