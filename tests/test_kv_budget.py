@@ -41,6 +41,12 @@ def drive(eng, reqs):
     return [h.result().output_ids for h in handles], peak
 
 
+def unsqueezed(art, reqs):
+    """The same requests one at a time on an engine whose KV budget squeezes nothing: the tokens to expect."""
+    eng = Engine(art, ServeConfig(providers=[CPU], num_blocks=400, block_size=16), start=False)
+    return [eng.generate(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in reqs]
+
+
 def test_max_length_request_stays_within_budget_and_gives_memory_back(gqa_art):
     # 40 blocks x 16 = 640 pool tokens; the rows get the same (kv_rows_share 0.5): 640 positions in all.
     cfg = ServeConfig(providers=[CPU], num_blocks=40, block_size=16, max_batch_size=8, max_num_batched_tokens=64)
@@ -59,10 +65,7 @@ def test_max_length_request_stays_within_budget_and_gives_memory_back(gqa_art):
     assert peak > idle  # the rows were used, within the budget
     assert eng.kv_bytes() == idle and r.kv.nbytes == 0  # given back once nothing runs
 
-    # Same tokens as an engine whose rows are not squeezed (one long request alone, then the short ones).
-    ref_eng = Engine(gqa_art, ServeConfig(providers=[CPU], num_blocks=400, block_size=16), start=False)
-    want = [ref_eng.generate(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in [long, *short]]
-    assert out == want
+    assert out == unsqueezed(gqa_art, [long, *short])
 
 
 def test_rows_shrink_after_a_long_request_while_short_ones_run(gqa_art):
@@ -130,9 +133,7 @@ def test_standard_layout_past_buffers_stay_within_the_budget(tiny_artifact):
     assert idle < peak <= eng.kv_budget_bytes()
     assert eng.kv_bytes() == idle  # the buffers are given back once nothing runs
 
-    ref_eng = Engine(tiny_artifact, ServeConfig(providers=[CPU], num_blocks=400, block_size=16), start=False)
-    want = [ref_eng.generate(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in [long, *short]]
-    assert out == want
+    assert out == unsqueezed(tiny_artifact, [long, *short])
 
 
 def test_standard_layout_rows_cut_short_of_a_block_when_the_budget_says_so(tiny_artifact):
@@ -145,5 +146,4 @@ def test_standard_layout_rows_cut_short_of_a_block_when_the_budget_says_so(tiny_
     out, peak = drive(eng, reqs)
     assert peak <= eng.kv_budget_bytes()
     assert eng.runner._decode_buf.cut_short > 0
-    ref_eng = Engine(tiny_artifact, ServeConfig(providers=[CPU], num_blocks=400, block_size=16), start=False)
-    assert out == [ref_eng.generate(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in reqs]
+    assert out == unsqueezed(tiny_artifact, reqs)
