@@ -38,10 +38,11 @@ class MlflowConfig(Section):
 class ServeConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    # KV memory budget (bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes). Layout 'standard':
-    # the block pool (its per-step past buffers come on top, see docs/serving.md). Layout 'gqa': the block
-    # pool *and* the in-place KV rows together; kv_rows_share of it goes to the rows (docs/serving.md).
-    # num_blocks, if set, sizes the pool instead (the gqa rows then get num_blocks x share / (1 - share)).
+    # KV memory budget (bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes): the block pool *and*
+    # the dense rows beside it together (gqa: the in-place rows; standard: the per-step past buffers, which get
+    # half of their share because ORT's present outputs are as large again); kv_rows_share of it goes to the
+    # rows (docs/serving.md, "One KV budget"). num_blocks, if set, sizes the pool instead (the rows then get
+    # num_blocks x share / (1 - share), halved for standard).
     kv_memory_mb: int = Field(256, ge=1)
     num_blocks: int | None = Field(None, ge=1)
     kv_rows_share: float = Field(0.5, gt=0, lt=1)
