@@ -48,6 +48,33 @@ def tiny_tokenizer(tiny):
 
 
 @pytest.fixture(scope="session")
+def trained_tiny4(tiny_splits):
+    """A 4-layer tiny Llama (seed 1) after 60 Adam steps on the train split, on one torch thread: random weights
+    have no structure for pruning to keep, and every layer of this one lowers the loss. Read-only: copy it to
+    change it."""
+    import torch
+
+    from compress.tiny import build_tiny_llama
+
+    model = build_tiny_llama(seed=1, num_hidden_layers=4)[0].train()
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        data = torch.as_tensor(tiny_splits.train, dtype=torch.long)
+        for step in range(60):
+            x = data[(step * 8) % len(data):][:8]
+            loss = model(input_ids=x, labels=x).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(n)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny model saved as a HF folder, as a user would pass model.source."""
     from compress.tiny import save_tiny_llama

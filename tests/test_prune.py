@@ -51,22 +51,6 @@ def tiny4():
     return build_tiny_llama(seed=1, num_hidden_layers=4)[0]
 
 
-@pytest.fixture(scope="module")
-def trained_tiny4(tiny4, tiny_splits):
-    """tiny4 after 60 Adam steps on the train split, so that every layer lowers the loss."""
-    model = copy.deepcopy(tiny4).train()
-    torch.manual_seed(0)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    data = torch.as_tensor(tiny_splits.train, dtype=torch.long)
-    for step in range(60):
-        x = data[(step * 8) % len(data):][:8]
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
-
-
 # ---------------------------------------------------------------- structured
 
 

@@ -24,21 +24,9 @@ def _cfg(**kw) -> PruneConfig:
 
 
 @pytest.fixture(scope="module")
-def teacher(tiny_splits, one_torch_thread):
-    """A 4-layer tiny Llama trained 60 steps on the train split: random weights have no structure to keep."""
-    from compress.tiny import build_tiny_llama
-
-    model = build_tiny_llama(seed=1, num_hidden_layers=4)[0].train()
-    torch.manual_seed(0)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    data = torch.as_tensor(tiny_splits.train, dtype=torch.long)
-    for step in range(60):
-        x = data[(step * 8) % len(data):][:8]
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+def teacher(trained_tiny4, one_torch_thread):
+    """The trained 4-layer tiny Llama (conftest): random weights have no structure to keep."""
+    return trained_tiny4
 
 
 @pytest.fixture(scope="module")
