@@ -66,6 +66,11 @@ class ServeConfig(Section):
     # machine with few cores the spinning takes the CPU the HTTP event loop needs during bursts
     # (docs/serving.md, "The event loop under bursts", has the figures both ways).
     ort_spinning: bool = False
+    # How many nice steps below the HTTP event loop the model's threads run (the engine's step loop and
+    # onnxruntime's intra-op pool; Linux, 0 = same priority). The loop then gets a core as soon as it has
+    # work, so /health and 429s answer in a burst; the model still takes every cycle the loop leaves
+    # (serve/thread_priority.py, docs/serving.md "The event loop under bursts").
+    model_thread_nice: int = Field(10, ge=0, le=19)
     # Check every artifact file against its sha256 in the manifest before serving.
     verify_artifact: bool = True
     # How many recent TTFT / inter-token latency samples the stats snapshot keeps.

@@ -37,6 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,7 @@ from serve.request_handle import RequestHandle, RequestOutput, TokenEvent
 from serve.runner import Runner, RunRow
 from serve.sampling import SamplingError, SamplingParams, sample_token, token_logprobs
 from serve.scheduler import AdmissionError, Scheduler, SchedulerOutput, SeqStatus, SequenceState
+from serve.thread_priority import call_in_lowered_thread, lower_this_thread
 from serve.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -147,14 +149,15 @@ class Engine:
 
             cls = GqaRunner if layout == "gqa" else PagedRunner
             extra = {"row_tokens": row_tokens} if layout == "gqa" else {}
-            self.runner = cls(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
-                              intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
-                              max_batch_size=config.max_batch_size,
-                              max_model_len=self.max_model_len, **extra)
+            make_runner = partial(cls, self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
+                                  intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
+                                  max_batch_size=config.max_batch_size, max_model_len=self.max_model_len, **extra)
         else:
-            self.runner = Runner(self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
-                                 intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
-                                 row_tokens=row_tokens)
+            make_runner = partial(Runner, self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
+                                  intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
+                                  row_tokens=row_tokens)
+        # onnxruntime's intra-op threads, started in the session's constructor, inherit the lowered priority.
+        self.runner = call_in_lowered_thread(make_runner, config.model_thread_nice)
         self._pool_bytes = num_blocks * spec.bytes_per_block(bs)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)%s; context %d; provider %s",
                  num_blocks, bs, num_blocks * bs, self._pool_bytes / 2**20, spec.bytes_per_token,
@@ -328,6 +331,7 @@ class Engine:
             self.step()
 
     def _loop(self) -> None:
+        lower_this_thread(self.config.model_thread_nice)  # the HTTP event loop gets a core first (thread_priority)
         while True:
             with self._cv:
                 while not self._stop and not self.has_work():
@@ -454,7 +458,12 @@ class Engine:
             handle._push(ev)
 
     # ---- stats -----------------------------------------------------------------------------
-    def stats(self) -> EngineStats:
+    def stats(self, wait: bool = True) -> EngineStats:
+        """The counters now. ``wait=False`` reads them without the engine's lock, which a step holds while it
+        samples and detokenizes a whole batch: figures may then be from either side of a step boundary, which a
+        Prometheus scrape tolerates and which keeps /metrics from waiting on the model (serve/metrics.py)."""
+        if not wait:
+            return self._counters.snapshot(self.runner.provider, self.scheduler, self.block_manager)
         with self._lock:
             return self._counters.snapshot(self.runner.provider, self.scheduler, self.block_manager)
 
@@ -469,11 +478,9 @@ class Engine:
                 req.check_invariants()
 
     def pop_latency_samples(self) -> tuple[list[float], list[float]]:
-        """TTFT and inter-token latency samples recorded since the last call (for histograms)."""
-        with self._lock:
-            return self._counters.pop_latency_samples()
+        """TTFT and inter-token latency samples recorded since the last call (for histograms; lock-free)."""
+        return self._counters.pop_latency_samples()
 
     def pop_request_samples(self) -> list[FinishedRequestSample]:
-        """Finished requests' phases and token counts recorded since the last call (for histograms)."""
-        with self._lock:
-            return self._counters.pop_request_samples()
+        """Finished requests' phases and token counts recorded since the last call (for histograms; lock-free)."""
+        return self._counters.pop_request_samples()

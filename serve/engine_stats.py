@@ -107,16 +107,13 @@ class EngineCounters:
     def record_request(self, sample: FinishedRequestSample) -> None:
         self.new_requests.append(sample)
 
+    # The pops need no lock: deque.append and popleft are atomic, so a sample recorded meanwhile is either
+    # returned now or left for the next pop, never lost (the /metrics scrape must not wait for a step).
     def pop_latency_samples(self) -> tuple[list[float], list[float]]:
-        ttft, itl = list(self.new_ttft), list(self.new_itl)
-        self.new_ttft.clear()
-        self.new_itl.clear()
-        return ttft, itl
+        return _drain(self.new_ttft), _drain(self.new_itl)
 
     def pop_request_samples(self) -> list[FinishedRequestSample]:
-        out = list(self.new_requests)
-        self.new_requests.clear()
-        return out
+        return _drain(self.new_requests)
 
     def snapshot(self, provider: str, scheduler: Scheduler, bm: BlockManager) -> EngineStats:
         steps = max(self.steps, 1)
@@ -154,3 +151,12 @@ class EngineCounters:
         assert sum(self.finished.values()) <= self.added, (self.finished, self.added)
         assert len(self.ttft) <= self.ttft.maxlen and len(self.new_ttft) <= PENDING_SAMPLES
         assert len(self.new_requests) <= PENDING_SAMPLES
+
+
+def _drain(d: deque) -> list:
+    out = []
+    try:
+        while True:
+            out.append(d.popleft())
+    except IndexError:
+        return out

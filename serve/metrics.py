@@ -127,7 +127,7 @@ class _ScrapeTimeCollector:
         stats = []
         for lm in live:
             try:
-                stats.append((lm, lm.engine.stats()))
+                stats.append((lm, lm.engine.stats(wait=False)))  # a scrape never waits for a step
             except Exception:  # noqa: BLE001 - an engine shutting down mid-scrape is skipped
                 continue
         cur = mgr.current
