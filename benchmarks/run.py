@@ -151,14 +151,14 @@ class GraphSystem:
 class GenaiSystem:
     """onnxruntime-genai in its own venv (loadtest.baselines.run_isolated, loadtest/genai_worker.py)."""
 
-    def __init__(self, model_dir: str):
-        self.model_dir = model_dir
+    def __init__(self, model_dir: str, threads: int = 0):
+        self.model_dir, self.threads = model_dir, threads
 
     def run(self, chunk: list[dict]) -> tuple[list[dict], float]:
         from loadtest.baselines import run_isolated
 
         wl = [{"id": i, "kind": "mixed", "prompt": q["prompt"], "max_tokens": q["max_tokens"]} for i, q in enumerate(chunk)]
-        res = run_isolated("genai", wl, genai_model=self.model_dir)
+        res = run_isolated("genai", wl, genai_model=self.model_dir, threads=self.threads)
         recs = [{"prompt_tokens": r.prompt_tokens, "tokens": r.completion_tokens, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
                  "itl_s": list(r.itl_s), "first": []} for r in res.records]
         return recs, float(res.server_cpu_s or 0.0)
@@ -207,7 +207,8 @@ def print_results(res: dict) -> None:
     print(f"\nCPU: {res['cpu']['model']}, {res['cpu']['cpus']} logical CPUs; "
           + ", ".join(f"{f} {'yes' if res['cpu'][f] else 'no'}" for f in FLAGS))
     print(f"load average before {res['loadavg_before'][0]:.2f}, after {res['loadavg_after'][0]:.2f}; "
-          f"{res['requests']} prompts, {res['max_tokens']} new tokens each, ORT threads {res['threads'] or 'default'}")
+          f"{res['requests']} prompts, {res['max_tokens']} new tokens each, ORT threads {res['threads'] or 'default'} "
+          f"(genai {res.get('genai_threads') or 'default'})")
     print("| precision | system | tok/s | ITL p50 | ITL mean | TTFT p50 | tok/CPU-s | tok/s ÷ genai | tok/CPU-s ÷ genai |")
     print("|---|---|---|---|---|---|---|---|---|")
     for prec, systems in res["results"].items():
@@ -236,6 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=4, help="chunks the systems take turns on")
     ap.add_argument("--threads", type=int, default=0, help="ORT intra-op threads for ours (0 = ORT's default)")
+    ap.add_argument("--genai-threads", type=int, default=0,
+                    help="ORT intra-op threads for genai (0 = its default; give --threads' value to compare like for like)")
     ap.add_argument("--ort-spinning", action="store_true",
                     help="ORT intra-op threads busy-wait between runs (its default; the server turns it off)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/batch1/results.json"))
@@ -247,7 +250,7 @@ def main(argv=None) -> int:
         ap.error("give --int8 and/or --fp32 (artifact folders)")
     prompts = make_prompts(a.requests, a.seed, a.max_tokens, tuple(a.prompt_words))
     res = {"cpu": cpu_info(), "loadavg_before": os.getloadavg(), "requests": a.requests, "max_tokens": a.max_tokens,
-           "threads": a.threads, "ort_spinning": a.ort_spinning, "artifacts": {}, "results": {}, "skipped": {},
+           "threads": a.threads, "genai_threads": a.genai_threads, "ort_spinning": a.ort_spinning, "artifacts": {}, "results": {}, "skipped": {},
            "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     for prec, (art, gm) in precisions.items():
         systems: dict[str, object] = {}
@@ -266,7 +269,7 @@ def main(argv=None) -> int:
                 res["skipped"][prec] = why
                 print(f"{prec}: genai skipped: {why}", flush=True)
             else:
-                systems["genai"] = GenaiSystem(gm)
+                systems["genai"] = GenaiSystem(gm, a.genai_threads)
         res["artifacts"][prec] = {"ours": art, "genai": gm if "genai" in systems else None,
                                   **({"before": a.int8_before} if prec == "int8" and a.int8_before else {})}
         print(f"{prec}: {', '.join(systems)} on {a.requests} prompts x {a.max_tokens} tokens", flush=True)

@@ -210,7 +210,8 @@ def run_isolated(kind: str, workload: list[dict], *, model_dir: str | None = Non
             if why:
                 raise RuntimeError(why)
             cmd = [str(GENAI_PYTHON), str(Path(__file__).with_name("genai_worker.py")), "--model", str(genai_model),
-                   "--workload", str(wl), "--out", str(out), "--batch-size", str(batch_size)]
+                   "--workload", str(wl), "--out", str(out), "--batch-size", str(batch_size),
+                   "--threads", str(threads)]
         else:
             cmd = [sys.executable, "-m", "loadtest.baselines", kind, "--workload", str(wl), "--out", str(out),
                    "--batch-size", str(batch_size), "--threads", str(threads)]

@@ -48,13 +48,17 @@ def main() -> int:
     p.add_argument("--workload", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (0 = genai's default)")
     a = p.parse_args()
     if a.batch_size != 1:
         raise SystemExit("genai_worker runs batch 1 only (the genai baseline is one request after another)")
     import onnxruntime_genai as og
 
     workload = json.load(open(a.workload))
-    model = og.Model(a.model)
+    config = og.Config(a.model)
+    if a.threads:
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": a.threads}}}}))
+    model = og.Model(config)
     tok = og.Tokenizer(model)
     _generate(og, model, list(tok.encode("Warm-up.")), 2)
     records = []
@@ -72,7 +76,8 @@ def main() -> int:
                         "result_cache": None})
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     json.dump({"label": "genai_sequential", "duration_s": wall, "concurrency": 1, "peak_rss_bytes": _peak_rss(),
-               "server_cpu_s": cpu, "meta": {"model": a.model, "onnxruntime_genai": og.__version__},
+               "server_cpu_s": cpu, "meta": {"model": a.model, "onnxruntime_genai": og.__version__,
+                                                     "threads": a.threads},
                "records": records}, open(a.out, "w"))
     return 0
 
