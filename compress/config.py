@@ -276,6 +276,10 @@ class BenchmarkConfig(Section):
     min_throughput_ratio: float | None = Field(None, gt=0)
     # ServeConfig fields for the benchmarked servers, e.g. {max_batch_size: 8}.
     serve_overrides: dict = Field(default_factory=dict)
+    # A folder written by onnxruntime-genai's model builder from the same HF model (docs/benchmarks.md, run 6,
+    # says how): the stage then also times the candidate and genai at batch 1 on the same prompts and logs both
+    # and the ratios. Skipped, with the reason logged, when onnxruntime-genai is not installed (.cache/genai-venv).
+    genai_model: str | None = None
 
 
 class RegistryConfig(Section):
@@ -286,6 +290,36 @@ class RegistryConfig(Section):
     # Live server to smoke-test after promotion. None = the `serve` section's host:port when a server
     # there serves this model, else promote without a smoke test (said in the run's final state).
     server_url: str | None = None
+
+
+class SearchConfig(Section):
+    """A pruning search (flows/pipeline.py, docs/scaling.md): one branch per MLP ratio, prune -> distill -> INT8 ->
+    gate on the selection split, run in parallel; the fastest accepted candidate goes on to the verdict."""
+
+    # Empty = no search: the one candidate of `prune.mlp_ratio`. Each value replaces prune.mlp_ratio in its branch.
+    mlp_ratios: list[float] = Field(default_factory=list)
+    # threads = Prefect's ThreadPoolTaskRunner in the flow's process; dask = prefect-dask's DaskTaskRunner
+    # (the `dask` extra): a LocalCluster started for the run, or the scheduler at dask_address.
+    task_runner: Literal["threads", "dask"] = "threads"
+    # e.g. tcp://10.0.0.5:8786; null = a LocalCluster of `workers` workers, started and closed by the flow.
+    dask_address: str | None = None
+    # Branches at once: threads of the pool, or workers of the LocalCluster (one thread each).
+    workers: int = Field(2, ge=1, le=64)
+    # LocalCluster only: a process per worker (isolation, no GIL sharing; each pays torch's import) or threads
+    # of the flow's own process.
+    dask_processes: bool = True
+
+    @model_validator(mode="after")
+    def _ratios_and_runner(self) -> "SearchConfig":
+        bad = [r for r in self.mlp_ratios if not 0 <= r < 1]
+        if bad:
+            raise ValueError(f"search.mlp_ratios {bad}: each ratio is the share of MLP neurons removed, 0 <= r < 1")
+        if len(set(self.mlp_ratios)) != len(self.mlp_ratios):
+            raise ValueError(f"search.mlp_ratios {self.mlp_ratios} repeats a ratio; list each once")
+        if self.dask_address is not None and self.task_runner != "dask":
+            raise ValueError(f"search.dask_address {self.dask_address!r} is set but search.task_runner is "
+                             f"{self.task_runner!r}; set search.task_runner: dask, or drop the address")
+        return self
 
 
 class PipelineConfig(Section):
@@ -302,8 +336,21 @@ class PipelineConfig(Section):
     accept: AcceptConfig = Field(default_factory=AcceptConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    search: SearchConfig = Field(default_factory=SearchConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    @model_validator(mode="after")
+    def _search_needs_its_stages(self) -> "PipelineConfig":
+        if not self.search.mlp_ratios:
+            return self
+        if not self.prune.enabled or self.prune.method == "unstructured":
+            raise ValueError(f"search.mlp_ratios {self.search.mlp_ratios} searches structured MLP pruning: set "
+                             f"prune.enabled: true and prune.method: structured (or both), or search.mlp_ratios: []")
+        if not self.accept.enabled:
+            raise ValueError("search.mlp_ratios needs accept.enabled: true: the search keeps the fastest candidate "
+                             "the gate accepts")
+        return self
 
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections (all when none): the cache key part a stage depends on."""
