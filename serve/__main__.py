@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -66,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
     if serve_cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the API has no authentication (only /admin/* has a token)", serve_cfg.host)
     app = create_app(manager, serve_cfg)
+    # What start-up built (tokenizer, routes, schemas, the model's Python objects) lives as long as the process:
+    # out of the collector's reach, a full collection during a burst walks only what requests made.
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=serve_cfg.host, port=serve_cfg.port, log_level=args.log_level)
     return 0
 

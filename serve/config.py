@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -62,10 +62,12 @@ class ServeConfig(Section):
     providers: list[str] = Field(default_factory=lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     # onnxruntime intra-op threads; 0 = onnxruntime's default (one per physical core).
     intra_op_threads: int = Field(0, ge=0)
-    # onnxruntime's intra-op threads busy-wait after each run when true (its default). Off by default: on a
-    # machine with few cores the spinning takes the CPU the HTTP event loop needs during bursts
-    # (docs/serving.md, "The event loop under bursts", has the figures both ways).
-    ort_spinning: bool = False
+    # How onnxruntime's intra-op threads wait for work: "during_runs" busy-waits between the ops of a step (a
+    # batch-1 step is ~150 small ops: waking sleeping threads for each costs more than the op) and sleeps between
+    # steps, when the HTTP event loop needs the cores; "always" (onnxruntime's own default) also spins after
+    # each step; "off" never spins (best when other work shares the cores). true/false mean always/off.
+    # docs/serving.md, "The event loop under bursts", and docs/benchmarks.md run 8 have the figures.
+    ort_spinning: Literal["off", "during_runs", "always"] = "during_runs"
     # How many nice steps below the HTTP event loop the model's threads run (the engine's step loop and
     # onnxruntime's intra-op pool; Linux, 0 = same priority). The loop then gets a core as soon as it has
     # work, so /health and 429s answer in a burst; the model still takes every cycle the loop leaves
@@ -81,6 +83,11 @@ class ServeConfig(Section):
     drain_timeout_s: float = Field(300.0, gt=0)
     # Environment variable holding the bearer token for /admin/*; unset or empty = admin endpoints off.
     admin_token_env: str = "COMPRESSOR_ADMIN_TOKEN"
+
+    @field_validator("ort_spinning", mode="before")
+    @classmethod
+    def _spinning_from_bool(cls, v):
+        return {True: "always", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 # The sections this module reads; `python -m serve --set` refuses keys outside them, which would do nothing.

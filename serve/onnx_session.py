@@ -29,8 +29,11 @@ def choose_providers(requested: Sequence[str]) -> list[str]:
     return [*chosen, CPU]
 
 
+SPINNING = ("off", "during_runs", "always")
+
+
 def make_session(model, providers: Sequence[str] = (CPU,), threads: int | None = 0, optimize: bool = True,
-                 log_severity: int | None = None, allow_spinning: bool = True):
+                 log_severity: int | None = None, spinning: str = "always"):
     """An InferenceSession on the first requested provider that actually works, else CPU.
 
     model: a path, the serialized bytes, or an in-memory ``onnx.ModelProto`` (anything with
@@ -38,8 +41,9 @@ def make_session(model, providers: Sequence[str] = (CPU,), threads: int | None =
     providers: e.g. ``(CUDA, CPU)`` for the server; the default, CPU only, is what compress/ measures on.
     threads: intra-op threads (0 or None: onnxruntime's default). optimize: ORT_ENABLE_ALL, else
     ORT_DISABLE_ALL. log_severity: the session's log level (3 = errors only), None = onnxruntime's default.
-    allow_spinning: onnxruntime's intra-op threads busy-wait for work after a run (its default); the
-    server turns it off so that, between steps, the cores go to the HTTP event loop (docs/serving.md).
+    spinning: how onnxruntime's intra-op threads wait for work (SPINNING): "always" (its default) busy-waits,
+    also after a run ends; "during_runs" busy-waits between the ops of a run and sleeps once it ends, so the
+    cores go to the HTTP event loop between steps (the server's default, docs/serving.md); "off" never spins.
 
     onnxruntime-gpu lists CUDA as available even without a GPU or CUDA libraries, then
     falls back to CPU at session creation; we check which provider the session really got.
@@ -53,8 +57,12 @@ def make_session(model, providers: Sequence[str] = (CPU,), threads: int | None =
         opts.intra_op_num_threads = threads
     if log_severity is not None:
         opts.log_severity_level = log_severity
-    if not allow_spinning:
+    if spinning not in SPINNING:
+        raise ValueError(f"spinning {spinning!r}: one of {', '.join(SPINNING)}")
+    if spinning == "off":
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    elif spinning == "during_runs":
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
     if hasattr(model, "SerializeToString"):
         src = model.SerializeToString()
     elif isinstance(model, (bytes, bytearray)):

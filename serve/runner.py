@@ -177,7 +177,7 @@ class Runner:
 
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
                  providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0,
-                 ort_spinning: bool = True, row_tokens: int | None = None):
+                 ort_spinning: str = "during_runs", row_tokens: int | None = None):
         layout = manifest.get("attention_layout", "standard")
         if layout != "standard":
             raise RunnerError(f"attention layout {layout!r} is not supported by this runner (only 'standard')")
@@ -189,7 +189,7 @@ class Runner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads,
-                                            allow_spinning=ort_spinning)
+                                            spinning=ort_spinning)
         self.provider = self.session.get_providers()[0]
         self.output_names = ["logits", *self.present_names]
         n_kv = 2 * self.num_layers

@@ -55,7 +55,7 @@ class GqaRunner:
     """Owns the ORT session, the block pool and the per-sequence KV rows; ``execute`` runs one step."""
 
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
-                 providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: bool = True,
+                 providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: str = "during_runs",
                  max_batch_size: int = 16, max_model_len: int | None = None, row_tokens: int | None = None):
         layout = manifest.get("attention_layout")
         if layout != "gqa":
@@ -69,7 +69,7 @@ class GqaRunner:
         self.num_blocks = num_blocks
         self.max_len = int(max_model_len or manifest.get("max_positions") or 2048)
         self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads,
-                                            allow_spinning=ort_spinning)
+                                            spinning=ort_spinning)
         self.provider = self.session.get_providers()[0]
         if self.provider != CPU:
             # The buffers below are host numpy arrays bound by pointer; a device EP would need OrtValues on

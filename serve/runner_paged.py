@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 class PagedRunner:
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
-                 providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: bool = True,
+                 providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: str = "during_runs",
                  **_):
         import onnxruntime as ort
 
@@ -44,7 +44,7 @@ class PagedRunner:
                               "add it to serve.providers or serve the 'gqa' artifact on CPU")
         try:
             self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads,
-                                            allow_spinning=ort_spinning)
+                                            spinning=ort_spinning)
         except Exception as e:  # noqa: BLE001 - without CUDA the session falls back to CPU, which cannot load it
             raise RunnerError(f"attention layout 'paged' (PagedAttention, CUDA only) could not be loaded on "
                               f"{list(providers)}: no usable CUDA EP here? ({type(e).__name__}: {str(e)[:200]})") from e
