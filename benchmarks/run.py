@@ -28,104 +28,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import time
 from pathlib import Path
 
-import numpy as np
+from loadtest.batch1 import (FLAGS, EngineSystem, GenaiSystem, cpu_info, genai_skip_reason, make_prompts,
+                             take_turns)
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
-
-
-def cpu_info(cpuinfo: str | None = None) -> dict:
-    """Model name, logical CPUs and which of FLAGS the CPU has (from /proc/cpuinfo)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        if line.lower().startswith(("flags", "features")):
-            flags |= set(line.split(":", 1)[-1].split())
-    m = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
-    return {"model": m.group(1).strip() if m else "?", "cpus": os.cpu_count(),
-            **{f: f in flags for f in FLAGS}}
-
-
-def summarize(recs: list[dict], cpu_s: float) -> dict:
-    """recs: {"prompt_tokens", "tokens", "ttft_s", "e2e_s", "itl_s"} per request."""
-    toks = sum(r["tokens"] for r in recs)
-    itl = [x for r in recs for x in r["itl_s"]]
-    e2e = sum(r["e2e_s"] for r in recs)
-    return {"requests": len(recs), "output_tokens": toks, "prompt_tokens": sum(r["prompt_tokens"] for r in recs),
-            "tok_per_s": toks / e2e if e2e > 0 else float("nan"),
-            "itl_p50_ms": 1000 * float(np.median(itl)) if itl else float("nan"),
-            "itl_mean_ms": 1000 * float(np.mean(itl)) if itl else float("nan"),
-            "ttft_p50_ms": 1000 * float(np.median([r["ttft_s"] for r in recs])) if recs else float("nan"),
-            "cpu_s": cpu_s, "tok_per_cpu_s": toks / cpu_s if cpu_s > 0 else float("nan")}
-
-
-class EngineSystem:
-    """The server's engine in-process, manual steps, caches off, batch 1."""
-
-    def __init__(self, artifact: str, threads: int, spinning: bool):
-        from serve.config import ServeConfig
-        from serve.engine import Engine
-        from serve.onnx_session import CPU
-        from serve.sampling import SamplingParams
-
-        self._params = SamplingParams
-        kw = {"ort_spinning": spinning} if "ort_spinning" in ServeConfig.model_fields else {}
-        cfg = ServeConfig(providers=[CPU], enable_prefix_caching=False, result_cache_size=0, max_batch_size=1,
-                          intra_op_threads=threads, **kw)
-        self.engine = Engine(artifact, cfg, start=False)
-        self.run([{"prompt": "Warm-up.", "max_tokens": 4}])
-
-    def run(self, chunk: list[dict]) -> tuple[list[dict], float]:
-        eng, recs = self.engine, []
-        c0 = time.process_time()
-        for q in chunk:
-            n = int(q["max_tokens"])
-            t0 = time.perf_counter()
-            h = eng.add_request(q["prompt"], self._params.greedy(n, ignore_eos=True))
-            stamps = []
-            while eng.has_work():
-                eng.step()
-                stamps.append(time.perf_counter())  # batch 1: one token per step (prompts fit one chunk)
-            out = h.result()
-            if len(out.output_ids) != n or len(stamps) != n:
-                raise RuntimeError(f"engine: {len(out.output_ids)} tokens in {len(stamps)} steps, wanted {n}")
-            recs.append({"prompt_tokens": len(out.prompt_ids) if hasattr(out, "prompt_ids") else len(eng.encode(q["prompt"])),
-                         "tokens": n, "ttft_s": stamps[0] - t0, "e2e_s": stamps[-1] - t0,
-                         "itl_s": list(np.diff(stamps)), "first": list(out.output_ids[:8])})
-        return recs, time.process_time() - c0
-
-    def close(self) -> None:
-        self.engine.shutdown()
 
 
 class GraphSystem:
     """The artifact's graph alone: the offline driver's greedy loop (prefill + one decode call per token)."""
 
-    def __init__(self, artifact: str, threads: int, spinning: bool):
-        import onnxruntime as ort
+    def __init__(self, artifact: str, threads: int, spinning: str):
         from tokenizers import Tokenizer
 
         from compress.lm_driver import load_lm
+        from serve.onnx_session import artifact_session
 
         self.lm = load_lm(artifact, threads=threads or None)
-        # the same session settings as the engine's runner (spinning off unless asked), so the two differ
-        # only by the engine's own per-token work
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
-        if threads:
-            opts.intra_op_num_threads = threads
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-        self.lm.session = ort.InferenceSession(str(Path(artifact) / self.lm.manifest.get("onnx_file", "model.onnx")),
-                                               opts, providers=["CPUExecutionProvider"])
+        # the same session settings as the engine's runner, so the two differ only by the engine's own per-token work
+        self.lm.session = artifact_session(artifact, self.lm.manifest, threads=threads, log_severity=3,
+                                           spinning=spinning)
         self.tok = Tokenizer.from_file(str(Path(artifact) / "tokenizer.json"))
         self.run([{"prompt": "Warm-up.", "max_tokens": 4}])
 
@@ -146,61 +70,6 @@ class GraphSystem:
 
     def close(self) -> None:
         pass
-
-
-class GenaiSystem:
-    """onnxruntime-genai in its own venv (loadtest.baselines.run_isolated, loadtest/genai_worker.py)."""
-
-    def __init__(self, model_dir: str, threads: int = 0):
-        self.model_dir, self.threads = model_dir, threads
-
-    def run(self, chunk: list[dict]) -> tuple[list[dict], float]:
-        from loadtest.baselines import run_isolated
-
-        wl = [{"id": i, "kind": "mixed", "prompt": q["prompt"], "max_tokens": q["max_tokens"]} for i, q in enumerate(chunk)]
-        res = run_isolated("genai", wl, genai_model=self.model_dir, threads=self.threads)
-        recs = [{"prompt_tokens": r.prompt_tokens, "tokens": r.completion_tokens, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
-                 "itl_s": list(r.itl_s), "first": []} for r in res.records]
-        return recs, float(res.server_cpu_s or 0.0)
-
-    def close(self) -> None:
-        pass
-
-
-def genai_skip_reason(model_dir: str | None) -> str | None:
-    from loadtest.baselines import genai_available
-
-    if not model_dir:
-        return "no genai model folder given"
-    if not (Path(model_dir) / "genai_config.json").is_file():
-        return (f"{model_dir} has no genai_config.json: build it with .cache/genai-venv/bin/python -m "
-                "onnxruntime_genai.models.builder (docs/benchmarks.md)")
-    return genai_available()
-
-
-def make_prompts(n: int, seed: int, max_tokens: int, words: tuple[int, int]) -> list[dict]:
-    from loadtest.workloads import make_workload
-
-    return make_workload(n, seed=seed, prompt_words=words, max_tokens=(max_tokens, max_tokens), shared_prefix_frac=0.0,
-                         repeat_frac=0.0)
-
-
-def run(systems: dict[str, object], prompts: list[dict], rounds: int) -> dict[str, dict]:
-    chunks = [c for c in np.array_split(np.arange(len(prompts)), max(1, rounds)) if len(c)]
-    recs: dict[str, list] = {k: [] for k in systems}
-    cpu = {k: 0.0 for k in systems}
-    for i, idx in enumerate(chunks):
-        chunk = [prompts[j] for j in idx]
-        for name, s in systems.items():
-            r, c = s.run(chunk)
-            recs[name] += r
-            cpu[name] += c
-        print(f"  round {i + 1}/{len(chunks)} done, load average {os.getloadavg()[0]:.2f}", flush=True)
-    out = {}
-    for k in systems:
-        out[k] = summarize(recs[k], cpu[k])
-        out[k]["first_tokens"] = recs[k][0]["first"] if recs[k] else []
-    return out
 
 
 def print_results(res: dict) -> None:
@@ -239,8 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="ORT intra-op threads for ours (0 = ORT's default)")
     ap.add_argument("--genai-threads", type=int, default=0,
                     help="ORT intra-op threads for genai (0 = its default; give --threads' value to compare like for like)")
-    ap.add_argument("--ort-spinning", action="store_true",
-                    help="ORT intra-op threads busy-wait between runs (its default; the server turns it off)")
+    ap.add_argument("--ort-spinning", choices=["off", "during_runs", "always"], default="during_runs",
+                    help="how ORT's intra-op threads wait for work, for ours (serve.ort_spinning; default the server's)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/batch1/results.json"))
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -273,7 +142,7 @@ def main(argv=None) -> int:
         res["artifacts"][prec] = {"ours": art, "genai": gm if "genai" in systems else None,
                                   **({"before": a.int8_before} if prec == "int8" and a.int8_before else {})}
         print(f"{prec}: {', '.join(systems)} on {a.requests} prompts x {a.max_tokens} tokens", flush=True)
-        res["results"][prec] = run(systems, prompts, a.rounds)
+        res["results"][prec] = take_turns(systems, prompts, a.rounds)
         for s in systems.values():
             s.close()
     res["loadavg_after"] = os.getloadavg()

@@ -1,6 +1,6 @@
 """Where one batch-1 decode step goes: graph, runner, scheduling, sampling, detokenizing, and the HTTP path.
 
-    python -m benchmarks.step_split --artifact <artifact> [--steps 64] [--set ort_spinning=true]
+    python -m benchmarks.step_split --artifact <artifact> [--steps 64] [--set ort_spinning='"always"']
 
 Engine part: one request decoding alone, the engine stepped by hand; per step the time inside
 ``session.run`` (graph), the rest of ``runner.execute`` (runner: inputs, bindings, K/V write-back, logits

@@ -1,6 +1,6 @@
 """The server at several concurrency levels: tokens/s, tokens per CPU-second and peak RSS, one server per level.
 
-    python -m benchmarks.sweep --artifact <artifact> [--concurrency 1 8 32 64] [--set ort_spinning=true]
+    python -m benchmarks.sweep --artifact <artifact> [--concurrency 1 8 32 64] [--set ort_spinning='"always"']
 
 Workload: ``loadtest.workloads.make_workload`` (seeded chat-like prompts, greedy), ``4 x c`` requests at
 concurrency c (at least 8), each server fresh (empty caches, ``result_cache_size`` 0 so every request

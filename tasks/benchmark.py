@@ -1,6 +1,8 @@
 """Task: the serving benchmark of the candidate and of the fp32 baseline, on the same seeded workload.
 
-Every figure is also reported as a ratio to the baseline measured in the same run.
+Every figure is also reported as a ratio to the baseline measured in the same run. With
+``benchmark.genai_model`` the candidate is also timed at batch 1 against onnxruntime-genai on the same prompts
+(``loadtest.batch1.compare_with_genai``), logged as ``bench_batch1_*`` / ``genai_batch1_*`` and their ratios.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import math
 from prefect import task
 
 from compress.config import PipelineConfig
+from loadtest.batch1 import compare_with_genai, genai_metrics
 from loadtest.serve_bench import benchmark_artifact, ratios
 from loadtest.workloads import fit_to_context, make_workload
 from tasks.common import cache_key_fn, mark_done, open_stage
@@ -41,12 +44,20 @@ def benchmark_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str
         rat = _clean(ratios(cand, base))
         metrics = {**{f"bench_{k}": v for k, v in cand.items()}, **{f"bench_{k}": v for k, v in rat.items()},
                    **{f"baseline_bench_{k}": v for k, v in base.items()}}
+        genai = None
+        if b.genai_model:
+            genai = compare_with_genai(candidate, b.genai_model, requests=b.requests, max_tokens=max(b.max_tokens),
+                                       seed=b.seed, prompt_words=tuple(b.prompt_words))
+            metrics.update(genai_metrics(genai))
+            if "skipped" in genai:
+                log_params({"genai_skipped": genai["skipped"][:500]})
         log_metrics(metrics)
-        log_json({"candidate": cand, "baseline": base, "ratios": rat}, "benchmark.json")
+        log_json({"candidate": cand, "baseline": base, "ratios": rat, **({"genai": genai} if genai else {})},
+                 "benchmark.json")
     floor = b.min_throughput_ratio
     tput = rat.get("output_tokens_per_s_ratio", float("nan"))
     blocked = None
     if floor is not None and not tput >= floor:
         blocked = f"server throughput {tput:.3f}x the baseline < benchmark.min_throughput_ratio {floor}"
     return mark_done(folder, {"metrics": metrics, "candidate": cand, "baseline": base, "ratios": rat,
-                              "promotion_blocked": blocked})
+                              "promotion_blocked": blocked, "genai": genai})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from loadtest import kv_calc
@@ -225,3 +226,41 @@ def test_run_cli_compares_server_and_baseline(tiny_artifact, tmp_path, capsys):
     assert len(tokens) == 1 and d["skipped"] == {}
     assert d["results"][1]["meta"]["serve_overrides"]["num_blocks"] == 128
     assert (out / "throughput.png").stat().st_size > 10_000 and (out / "server_c3.png").is_file()
+
+
+def test_compare_with_genai_says_why_it_cannot_run(tiny_artifact, tmp_path):
+    from loadtest.batch1 import compare_with_genai, genai_metrics
+
+    res = compare_with_genai(tiny_artifact, tmp_path / "nothing-built-here")
+    assert "genai_config.json" in res["skipped"] and "builder" in res["skipped"]
+    assert genai_metrics(res) == {}
+
+
+def _genai_or_skip():
+    from loadtest.baselines import genai_available
+
+    why = genai_available()
+    if why:
+        pytest.skip(f"onnxruntime-genai is not installed here ({why[:80]}); docs/benchmarks.md says how")
+
+
+def test_compare_with_genai_times_ours_and_genai_on_the_same_prompts(tiny_artifact, tiny_model_dir, tmp_path):
+    """Where onnxruntime-genai is installed (.cache/genai-venv): its builder's model of the tiny HF folder against
+    our tiny artifact, 4 prompts x 8 tokens each, greedy."""
+    _genai_or_skip()
+    import subprocess
+
+    from loadtest.baselines import GENAI_PYTHON
+    from loadtest.batch1 import compare_with_genai, genai_metrics
+
+    out = tmp_path / "genai"
+    subprocess.run([str(GENAI_PYTHON), "-m", "onnxruntime_genai.models.builder", "-i", str(tiny_model_dir), "-o",
+                    str(out), "-p", "fp32", "-e", "cpu"], check=True, capture_output=True, timeout=300)
+    res = compare_with_genai(tiny_artifact, out, requests=4, max_tokens=8, rounds=2)
+    assert "skipped" not in res, res
+    assert res["engine"]["output_tokens"] == res["genai"]["output_tokens"] == 32
+    assert res["engine"]["requests"] == res["genai"]["requests"] == 4
+    m = genai_metrics(res)
+    assert m["bench_batch1_tok_per_s_vs_genai"] == pytest.approx(m["bench_batch1_tok_per_s"] / m["genai_batch1_tok_per_s"])
+    assert all(np.isfinite(v) and v > 0 for v in m.values()), m
+    assert set(res["cpu"]) >= {"avx2", "avx512_vnni", "model", "cpus"}

@@ -132,14 +132,17 @@ def test_versions_carry_serving_figures_next_to_accuracy(tiny_flow_run, mlflow_s
     assert "bench_output_tokens_per_s" in table and "perplexity" in table
 
 
-def test_impossible_throughput_floor_blocks_promotion(tiny_flow_run, mlflow_store):
+def test_impossible_throughput_floor_blocks_promotion(tiny_flow_run, mlflow_store, tmp_path):
     from flows.outcome import RunNotAccepted
     from flows.pipeline import compress_flow
 
     champ_before = registry.version_for_alias("tiny-llama", "champion").version
     cand_before = registry.version_for_alias("tiny-llama", "candidate").version
+    # The same rerun of the benchmark stage also names a genai model folder that holds none: the batch-1
+    # comparison is skipped with the reason, and the stage goes on.
     state = compress_flow(config="configs/tiny.yaml", return_state=True,
-                          overrides=tiny_flow_run["overrides"] + ["benchmark.min_throughput_ratio=1000"])
+                          overrides=tiny_flow_run["overrides"] + ["benchmark.min_throughput_ratio=1000",
+                                                                  f"benchmark.genai_model={tmp_path}"])
     assert state.is_failed() and state.name == "Blocked" and "min_throughput_ratio 1000" in state.message
     out = state.result(raise_on_failure=False)
     assert isinstance(out, RunNotAccepted)
@@ -147,6 +150,8 @@ def test_impossible_throughput_floor_blocks_promotion(tiny_flow_run, mlflow_stor
     assert out["verdict"]["accepted"]  # accurate enough, but too slow for this floor
     reason = out["benchmark"]["promotion_blocked"]
     assert "min_throughput_ratio 1000" in reason
+    assert "genai_config.json" in out["benchmark"]["genai"]["skipped"]
+    assert not any(k.startswith("genai_batch1_") for k in out["benchmark"]["metrics"])
     blocked = registry.get_version("tiny-llama", out["registered"][-1]["version"])
     assert blocked.tags["promotion_blocked"] == reason and blocked.aliases == []
     assert registry.version_for_alias("tiny-llama", "candidate").version == cand_before
