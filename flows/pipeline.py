@@ -2,7 +2,9 @@
 
 load -> export -> golden -> register baseline -> [prune] -> [distill] -> [export + golden student]
 -> [quantize] -> [accept] -> [benchmark] -> register candidate -> [deploy]. Bracketed stages switch on
-in config.
+in config. With `search.mlp_ratios`, prune -> ... -> quantize runs once per ratio as parallel branches of a
+`search` subflow (threads or Dask, `search.task_runner`), each gated on the selection split; the fastest
+accepted candidate goes on to accept, benchmark and register (docs/scaling.md).
 Re-running with the same config resumes: finished stages come from cache.
 """
 
@@ -18,21 +20,21 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from compress import registry
-from compress.config import PipelineConfig, load_config, project_root
+from compress.config import ConfigError, PipelineConfig, load_config, project_root
 from compress.data import DATA_FORMAT
 from compress.export import EXPORT_FORMAT
+from compress.search import describe
 from flows.deploy import deploy_flow, served_model
 from flows.outcome import pipeline_state
 from tasks.accept import accept_task
 from tasks.benchmark import benchmark_task
 from tasks.common import stage_key, submit_stage
-from tasks.distill import distill_task
 from tasks.export import export_task
 from tasks.golden import golden_task
 from tasks.load import load_task
-from tasks.prune import prune_task
-from tasks.quantize import quantize_task
 from tasks.register import register_task
+from tasks.search import (branch_config, candidate_chain, search_baseline_task, search_branch_task,
+                          summarize_search)
 from tasks.tracking import flatten, log_json, log_metrics, log_params
 
 
@@ -111,9 +113,120 @@ def version_params(cfg: PipelineConfig, role: str, verdict: str | None = None) -
         params["verdict"] = verdict
     if role != "baseline":
         params.update(flatten({k: dump[k] for k in VERSION_PARAM_SECTIONS}))
+        if cfg.search.mlp_ratios:  # prune.mlp_ratio is then the search's pick
+            params["search.mlp_ratios"] = dump["search"]["mlp_ratios"]
     else:
         params.update(flatten({"export": dump["export"]}))
     return {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in params.items()}
+
+
+def make_task_runner(scfg):
+    """The search subflow's task runner: Prefect's thread pool, or prefect-dask on a LocalCluster / a scheduler."""
+    if scfg.task_runner == "threads":
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner(max_workers=scfg.workers)
+    try:
+        from prefect_dask import DaskTaskRunner
+    except ImportError:
+        raise ConfigError("search.task_runner 'dask' needs prefect-dask and dask.distributed: install the project's "
+                          "dask extra (pip install -e '.[dask]', which `make setup` does), or set "
+                          "search.task_runner: threads") from None
+    if scfg.dask_address:
+        return DaskTaskRunner(address=scfg.dask_address)
+    # One thread per worker: a branch's torch and ONNX Runtime already use every core they are given.
+    return DaskTaskRunner(cluster_class="distributed.LocalCluster",
+                          cluster_kwargs={"n_workers": scfg.workers, "threads_per_worker": 1,
+                                          "processes": scfg.dask_processes})
+
+
+@flow(name="search", validate_parameters=False)
+def search_flow(branch_cfgs: list[PipelineConfig], parent_run_id: str, tracking_uri: str, loaded: dict,
+                teacher: dict, gold: dict, k_load: str, k_exp: str, baseline_figures: dict) -> list[dict]:
+    """The fan-out: one `search_branch` task per config, submitted to this subflow's task runner at once.
+
+    A branch that raises is a failed candidate (its error in the table); when every branch fails the first
+    error ends the run, as a failed stage does.
+    """
+    log = get_run_logger()
+    futures = [search_branch_task.with_options(task_run_name=f"branch-mlp{b.prune.mlp_ratio:g}").submit(
+        b, parent_run_id, tracking_uri, loaded, teacher, gold, k_load, k_exp, baseline_figures) for b in branch_cfgs]
+    results, errors = [], []
+    for b, fut in zip(branch_cfgs, futures):
+        try:
+            results.append(fut.result())
+        except Exception as e:  # one branch's failure is that candidate's, not the search's
+            log.warning("search branch mlp%g failed: %s: %s", b.prune.mlp_ratio, type(e).__name__, e)
+            errors.append(e)
+            results.append({"ratio": b.prune.mlp_ratio, "error": f"{type(e).__name__}: {e}"})
+    if len(errors) == len(branch_cfgs):
+        raise errors[0]
+    return results
+
+
+def run_search(cfg: PipelineConfig, pid: str, tracking_uri: str, loaded: dict, teacher: dict, gold: dict,
+               k_load: str, k_exp: str, timer: StageTimer) -> tuple[PipelineConfig, dict, dict]:
+    """Fan the ratios out, log the search to the parent run, and return (the pick's config, the search, its chain).
+
+    The pick's config is `cfg` with prune.mlp_ratio = the picked ratio (the best rejected one's when none passed):
+    the rest of the run (verdict, benchmark, registered params) is that candidate's, as in a single-ratio run.
+    """
+    log = get_run_logger()
+    s = cfg.search
+    k_base = stage_key(cfg, "search_baseline", ["accept"], k_exp)
+    base = timer.run("search_baseline", submit_stage, search_baseline_task, cfg, "search_baseline", k_base,
+                     parent_run_id=pid, baseline=teacher["artifact"], splits=loaded["splits"])
+    branch_cfgs = [branch_config(cfg, r) for r in s.mlp_ratios]
+    where = s.dask_address or (f"a LocalCluster of {s.workers} workers" if s.task_runner == "dask"
+                                else f"{s.workers} threads")
+    log.info("search: %d branches (mlp ratios %s) on %s", len(branch_cfgs), s.mlp_ratios, where)
+    t0 = time.perf_counter()
+    runner = make_task_runner(s)
+    branches = search_flow.with_options(task_runner=runner)(
+        branch_cfgs, pid, tracking_uri, loaded, teacher, gold, k_load, k_exp, base["figures"])
+    fanout_s = time.perf_counter() - t0
+    search = summarize_search(branches, teacher["artifact"], loaded["splits"], title=f"pruning search: {cfg.name}")
+    for line in search["lines"]:
+        log.info("search: %s", line)
+    timer.rows.append({"stage": "search", "seconds": time.perf_counter() - t0,
+                       "metrics": {**search["metrics"], "search_fanout_seconds": fanout_s}})
+    chosen = search["picked"] or search["best"]
+    if chosen is None:
+        raise RuntimeError("search: no branch produced a candidate")  # unreachable: search_flow raised already
+    branch = next(b for b in branches if b["ratio"] == chosen.ratio)
+    # The chosen branch's stages, under their own names: the parent run carries the same figures as a
+    # single-candidate run (their seconds are the branch's, spent side by side with the others).
+    timer.rows.extend(r for r in branch["rows"] if r["stage"] != "search_gate")
+    log.info("search: %s %s", "picked" if search["picked"] else "none accepted; best", describe(chosen))
+    return branch_config(cfg, chosen.ratio), {**search, "branch": branch}, branch["chain"]
+
+
+def search_markdown(search: dict) -> str:
+    """The search's table for the run summary (the same rows as the search.json artifact)."""
+    lines = ["## Search (selection split; speed timed side by side)", "",
+             "| candidate | size MiB | ms/token | tokens/s | perplexity ratio | top-1 agreement | accepted | front | picked |",
+             "|---|---:|---:|---:|---:|---:|---|---|---|"]
+    for r in search["rows"]:
+        if r["error"]:
+            lines.append(f"| {r['candidate']} | failed: {r['error']} |||||||| ")
+            continue
+        lines.append(f"| {r['candidate']} | {r['size_mb']:.2f} | {r['ms_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['perplexity_ratio']:.4f} | {r['top1_agreement']:.4f} | {'yes' if r['accepted'] else 'no'} | "
+                     f"{'yes' if r['on_front'] else ''} | {'**yes**' if r['picked'] else ''} |")
+    return "\n".join(lines)
+
+
+def search_rejection(search: dict) -> dict:
+    """A rejected verdict for a search no branch passed: its reasons name the best candidate's figures."""
+    best, gate = search["best"], search["branch"]["gate"]
+    cand = gate["candidate"]
+    reasons = [f"no search candidate passed the gate on the selection split ({len(search['candidates'])} tried); "
+               f"best {describe(best)}"]
+    metrics = {f"selection_{k[len('search_gate_'):]}" if k.startswith("search_gate_") else k: v
+               for k, v in gate["metrics"].items()}
+    metrics["selection_perplexity_ratio"] = best.perplexity_ratio
+    return {"accepted": False, "reasons": reasons, "criteria": gate["criteria"], "checks": gate["checks"],
+            "candidate": cand, "baseline": {}, "metrics": metrics, "split": "selection"}
 
 
 def local_server_url(cfg: PipelineConfig, model_name: str) -> str | None:
@@ -166,43 +279,31 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             registered.append(reg)
             baseline_version = reg["version"]
 
-        student_dir, masks, key = loaded["model_dir"], None, k_load
-        if cfg.prune.enabled:
-            key = stage_key(cfg, "prune", ["prune"], key)
-            pruned = timer.run("prune", submit_stage, prune_task, cfg, "prune", key, parent_run_id=pid,
-                               model_dir=student_dir, splits=loaded["splits"])
-            student_dir, masks = pruned["model_dir"], pruned["masks"]
-        if cfg.distill.enabled:
-            key = stage_key(cfg, "distill", ["distill"], key)
-            distilled = timer.run("distill", submit_stage, distill_task, cfg, "distill", key, parent_run_id=pid,
-                                  teacher_dir=loaded["model_dir"], student_dir=student_dir, splits=loaded["splits"],
-                                  masks=masks)
-            student_dir = distilled["model_dir"]
-        candidate, cand_key = teacher["artifact"], k_exp
-        if student_dir != loaded["model_dir"]:
-            cand_key = stage_key(cfg, "export_student", ["export"], key, f"format{EXPORT_FORMAT}")
-            student = timer.run("export_student", submit_stage, export_task, cfg, "export_student", cand_key,
-                                parent_run_id=pid, model_dir=student_dir)
-            k = stage_key(cfg, "golden_student", ["golden"], cand_key)
-            timer.run("golden_student", submit_stage, golden_task, cfg, "golden_student", k, parent_run_id=pid,
-                      model_dir=student_dir, artifact=student["artifact"], reference_golden=gold["golden"])
-            candidate = student["artifact"]
-        if cfg.quantize.enabled:
-            cand_key = stage_key(cfg, "quantize", ["quantize", "accept"], cand_key)
-            quant = timer.run("quantize", submit_stage, quantize_task, cfg, "quantize", cand_key, parent_run_id=pid,
-                              src_artifact=candidate, splits=loaded["splits"])
-            candidate = quant["artifact"]
+        quant, search = None, None
+        if cfg.search.mlp_ratios:
+            cfg, search, chain = run_search(cfg, pid, tracking_uri, loaded, teacher, gold, k_load, k_exp, timer)
+        else:
+            chain = candidate_chain(cfg, pid, loaded, teacher, gold, k_load, k_exp, timer.run)
+        candidate, cand_key, quant = chain["candidate"], chain["cand_key"], chain["quant"]
 
         verdict, deployed = None, None
-        if cfg.accept.enabled:
+        searched_none = search is not None and search["picked"] is None
+        if searched_none:
+            # No branch passed the gate on the selection split: the run is rejected here, without a verdict on
+            # the test split (nothing is to be chosen) or a benchmark; the best branch is registered, as a
+            # rejected candidate is, so it can be compared.
+            verdict = search_rejection(search)
+            for reason in verdict["reasons"]:
+                log.warning("acceptance: %s", reason)
+        elif cfg.accept.enabled:
             k = stage_key(cfg, "accept", ["accept"], cand_key, k_exp)
             verdict = timer.run("accept", submit_stage, accept_task, cfg, "accept", k, parent_run_id=pid,
                                 candidate=candidate, baseline=teacher["artifact"], splits=loaded["splits"],
-                                heldout=loaded["heldout"], evaluated=quant.get("evaluation") if cfg.quantize.enabled else None)
+                                heldout=loaded["heldout"], evaluated=quant.get("evaluation") if quant else None)
             for reason in verdict["reasons"]:
                 log.warning("acceptance: %s", reason)
         bench = None
-        if cfg.benchmark.enabled and candidate != teacher["artifact"]:
+        if cfg.benchmark.enabled and candidate != teacher["artifact"] and not searched_none:
             k = stage_key(cfg, "benchmark", ["benchmark"], cand_key, k_exp)
             bench = timer.run("benchmark", submit_stage, benchmark_task, cfg, "benchmark", k, parent_run_id=pid,
                               candidate=candidate, baseline=teacher["artifact"])
@@ -245,6 +346,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         for r in timer.rows:
             log_metrics({f"{r['stage']}_seconds": r["seconds"], **r["metrics"]})
         summary = timer.markdown(cfg, parent, tracking_uri, registered, verdict)
+        if search is not None:
+            summary += "\n\n" + search_markdown(search)
         mlflow.log_text(summary, "summary.md")
     create_markdown_artifact(markdown=summary, key="compress-summary", description=f"compression run {cfg.name}")
     log.info("\n%s", summary)
@@ -252,6 +355,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     return {"run_id": pid, "tracking_uri": tracking_uri, "stages": timer.rows, "registered": registered,
             "teacher_artifact": teacher["artifact"], "candidate_artifact": candidate, "golden": gold["metrics"],
             "verdict": verdict, "benchmark": bench, "deployed": deployed,
+            "search": search and {k: search[k] for k in ("rows", "lines", "metrics")},
             "run_url": registry.run_link(ui, parent.info.experiment_id, pid),
             "model_url": registry.model_link(ui, cfg.registry.model_name)}
 
