@@ -219,14 +219,16 @@ def search_markdown(search: dict) -> str:
 def search_rejection(search: dict) -> dict:
     """A rejected verdict for a search no branch passed: its reasons name the best candidate's figures."""
     best, gate = search["best"], search["branch"]["gate"]
-    cand = gate["candidate"]
     reasons = [f"no search candidate passed the gate on the selection split ({len(search['candidates'])} tried); "
                f"best {describe(best)}"]
-    metrics = {f"selection_{k[len('search_gate_'):]}" if k.startswith("search_gate_") else k: v
-               for k, v in gate["metrics"].items()}
-    metrics["selection_perplexity_ratio"] = best.perplexity_ratio
+    # Every figure under selection_*: the plain names of a registered version are the test split's, and no
+    # verdict on the test split ran.
+    metrics = {f"selection_{k}": v for k, v in gate["candidate"].items() if isinstance(v, (int, float))}
+    metrics.update({f"selection_{k[len('search_gate_'):]}": v for k, v in gate["metrics"].items()
+                    if k.startswith("search_gate_")})
+    metrics["selection_decode_ms_per_token"] = best.ms_per_token  # timed beside the other candidates
     return {"accepted": False, "reasons": reasons, "criteria": gate["criteria"], "checks": gate["checks"],
-            "candidate": cand, "baseline": {}, "metrics": metrics, "split": "selection"}
+            "candidate": {}, "baseline": {}, "metrics": metrics, "split": "selection"}
 
 
 def local_server_url(cfg: PipelineConfig, model_name: str) -> str | None:
