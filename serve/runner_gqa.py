@@ -131,7 +131,7 @@ class GqaRunner:
             return
         if not self.cap or -(-longest // CAP_STEP) * CAP_STEP > self.cap // 2:
             return  # the common case, checked cheaply: no shrink
-        slots, cap = self._layout(1, min(longest, self.max_len))
+        slots, cap = self._layout(self.slots, min(longest, self.max_len))
         if cap <= self.cap // 2:
             self._reshape(slots, cap)
 
@@ -144,7 +144,11 @@ class GqaRunner:
         if cap < need:
             raise RunnerError(f"{rows} rows up to position {need} need {rows * need} row positions; the KV rows "
                               f"hold {self.row_tokens} (the scheduler keeps steps within that)")
-        return max(rows, min(self.max_slots, self.row_tokens // cap)), cap
+        # Slots for the traffic there is, rounded up to a power of two (at most log2(max_batch_size) reshapes as
+        # it grows), not for as many sequences as the budget could hold: the rows are written in full once
+        # bound, so every unused slot would be resident memory (docs/serving.md, "One KV budget").
+        grow = 1 << (rows - 1).bit_length() if rows > 0 else 1
+        return max(rows, min(self.max_slots, self.row_tokens // cap, grow)), cap
 
     def _ensure(self, rows: int, need: int) -> None:
         if need <= self.cap and rows <= self.slots:

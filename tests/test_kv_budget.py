@@ -147,3 +147,30 @@ def test_standard_layout_rows_cut_short_of_a_block_when_the_budget_says_so(tiny_
     assert peak <= eng.kv_budget_bytes()
     assert eng.runner._decode_buf.cut_short > 0
     assert out == unsqueezed(tiny_artifact, reqs)
+
+
+def test_rows_follow_the_traffic_not_what_the_budget_could_hold(gqa_art):
+    """One running sequence holds one row slot, however many the budget has room for; slots grow by powers of
+    two with the rows of a step, and the tokens are those of one request at a time."""
+    cfg = ServeConfig(providers=[CPU], num_blocks=400, block_size=16, max_batch_size=8)
+    eng = Engine(gqa_art, cfg, start=False)
+    r = eng.runner
+    assert r.row_tokens // 256 >= 8  # room for all 8 slots at the first length step
+    one = [(ids(20, 1), 6)]
+    out, _ = drive(eng, one)
+    assert out == unsqueezed(gqa_art, one)
+    handle = eng.add_request(ids(20, 2), SamplingParams.greedy(40, ignore_eos=True))
+    eng.step()
+    assert r.slots == 1 and eng.kv_bytes() == r.pool.nbytes + r.cap * r.bytes_per_token
+    reqs = [(ids(12 + i, 10 + i), 8) for i in range(3)]
+    handles, slots = [], []
+    for p, n in reqs:  # one more sequence each step: 2, 3, then 4 rows
+        handles.append(eng.add_request(p, SamplingParams.greedy(n, ignore_eos=True)))
+        eng.step()
+        slots.append(r.slots)
+    assert slots == [2, 4, 4]  # powers of two, never the 8 the budget could hold
+    while eng.has_work():
+        eng.step()
+    assert r.slots == 0 and eng.kv_bytes() == r.pool.nbytes  # idle: the rows are given back
+    assert [h.result().output_ids for h in handles] == unsqueezed(gqa_art, reqs)
+    assert handle.result().output_ids == unsqueezed(gqa_art, [(ids(20, 2), 40)])[0]
