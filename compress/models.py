@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -183,9 +184,21 @@ def resolve_source(source: str, gguf_file: str | None, cache_dir: str | Path) ->
     return source
 
 
+# transformers' from_pretrained flips process-wide switches while it loads (weight tying off, init functions
+# patched) and resolves its lazy imports on first use: three SmolLM2 loads at once in threads of one process (the
+# pipeline's search branches) all kept the tied lm_head on the meta device. One load at a time per process.
+_LOAD_LOCK = threading.RLock()
+
+
 def load_teacher(source: str = "embedded", gguf_file: str | None = None, cache_dir: str | Path = ".cache/models",
                  revision: str | None = None, trust_remote_code: bool = False):
-    """Return (model in eval mode, fp32, on CPU; tokenizer)."""
+    """Return (model in eval mode, fp32, on CPU; tokenizer). Thread-safe: loads in one process take turns."""
+    with _LOAD_LOCK:
+        return _load_teacher(source, gguf_file, cache_dir, revision, trust_remote_code)
+
+
+def _load_teacher(source: str, gguf_file: str | None, cache_dir: str | Path, revision: str | None,
+                  trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved = resolve_source(source, gguf_file, cache_dir)

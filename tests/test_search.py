@@ -115,6 +115,27 @@ def test_a_search_needs_structured_pruning_and_the_gate():
     assert plain.section_hash() != load_config("configs/tiny.yaml", ["search.mlp_ratios=[0.25]"]).section_hash()
 
 
+def test_models_load_in_parallel_threads_without_meta_tensors(tiny_model_dir):
+    """The thread runner's branches load models at once: unlocked, transformers' process-wide switches left every
+    one of 4 concurrent tiny loads with its tied lm_head on the meta device (3 of 3 tries); load_teacher takes turns."""
+    import threading
+
+    from compress.models import load_teacher
+
+    metas: dict[int, list[str]] = {}
+
+    def load(i):
+        model, _ = load_teacher(str(tiny_model_dir))
+        metas[i] = [n for n, t in model.state_dict().items() if t.is_meta]
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert metas == {0: [], 1: [], 2: [], 3: []}
+
+
 SEARCH = ["distill.enabled=false", "benchmark.enabled=false", "registry.promote=false",
           "registry.model_name=tiny-search", "mlflow.experiment=tiny-search", "search.mlp_ratios=[0.25,0.5]",
           "search.workers=2"]
