@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from serve.kv_cache import served_kv_dtype
+from serve.kv_memory import kv_zeros
 # CPU, CUDA, choose_providers and make_session stay importable from here (engine, tests, benchmarks).
 from serve.onnx_session import CPU, CUDA, artifact_session, choose_providers, kv_io_names, make_session  # noqa: F401
 
@@ -128,7 +129,7 @@ class _PastBuffer:
                     if peer is not None and peer.flat.size and size + peer.flat.size > limit * per_pos:
                         peer.release()  # its rows are in the pool too: the next call re-gathers them
                     self.flat = np.zeros(0, dtype=self.dtype)  # the old buffer goes before the new one comes
-                self.flat = np.zeros(size, dtype=self.dtype)
+                self.flat = kv_zeros((size,), self.dtype)
             self.view = self.flat[:need].reshape(self.n_kv, b_cap, self.heads, P, self.head_dim)
             self.shape_key = (b_cap, P)
             self.rows = [(None, 0)] * b_cap
@@ -193,7 +194,7 @@ class Runner:
         self.provider = self.session.get_providers()[0]
         self.output_names = ["logits", *self.present_names]
         n_kv = 2 * self.num_layers
-        self.pool = np.zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), dtype=self.dtype)
+        self.pool = kv_zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), self.dtype)
         # row_tokens: the positions the two past buffers may hold together (None: unbounded, as before). ORT's
         # present outputs are as large again during a call, which is why the engine gives each half of the share.
         self.row_tokens = row_tokens

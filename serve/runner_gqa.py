@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from serve.kv_memory import kv_zeros
 from serve.runner import CPU, CUDA, RunnerError, RunRow, artifact_session, kv_spec
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class GqaRunner:
         self.has_logits_to_keep = "logits_to_keep" in {i.name for i in self.session.get_inputs()}
         n_kv = 2 * self.num_layers
         self.n_kv = n_kv
-        self.pool = np.zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), dtype=self.dtype)
+        self.pool = kv_zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), self.dtype)
         self.max_slots = int(max_batch_size)
         self.bytes_per_token = n_kv * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
         # None = the old unbounded behaviour (every slot at the longest length), for direct users of the runner.
@@ -164,7 +165,7 @@ class GqaRunner:
         if not keep:  # drop the old rows before allocating: the rows never hold more than row_tokens
             # an empty array, not None: /metrics reads kv_bytes() from another thread at any moment
             self.kv, old = np.zeros(0, dtype=self.dtype), None
-        new = np.zeros(shape, dtype=self.dtype)
+        new = kv_zeros(shape, self.dtype)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.pool.nbytes + new_bytes + (old.nbytes if keep else 0))
         m = min(n_old, slots)
         if keep:
