@@ -45,6 +45,7 @@ import numpy as np
 from serve.artifact import read_manifest
 from serve.config import ConfigError, ServeConfig
 from serve.engine_stats import EngineCounters, EngineStats, FinishedRequestSample
+from serve.heap import release_free_memory
 from serve.in_flight import InFlightRequest
 from serve.kv_cache import ROW_COPIES, BlockManager, KVCacheSpec, num_blocks_for_budget
 from serve.request_handle import RequestHandle, RequestOutput, TokenEvent
@@ -158,6 +159,7 @@ class Engine:
                                   row_tokens=row_tokens)
         # onnxruntime's intra-op threads, started in the session's constructor, inherit the lowered priority.
         self.runner = call_in_lowered_thread(make_runner, config.model_thread_nice)
+        release_free_memory()  # the loader's freed temporaries, ~100 MiB for SmolLM2 (serve/heap.py)
         self._pool_bytes = num_blocks * spec.bytes_per_block(bs)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)%s; context %d; provider %s",
                  num_blocks, bs, num_blocks * bs, self._pool_bytes / 2**20, spec.bytes_per_token,
