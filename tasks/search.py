@@ -175,15 +175,20 @@ def branch_candidate(branch: dict, ms_per_token: float | None) -> Candidate:
                      artifact=branch["chain"]["candidate"])
 
 
-def time_candidates(artifacts: dict[str, str], splits: str, rounds: int = 2) -> dict[str, float]:
+def time_candidates(artifacts: dict[str, str], splits: str, rounds: int = 2, threads: int = 1) -> dict[str, float]:
     """Median batch-1 decode ms/token of each artifact, steps interleaved (quant_choice.decode_step_ms): the
-    branches ran side by side on shared cores, so their own latencies do not compare; these do."""
+    branches ran side by side on shared cores, so their own latencies do not compare; these do.
+
+    One intra-op thread: the sessions' thread pools, each spinning between its steps, otherwise take the cores
+    from each other (SmolLM2 on 2 loaded cores: 32 ms/token with the default threads against 8.7 with one, the
+    accept stage's own timing 5.5) - as docs/pruning.md times decode steps.
+    """
     import numpy as np
 
     from compress.quant_choice import decode_step_ms
 
     prompt = [int(t) for t in np.asarray(load_splits(splits).eval)[0][:32]]
-    return decode_step_ms(artifacts, rounds=rounds, prompt=prompt)
+    return decode_step_ms(artifacts, rounds=rounds, prompt=prompt, threads=threads)
 
 
 def summarize_search(branches: list[dict], teacher_artifact: str, splits: str, title: str) -> dict:
