@@ -187,6 +187,27 @@ def test_search_fans_out_on_a_dask_local_cluster_and_picks_the_fastest_accepted(
     assert json.loads(params["search.mlp_ratios"]) == [0.25, 0.5]
 
 
+def test_search_on_a_running_scheduler_by_address(dask_search):
+    """search.dask_address: the flow connects to a scheduler it did not start (an in-process one here, as a user's
+    `dask scheduler` would be), runs the branches there and leaves the cluster running. The stages come from the
+    Dask run's cache (same workdir), so the branches only look up their keys."""
+    from distributed import LocalCluster
+
+    from flows.pipeline import compress_flow
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
+        before = cluster.scheduler.transition_counter
+        overrides = dask_search["overrides"] + [f"search.dask_address={cluster.scheduler_address}"]
+        out = compress_flow(config="configs/tiny.yaml", overrides=overrides)
+        assert cluster.scheduler.transition_counter > before  # the branches ran on this scheduler
+        assert len(cluster.scheduler.workers) == 2  # and the flow left it running
+    rows = out["search"]["rows"]
+    # Same figures as the Dask run's (cached stages); the pick is this run's fastest accepted (the two tiny
+    # candidates' speeds are within timing noise of each other, so it may differ from the first run's).
+    assert [r["perplexity_ratio"] for r in rows] == [r["perplexity_ratio"] for r in dask_search["out"]["search"]["rows"]]
+    assert [r for r in rows if r["picked"]] == [min((r for r in rows if r["accepted"]), key=lambda r: r["ms_per_token"])]
+
+
 def test_search_with_no_accepted_candidate_is_rejected_naming_the_best(dask_search, mlflow_store, tmp_path):
     """Threads this time (the default runner); a gate no random tiny model passes. The stage caches of the Dask
     run answer for prune and export (their keys hold the ratio, not the runner)."""
