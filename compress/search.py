@@ -10,7 +10,7 @@ search is for and the gate already said the quality is enough.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 # (figure, direction) of the front: every one of them is "lower is better".
 OBJECTIVES: tuple[tuple[str, str], ...] = (("size_bytes", "min"), ("ms_per_token", "min"),
@@ -102,16 +102,6 @@ def search_table(cands: list[Candidate], front: list[Candidate] | None = None,
                      "picked": picked is c, "reasons": "; ".join(c.reasons), "error": c.error or "",
                      "artifact": c.artifact or ""})
     return rows
-
-
-def candidate_from_row(row: dict) -> Candidate:
-    """The inverse of asdict: a branch's result dict (any extra keys ignored) as a Candidate."""
-    keys = Candidate.__dataclass_fields__
-    return Candidate(**{k: v for k, v in row.items() if k in keys})
-
-
-def candidate_dict(c: Candidate) -> dict:
-    return asdict(c)
 
 
 def pareto_figure(cands: list[Candidate], picked: Candidate | None = None, title: str = "pruning search"):
