@@ -6,17 +6,11 @@ import sys
 import threading
 
 import pytest
+from proc_memory import rss_anon
 
 from serve.heap import release_free_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
-
-
-def _rss_anon() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon")
 
 
 def test_memory_a_thread_allocated_and_freed_is_resident_until_released():
@@ -27,14 +21,14 @@ def test_memory_a_thread_allocated_and_freed_is_resident_until_released():
         kept_alive.extend(blocks[::50])
         del blocks
 
-    base = _rss_anon()
+    base = rss_anon()
     t = threading.Thread(target=load_and_drop)
     t.start()
     t.join()
-    kept = _rss_anon() - base
+    kept = rss_anon() - base
     if kept < 32 << 20:
         pytest.skip(f"this libc returned the memory by itself ({kept / 2**20:.0f} MiB kept)")
     assert release_free_memory()
-    after = _rss_anon() - base
+    after = rss_anon() - base
     assert after < kept / 4, f"{kept / 2**20:.0f} MiB kept after the thread, {after / 2**20:.0f} MiB after the release"
     assert len(kept_alive) == 1200 and kept_alive[7][-1] == (7 * 50) % 251  # what is still used is untouched

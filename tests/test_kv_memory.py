@@ -6,15 +6,9 @@ import sys
 
 import numpy as np
 import pytest
+from proc_memory import rss_anon
 
 from serve.kv_memory import kv_zeros
-
-
-def _rss_anon() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon in /proc/self/status")
 
 
 def test_kv_zeros_is_a_zeroed_writable_array_of_the_shape_and_dtype():
@@ -33,9 +27,9 @@ def test_sparse_writes_make_only_the_written_pages_resident():
     pages each write would make its whole 2 MiB resident (120 MiB); here it is a page or two each."""
     layers, slice_bytes = 60, 2 << 20
     pool = kv_zeros((layers, slice_bytes // 4), np.float32)
-    before = _rss_anon()
+    before = rss_anon()
     for layer in range(layers):
         pool[layer, 1000:1000 + 16 * 64] = 1.0  # one 4 KiB block of K/V
-    grown = _rss_anon() - before
+    grown = rss_anon() - before
     assert grown < 8 << 20, f"{grown / 2**20:.1f} MiB resident after writing {layers} x 4 KiB"
     assert pool.sum() == layers * 16 * 64
