@@ -9,6 +9,9 @@ Builds, from the embedded SmolLM2 with the default config's data splits:
 and scores each (and ``--before``, an artifact made before the fusions) with compress.evaluate.evaluate_onnx
 on the held-out test split and the held-out source (stdlib code), fp32 as the reference; then times decode
 steps of all of them interleaved (benchmarks.graph_profile). Prints a table and writes ``forms.json``.
+
+``--kv16`` adds ``fp32_kv16`` and ``wo8_kv16``: the same two built with ``export.kv_dtype: float16``
+(compress/kv_fp16.py), scored against the fp32-KV fp32 graph.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".cache/bench/forms")
     ap.add_argument("--before", default=None, help="an INT8 artifact built before the fusions, scored alongside")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--skip", nargs="*", default=[], help="forms not to build (fp32 w8a8 wo8)")
+    ap.add_argument("--skip", nargs="*", default=[], help="forms not to build (fp32 w8a8 wo8 fp32_kv16 wo8_kv16)")
+    ap.add_argument("--kv16", action="store_true", help="also the fp16-KV fp32 and weight-only forms")
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from compress.config import load_config
@@ -43,18 +47,24 @@ def main(argv=None) -> int:
     arts: dict[str, Path] = {"fp32": out / "fp32"}
     if "fp32" not in a.skip or not (out / "fp32" / "manifest.json").is_file():
         build_gqa_artifact(model, tok, out / "fp32")
+    if a.kv16:
+        arts["fp32_kv16"] = out / "fp32_kv16"
+        if "fp32_kv16" not in a.skip or not (out / "fp32_kv16" / "manifest.json").is_file():
+            build_gqa_artifact(model, tok, out / "fp32_kv16", kv_dtype="float16")
     del model
+    wo8 = cfg.quantize.model_copy(update={"method": "weight_only", "smoothquant_alpha": None})
     forms = {
-        "w8a8": cfg.quantize,  # the champion's settings
-        "wo8": cfg.quantize.model_copy(update={"method": "weight_only", "smoothquant_alpha": None}),
+        "w8a8": ("fp32", cfg.quantize),  # the champion's settings
+        "wo8": ("fp32", wo8),
+        **({"wo8_kv16": ("fp32_kv16", wo8)} if a.kv16 else {}),
     }
     seconds = {}
-    for name, qcfg in forms.items():
+    for name, (base, qcfg) in forms.items():
         if name in a.skip and (out / name / "manifest.json").is_file():
             arts[name] = out / name
             continue
         t = time.perf_counter()
-        quantize_artifact(out / "fp32", out / name, splits.calib, qcfg)
+        quantize_artifact(out / base, out / name, splits.calib, qcfg)
         seconds[name] = time.perf_counter() - t
         arts[name] = out / name
         print(f"{name}: quantized in {seconds[name]:.0f} s", flush=True)

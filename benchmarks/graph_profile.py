@@ -68,7 +68,9 @@ class GraphRunner:
             self.head_dim = int(cfg["model"]["decoder"]["head_size"])
         self.vocab = int(self.sess.get_outputs()[0].shape[-1])
         self.max_len = max_len
-        self.kv = [np.zeros((1, self.kv_heads, max_len, self.head_dim), np.float32) for _ in self.past]
+        # the graph's cache type: float16 for export.kv_dtype float16 (and genai's fp16 builds)
+        self.kv_dtype = np.float16 if ins[self.past[0]].type == "tensor(float16)" else np.float32
+        self.kv = [np.zeros((1, self.kv_heads, max_len, self.head_dim), self.kv_dtype) for _ in self.past]
         self.logits1 = np.empty((1, 1, self.vocab), np.float32)
 
     def _run(self, ids: np.ndarray, total: int, logits: np.ndarray) -> None:
@@ -81,8 +83,8 @@ class GraphRunner:
         else:
             b.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
         for pi, po, buf in zip(self.past, self.present, self.kv):
-            b.bind_input(pi, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
-            b.bind_output(po, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
+            b.bind_input(pi, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+            b.bind_output(po, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
         b.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self.sess.run_with_iobinding(b)
 

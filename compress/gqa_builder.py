@@ -47,6 +47,7 @@ from compress import gqa_families as fams
 from compress.artifact import write_manifest
 from compress.gqa_families import GqaBuildError
 from compress.graph_fusion import fuse_decoder
+from compress.kv_fp16 import kv_to_fp16
 from compress.models import model_info
 
 log = logging.getLogger(__name__)
@@ -466,17 +467,21 @@ def save_model(m: onnx.ModelProto, path: Path, external_data_threshold_mb: int =
 
 
 def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int | None = None,
-                       extra: dict | None = None, layout: str = "gqa", block_size: int = 16) -> tuple[GqaBuildResult, dict]:
+                       extra: dict | None = None, layout: str = "gqa", block_size: int = 16,
+                       kv_dtype: str = "float32") -> tuple[GqaBuildResult, dict]:
     """Graph + tokenizer + generation_config + manifest.json: a servable folder.
 
     layout 'gqa' (default; CPU and CUDA) or 'paged' (PagedAttention, fp16, CUDA only, unverified; the
     graph's block size is fixed and recorded in the manifest).
+    kv_dtype: the gqa layout's cache type, float32 or float16 (compress/kv_fp16.py).
     """
     from compress.export import _eos_ids
     from compress.special_tokens import special_tokens
 
     if layout not in ("gqa", "paged"):
         raise GqaBuildError(f"layout {layout!r}: the builder writes 'gqa' or 'paged' (the dynamo export writes 'standard')")
+    if layout == "gqa" and kv_dtype not in ("float32", "float16"):
+        raise GqaBuildError(f"export.kv_dtype {kv_dtype!r}: the gqa layout keeps float32 or float16 caches")
     out_dir = Path(out_dir)
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -485,6 +490,8 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
     with torch.no_grad():
         m = build_gqa_model(model, max_positions) if layout == "gqa" else \
             build_paged_model(model, block_size=block_size, max_positions=max_positions)
+    if layout == "gqa" and kv_dtype == "float16":
+        kv_to_fp16(m)
     path = out_dir / MODEL_FILE
     save_model(m, path)
     seconds = time.perf_counter() - t0
@@ -499,7 +506,7 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
         info["max_positions"] = int(max_positions)
     fields = {
         **info,
-        "kv_dtype": "float32" if layout == "gqa" else "float16",
+        "kv_dtype": kv_dtype if layout == "gqa" else "float16",
         "attention_layout": layout,
         "io": gqa_io_names(info["num_layers"]) if layout == "gqa" else paged_io_names(info["num_layers"]),
         **special_tokens(tokenizer, model).manifest_fields(),  # add_bos_token, eos_token_ids, chat_template_adds_bos

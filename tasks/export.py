@@ -23,8 +23,11 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         extra = {"source_model": model_dir, "config_hash": cfg.section_hash()}
         exporter, why = choose_exporter(model, cfg.export.exporter)
         stage_logger().info("export: %s", why)
+        if exporter != "gqa" and cfg.export.kv_dtype != "float32":
+            raise ValueError(f"export.kv_dtype {cfg.export.kv_dtype}: this model is exported with {exporter} ({why}), "
+                             f"whose caches are float32; set export.kv_dtype to float32")
         if exporter == "gqa":
-            result, manifest = build_gqa_artifact(model, tok, art, extra=extra)
+            result, manifest = build_gqa_artifact(model, tok, art, extra=extra, kv_dtype=cfg.export.kv_dtype)
         else:
             result, manifest = build_artifact(model, tok, art, exporter, cfg.export.opset,
                                               cfg.export.external_data_threshold_mb, extra=extra)
