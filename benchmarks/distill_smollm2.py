@@ -2,12 +2,17 @@
 
     .venv/bin/python -m benchmarks.distill_smollm2 --compare-ce       # KD with the defaults, and CE alone (40 steps)
     .venv/bin/python -m benchmarks.distill_smollm2 --steps 60 --eval-every 20   # the demo budget
+    .venv/bin/python -m benchmarks.distill_smollm2 --steps 60 --eval-every 20 --data corpus mix generated \
+        --calib-blocks 64 --figure ''     # what the student trains on, scored on held-out text
 
 Student: compress.prune.prune_model, structured, 25% of the MLP neurons of every layer by
 activation importance on the calib split (no distillation, no fine-tuning). Data: the embedded
 corpus, blocks of 128 tokens, 256 train / 16 calib / 32 eval. Prints a table and writes
 results JSON and the loss / temperature / eval figure. --compare-ce trains the same student with the
-same budget on the labels alone (alpha = 0), to show what the teacher adds.
+same budget on the labels alone (alpha = 0), to show what the teacher adds. --data trains one KD run per
+`distill.data` mode (compress/distill_data.py) and scores every student, before and after, on the test split and
+the held-out source (Python stdlib code, another genre than the corpus), with the perplexity gap each run
+recovered per 10k training tokens.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ import torch  # noqa: E402
 from compress.config import DistillConfig, PruneConfig  # noqa: E402
 from compress.data import make_splits  # noqa: E402
 from compress.distill import distill  # noqa: E402
+from compress.distill_data import training_splits  # noqa: E402
 from compress.models import load_teacher  # noqa: E402
 from compress.prune import prune_model  # noqa: E402
+from compress.torch_eval import perplexity  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,6 +62,9 @@ def main() -> None:
     ap.add_argument("--mlp-ratio", type=float, default=0.25)
     ap.add_argument("--max-minutes", type=float, default=60.0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--data", nargs="+", default=["corpus"], choices=["corpus", "generated", "mix"],
+                    help="distill.data of the KD runs (one run each)")
+    ap.add_argument("--calib-blocks", type=int, default=16)
     ap.add_argument("--compare-ce", action="store_true", help="also train on CE alone with the same budget")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "distill_smollm2")
     ap.add_argument("--resume", action="store_true", help="keep the workdir's checkpoints (default: start afresh)")
@@ -67,7 +77,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     teacher, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
-    splits = make_splits(tok, "embedded", block_size=128, train_blocks=256, calib_blocks=16, eval_blocks=32)
+    splits = make_splits(tok, "embedded", block_size=128, train_blocks=256, calib_blocks=args.calib_blocks, eval_blocks=32)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     student, prep = prune_model(teacher, splits.calib, PruneConfig(enabled=True, method="structured",
@@ -83,7 +93,7 @@ def main() -> None:
         teacher_topk=args.teacher_topk, max_minutes=args.max_minutes, early_stop_patience=0, device="cpu",
         monitor=args.monitor,
     )
-    runs = {"kd": cfg}
+    runs = {"kd" if d == "corpus" else f"kd_{d}": cfg.model_copy(update={"data": d}) for d in args.data}
     if args.compare_ce:
         runs["ce"] = cfg.model_copy(update={"alpha_start": 0.0, "alpha_end": 0.0})
     results = {
@@ -96,16 +106,24 @@ def main() -> None:
         work = args.workdir / name
         if not args.resume:
             shutil.rmtree(work, ignore_errors=True)
-        rep = distill(copy.deepcopy(student), teacher, splits, c, work)
-        results["runs"][name] = {**rep.metrics(), "stop_reason": rep.stop_reason, "evals": rep.evals}
-        if name == "kd":
+        data = training_splits(splits, teacher, tok, c, args.workdir / f"train_{c.data}.npz")
+        trained = copy.deepcopy(student)
+        t0 = time.perf_counter()
+        rep = distill(trained, teacher, data, c, work)
+        results["runs"][name] = {**rep.metrics(), "stop_reason": rep.stop_reason, "evals": rep.evals,
+                                 "data": c.data, "train_blocks": len(data.train),
+                                 "seconds_with_generation": round(time.perf_counter() - t0, 1),
+                                 "heldout": held_out(trained, splits)}
+        if name == "kd" and str(args.figure) not in ("", "."):
             args.figure.parent.mkdir(parents=True, exist_ok=True)
             rep.figure().savefig(args.figure, dpi=110)
             results["figure"] = str(args.figure)
+    results["heldout_teacher"], results["heldout_before"] = held_out(teacher, splits), held_out(student, splits)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))
+    print_heldout(results)
 
-    kd = results["runs"]["kd"]
+    kd = next(iter(results["runs"].values()))
     print(f"\nteacher perplexity          {kd['distill_teacher_perplexity']:.3f}")
     print(f"pruned student, before      {kd['distill_perplexity_before']:.3f}   KL {kd['distill_kl_before']:.4f}   "
           f"top-1 {kd['distill_top1_before']:.3f}")
@@ -115,6 +133,25 @@ def main() -> None:
               f"{r['distill_steps']} steps, {r['distill_seconds_per_step']:.2f} s/step, {r['distill_seconds']:.0f} s in all")
     print(f"params {prep.params_before:,} -> {prep.params_after:,}; load {t_load:.0f} s, prune {t_prune:.0f} s; "
           f"results in {args.json}")
+
+
+def held_out(model, splits) -> dict[str, float]:
+    """Perplexity on the test split (the corpus's genre, never trained on) and the held-out source (code)."""
+    return {"test": perplexity(model, splits.test), "stdlib_code": perplexity(model, splits.heldout)}
+
+
+def print_heldout(results: dict) -> None:
+    t, b = results["heldout_teacher"], results["heldout_before"]
+    print("\n| student | train blocks | test ppl (x teacher) | stdlib code ppl (x teacher) | code gap recovered per 10k tokens |")
+    print(f"| teacher | | {t['test']:.2f} | {t['stdlib_code']:.2f} | |")
+    print(f"| pruned, before | | {b['test']:.2f} ({b['test'] / t['test']:.3f}) | "
+          f"{b['stdlib_code']:.2f} ({b['stdlib_code'] / t['stdlib_code']:.3f}) | |")
+    for name, r in results["runs"].items():
+        h = r["heldout"]
+        tokens = r["distill_steps"] * results["train_tokens_per_step"]
+        rec = (b["stdlib_code"] - h["stdlib_code"]) / (b["stdlib_code"] - t["stdlib_code"])
+        print(f"| {name} ({r['data']}) | {r['train_blocks']} | {h['test']:.2f} ({h['test'] / t['test']:.3f}) | "
+              f"{h['stdlib_code']:.2f} ({h['stdlib_code'] / t['stdlib_code']:.3f}) | {rec / (tokens / 1e4):.3f} |")
 
 
 if __name__ == "__main__":

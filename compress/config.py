@@ -73,6 +73,16 @@ class ExportConfig(Section):
     opset: int = Field(18, ge=14, le=23)
     # Weights go to an external data file above this size (protobuf's 2 GB limit).
     external_data_threshold_mb: int = Field(1800, ge=1)
+    # The KV cache's element type (gqa layout only): float16 halves the bytes per cached token, so the same
+    # serve.kv_memory_mb holds twice the tokens; the K/V are rounded to fp16 (docs/gqa.md has the figures).
+    kv_dtype: Literal["float32", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _fp16_kv_needs_gqa(self) -> "ExportConfig":
+        if self.kv_dtype == "float16" and self.exporter in ("dynamo", "torchscript"):
+            raise ValueError(f"export.kv_dtype float16 needs the gqa layout (GroupQueryAttention takes fp16 caches); "
+                             f"set export.exporter to gqa or auto, or export.kv_dtype to float32")
+        return self
 
 
 class GoldenConfig(Section):
@@ -162,6 +172,12 @@ class DistillConfig(Section):
     alpha_start: float = Field(1.0, ge=0, le=1)
     alpha_end: float = Field(1.0, ge=0, le=1)
     alpha_schedule: Literal["constant", "linear", "cosine", "step"] = "constant"
+    # What the student trains on (compress/distill_data.py): the corpus's train split, the teacher's own
+    # samples (generated_blocks of them, from a random first token at generation_temperature), or both.
+    # The corpus alone teaches the corpus: held-out text of another genre recovers far less (docs/distillation.md).
+    data: Literal["corpus", "generated", "mix"] = "corpus"
+    generated_blocks: int = Field(256, ge=1)
+    generation_temperature: float = Field(1.0, gt=0)
     # Teacher logits kept as the top-k per position and reused on later epochs; 0 = full logits, no cache.
     teacher_topk: int = Field(0, ge=0)
     eval_every: int = Field(25, ge=1)

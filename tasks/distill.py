@@ -7,6 +7,7 @@ from safetensors.torch import load_file
 
 from compress.config import PipelineConfig
 from compress.distill import distill
+from compress.distill_data import training_splits
 from compress.distill_launch import DistillJob, launch_distill
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model, load_splits
@@ -23,6 +24,15 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
     with child_run(parent_run_id, stage) as run:
         log_params({"distill": cfg.distill.model_dump()})
         out = folder / "model"
+        teacher = tok = None
+        if cfg.distill.data != "corpus":
+            # the teacher's generations replace or join the train blocks (compress/distill_data.py)
+            cache = folder / f"train_{cfg.distill.data}.npz"
+            if not cache.is_file():
+                teacher, tok = load_model(teacher_dir, cfg)
+            data = training_splits(load_splits(splits), teacher, tok, cfg.distill, cache)
+            log_metrics({"distill_train_blocks": len(data.train)})
+            splits = str(cache)
         on_log = lambda step, m: log_metrics(m, step=step)  # noqa: E731
         if cfg.distill.nproc_per_node > 1:
             # torchrun ranks (DDP); rank 0 reports the step metrics to this process and saves the student.
@@ -32,7 +42,8 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
                              trust_remote_code=cfg.model.trust_remote_code)
             report = launch_distill(job, cfg.distill.nproc_per_node, on_log=on_log)
         else:
-            teacher, tok = load_model(teacher_dir, cfg)
+            if teacher is None:
+                teacher, tok = load_model(teacher_dir, cfg)
             student, _ = load_model(student_dir, cfg)
             keep = {k: v.bool() for k, v in load_file(masks).items()} if masks else None
             report = distill(student, teacher, load_splits(splits), cfg.distill, folder / "ckpt", masks=keep,

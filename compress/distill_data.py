@@ -1,0 +1,111 @@
+"""What the student is distilled on: the corpus's train blocks, the teacher's own generations, or both.
+
+Distilling on the corpus alone teaches the student the corpus: on SmolLM2 a 25 % MLP-pruned student came
+back to 1.06x the teacher's perplexity on documentation but stayed at 1.66x on Python source (issue 18,
+docs/distillation.md). The teacher's own samples cover what the teacher does, not what one corpus holds.
+
+Generation follows LLM-QAT's data-free recipe (Liu et al., 2023): each sequence starts from a token drawn
+uniformly from the vocabulary (special tokens excluded), after BOS when the model takes one, and the teacher
+samples the rest at ``temperature`` with no top-k/top-p, so the blocks follow the teacher's own distribution.
+EOS is suppressed (every block is ``block_size`` tokens, as the corpus's are). Seeded: the same config
+(and generation batch size) gives the same blocks.
+
+``distill.data``: ``corpus`` (the train split), ``generated`` (only the teacher's blocks), ``mix`` (both,
+shuffled together by the training loop's data order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from compress.data import DataSplits
+
+
+def teacher_generations(teacher, n_blocks: int, block_size: int, *, seed: int, temperature: float = 1.0,
+                        bos_id: int | None = None, exclude_ids: list[int] | tuple[int, ...] = (),
+                        batch_size: int = 32, progress: bool = True) -> np.ndarray:
+    """``n_blocks`` sampled sequences of ``block_size`` tokens, [n_blocks, block_size] int64."""
+    vocab = int(teacher.get_output_embeddings().weight.shape[0])
+    allowed = np.setdiff1d(np.arange(vocab), np.asarray(list(exclude_ids), dtype=np.int64))
+    rng = np.random.default_rng(seed)
+    first = rng.choice(allowed, size=n_blocks)
+    prefix = 1 if bos_id is None else 2
+    new = block_size - prefix
+    eos = getattr(teacher.generation_config, "eos_token_id", None)
+    device = next(teacher.parameters()).device
+    out = np.empty((n_blocks, block_size), np.int64)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    was_training = teacher.training
+    teacher.eval()
+    bar = tqdm(total=n_blocks, desc="teacher generations", unit="block", disable=not progress)
+    try:
+        for lo in range(0, n_blocks, batch_size):
+            ids = torch.as_tensor(first[lo:lo + batch_size, None])
+            if bos_id is not None:
+                ids = torch.cat([torch.full_like(ids, bos_id), ids], dim=1)
+            out[lo:lo + len(ids)] = _sample(teacher, ids.to(device), new, temperature, eos, gen)
+            bar.update(len(ids))
+    finally:
+        bar.close()
+        teacher.train(was_training)
+    return out
+
+
+@torch.no_grad()
+def _sample(model, ids: torch.Tensor, new: int, temperature: float, eos, gen: torch.Generator) -> np.ndarray:
+    """Plain ancestral sampling with the KV cache: seeded through ``gen`` on the CPU, so the blocks do not
+    depend on the device or on generate()'s logits processors."""
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    out = model(input_ids=ids, use_cache=True)
+    past, logits = out.past_key_values, out.logits[:, -1]
+    seq = [ids.cpu()]
+    for i in range(new):
+        logits = logits.float() / temperature
+        if eos_ids:
+            logits[:, eos_ids] = -float("inf")
+        probs = torch.softmax(logits, dim=-1).cpu()
+        nxt = torch.multinomial(probs, 1, generator=gen)
+        seq.append(nxt)
+        if i == new - 1:
+            break
+        out = model(input_ids=nxt.to(ids.device), past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
+    return torch.cat(seq, dim=1).numpy()
+
+
+def distill_blocks(train: np.ndarray, generated: np.ndarray | None, mode: str) -> np.ndarray:
+    """The blocks the student trains on for ``distill.data`` = mode."""
+    if mode == "corpus":
+        return train
+    if generated is None or not len(generated):
+        raise ValueError(f"distill.data {mode!r} needs the teacher's generations (distill.generated_blocks > 0)")
+    if generated.shape[1] != train.shape[1]:
+        raise ValueError(f"generated blocks of {generated.shape[1]} tokens against train blocks of {train.shape[1]}")
+    return generated if mode == "generated" else np.concatenate([train, generated])
+
+
+def training_splits(splits: DataSplits, teacher, tokenizer, cfg, cache: str | Path,
+                    progress: bool = True) -> DataSplits:
+    """``splits`` with its train blocks replaced by what ``cfg.data`` (a DistillConfig) asks for.
+
+    The generations are written to ``cache`` (an .npz) and read back on a re-run, so a resumed distillation
+    trains on the same blocks without sampling them again."""
+    if cfg.data == "corpus":
+        return splits
+    cache = Path(cache)
+    if cache.is_file():
+        return DataSplits.load(cache)
+    generated = teacher_generations(
+        teacher, cfg.generated_blocks, splits.train.shape[1], seed=cfg.seed, temperature=cfg.generation_temperature,
+        bos_id=splits.bos_token_id, exclude_ids=list(getattr(tokenizer, "all_special_ids", [])), progress=progress)
+    out = dataclasses.replace(splits, train=distill_blocks(splits.train, generated, cfg.data))
+    tmp = cache.with_name(cache.stem + ".partial.npz")
+    out.save(tmp)
+    os.replace(tmp, cache)
+    return out

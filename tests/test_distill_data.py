@@ -1,0 +1,69 @@
+"""distill.data: the teacher's own generations as distillation data (compress/distill_data.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compress.config import DistillConfig
+from compress.distill_data import distill_blocks, teacher_generations, training_splits
+
+
+@pytest.fixture(scope="module")
+def generated(trained_tiny4, tiny_splits, tiny_tokenizer, one_torch_thread):
+    return teacher_generations(trained_tiny4, 16, tiny_splits.train.shape[1], seed=3, bos_id=tiny_splits.bos_token_id,
+                               exclude_ids=tiny_tokenizer.all_special_ids, batch_size=8, progress=False)
+
+
+def _nll(model, blocks: np.ndarray) -> float:
+    with torch.no_grad():
+        x = torch.as_tensor(blocks)
+        return float(model(input_ids=x, labels=x).loss)
+
+
+def test_blocks_are_seeded_shaped_and_free_of_specials(trained_tiny4, tiny_splits, tiny_tokenizer, generated):
+    block = tiny_splits.train.shape[1]
+    assert generated.shape == (16, block) and generated.dtype == np.int64
+    again = teacher_generations(trained_tiny4, 16, block, seed=3, bos_id=tiny_splits.bos_token_id,
+                                exclude_ids=tiny_tokenizer.all_special_ids, batch_size=8, progress=False)
+    assert np.array_equal(again, generated)
+    other = teacher_generations(trained_tiny4, 16, block, seed=4, bos_id=tiny_splits.bos_token_id,
+                                exclude_ids=tiny_tokenizer.all_special_ids, batch_size=8, progress=False)
+    assert not np.array_equal(other, generated)
+    body = generated[:, 0 if tiny_splits.bos_token_id is None else 1:]
+    if tiny_splits.bos_token_id is not None:
+        assert (generated[:, 0] == tiny_splits.bos_token_id).all()
+    eos = trained_tiny4.generation_config.eos_token_id
+    assert not np.isin(body, np.atleast_1d(eos)).any()  # EOS suppressed: full blocks like the corpus's
+    assert not np.isin(body[:, 0], tiny_tokenizer.all_special_ids).any()
+    assert len(np.unique(body[:, 0])) > 8  # first tokens drawn across the vocabulary
+
+
+def test_samples_follow_the_teacher(trained_tiny4, tiny_splits, generated):
+    """The teacher finds its own samples far likelier than tokens drawn uniformly (sampling at T = 1)."""
+    rng = np.random.default_rng(0)
+    uniform = generated.copy()
+    start = 0 if tiny_splits.bos_token_id is None else 1
+    vocab = trained_tiny4.config.vocab_size
+    uniform[:, start + 1:] = rng.integers(3, vocab, size=uniform[:, start + 1:].shape)
+    own, rand = _nll(trained_tiny4, generated), _nll(trained_tiny4, uniform)
+    print(f"teacher NLL: own samples {own:.3f}, uniform tokens {rand:.3f}, log(vocab) {np.log(vocab):.3f}")
+    assert own < rand - 0.5
+
+
+def test_training_splits_modes_and_cache(trained_tiny4, tiny_splits, tiny_tokenizer, tmp_path, one_torch_thread):
+    cfg = DistillConfig(enabled=True, data="mix", generated_blocks=8)
+    cache = tmp_path / "train_mix.npz"
+    mixed = training_splits(tiny_splits, trained_tiny4, tiny_tokenizer, cfg, cache, progress=False)
+    assert len(mixed.train) == len(tiny_splits.train) + 8
+    assert np.array_equal(mixed.train[:len(tiny_splits.train)], tiny_splits.train)
+    assert np.array_equal(mixed.eval, tiny_splits.eval) and np.array_equal(mixed.calib, tiny_splits.calib)
+    # a re-run reads the cache: no teacher needed, the same blocks
+    again = training_splits(tiny_splits, None, None, cfg, cache, progress=False)
+    assert np.array_equal(again.train, mixed.train)
+    assert training_splits(tiny_splits, None, None, DistillConfig(), cache) is tiny_splits  # corpus: as given
+    gen_only = distill_blocks(tiny_splits.train, mixed.train[len(tiny_splits.train):], "generated")
+    assert len(gen_only) == 8
+    with pytest.raises(ValueError, match="generated_blocks"):
+        distill_blocks(tiny_splits.train, None, "mix")
