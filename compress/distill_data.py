@@ -17,6 +17,7 @@ shuffled together by the training loop's data order).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from pathlib import Path
 
@@ -62,8 +63,10 @@ def _sample(model, ids: torch.Tensor, new: int, temperature: float, eos, gen: to
     """Plain ancestral sampling with the KV cache: seeded through ``gen`` on the CPU, so the blocks do not
     depend on the device or on generate()'s logits processors."""
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    # transformers 5.x renames past_key_values to cache (the old name warns, then goes in 5.40)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(input_ids=ids, use_cache=True)
-    past, logits = out.past_key_values, out.logits[:, -1]
+    past, logits = getattr(out, cache_arg), out.logits[:, -1]
     seq = [ids.cpu()]
     for i in range(new):
         logits = logits.float() / temperature
@@ -74,8 +77,8 @@ def _sample(model, ids: torch.Tensor, new: int, temperature: float, eos, gen: to
         seq.append(nxt)
         if i == new - 1:
             break
-        out = model(input_ids=nxt.to(ids.device), past_key_values=past, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1]
+        out = model(input_ids=nxt.to(ids.device), use_cache=True, **{cache_arg: past})
+        past, logits = getattr(out, cache_arg), out.logits[:, -1]
     return torch.cat(seq, dim=1).numpy()
 
 
