@@ -97,17 +97,26 @@ def training_splits(splits: DataSplits, teacher, tokenizer, cfg, cache: str | Pa
                     progress: bool = True) -> DataSplits:
     """``splits`` with its train blocks replaced by what ``cfg.data`` (a DistillConfig) asks for.
 
-    The generations are written to ``cache`` (an .npz) and read back on a re-run, so a resumed distillation
+    With generations, the eval split (the distillation's best checkpoint and early stopping) gains as many
+    samples of the teacher as it has corpus blocks, sampled in the same pass and never trained on: a student
+    trained on the teacher's text is selected on it too, not on the corpus alone (which on SmolLM2 kept
+    picking the untrained step 0). Only the distill stage reads these splits; the other stages keep theirs.
+
+    The result is written to ``cache`` (an .npz) and read back on a re-run, so a resumed distillation
     trains on the same blocks without sampling them again."""
     if cfg.data == "corpus":
         return splits
     cache = Path(cache)
     if cache.is_file():
         return DataSplits.load(cache)
+    n_eval = len(splits.eval)
     generated = teacher_generations(
-        teacher, cfg.generated_blocks, splits.train.shape[1], seed=cfg.seed, temperature=cfg.generation_temperature,
-        bos_id=splits.bos_token_id, exclude_ids=list(getattr(tokenizer, "all_special_ids", [])), progress=progress)
-    out = dataclasses.replace(splits, train=distill_blocks(splits.train, generated, cfg.data))
+        teacher, cfg.generated_blocks + n_eval, splits.train.shape[1], seed=cfg.seed,
+        temperature=cfg.generation_temperature, bos_id=splits.bos_token_id,
+        exclude_ids=list(getattr(tokenizer, "all_special_ids", [])), progress=progress)
+    train, held = generated[:cfg.generated_blocks], generated[cfg.generated_blocks:]
+    out = dataclasses.replace(splits, train=distill_blocks(splits.train, train, cfg.data),
+                              eval=np.concatenate([splits.eval, held]))
     tmp = cache.with_name(cache.stem + ".partial.npz")
     out.save(tmp)
     os.replace(tmp, cache)

@@ -58,7 +58,12 @@ def test_training_splits_modes_and_cache(trained_tiny4, tiny_splits, tiny_tokeni
     mixed = training_splits(tiny_splits, trained_tiny4, tiny_tokenizer, cfg, cache, progress=False)
     assert len(mixed.train) == len(tiny_splits.train) + 8
     assert np.array_equal(mixed.train[:len(tiny_splits.train)], tiny_splits.train)
-    assert np.array_equal(mixed.eval, tiny_splits.eval) and np.array_equal(mixed.calib, tiny_splits.calib)
+    assert np.array_equal(mixed.calib, tiny_splits.calib)
+    # the eval split: the corpus's blocks, then as many of the teacher's samples, none of them trained on
+    n = len(tiny_splits.eval)
+    assert len(mixed.eval) == 2 * n and np.array_equal(mixed.eval[:n], tiny_splits.eval)
+    trained_on = {tuple(b) for b in mixed.train}
+    assert not any(tuple(b) in trained_on for b in mixed.eval[n:])
     # a re-run reads the cache: no teacher needed, the same blocks
     again = training_splits(tiny_splits, None, None, cfg, cache, progress=False)
     assert np.array_equal(again.train, mixed.train)
