@@ -86,8 +86,16 @@ def branch_config(cfg: PipelineConfig, ratio: float) -> PipelineConfig:
 
 def gate_config(cfg: PipelineConfig):
     """The gate's tolerances on the selection split: as accept's, less the held-out source's check (that text
-    is read by the verdict only)."""
-    return cfg.accept.model_copy(update={"max_heldout_perplexity_ratio": None})
+    is read by the verdict only), each accuracy tolerance narrowed by ``search.selection_margin``."""
+    a, keep = cfg.accept, 1.0 - cfg.search.selection_margin
+    return a.model_copy(update={
+        "max_heldout_perplexity_ratio": None,
+        "max_perplexity_ratio": 1.0 + (a.max_perplexity_ratio - 1.0) * keep,
+        "max_perplexity_delta": None if a.max_perplexity_delta is None else a.max_perplexity_delta * keep,
+        "min_top1_agreement": 1.0 - (1.0 - a.min_top1_agreement) * keep,
+        "max_kl": None if a.max_kl is None else a.max_kl * keep,
+        "max_downstream_drop": None if a.max_downstream_drop is None else a.max_downstream_drop * keep,
+    })
 
 
 def _criteria(cfg: PipelineConfig) -> str:
