@@ -52,6 +52,9 @@ def kv_to_fp16(model: onnx.ModelProto) -> int:
         for i in _ROTARY_INPUTS:
             name = n.input[i] if i < len(n.input) else ""
             if name and name not in done_tables:
+                if name not in inits:
+                    raise KvDtypeError(f"export.kv_dtype float16: {n.name}'s rotary table {name!r} is computed, not "
+                                       f"stored; this graph cannot be rewritten (set export.kv_dtype to float32)")
                 t = inits[name]
                 if t.data_type != TensorProto.FLOAT16:
                     t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float16), name))
