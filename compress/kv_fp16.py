@@ -28,15 +28,23 @@ class KvDtypeError(ValueError):
     """A graph the float16-KV rewrite does not apply to."""
 
 
+def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
+    out = onnx.NodeProto()
+    out.CopyFrom(node)
+    return out
+
+
 def kv_to_fp16(model: onnx.ModelProto) -> int:
     """In place: float16 K/V for every GroupQueryAttention node. Returns the number of nodes rewritten."""
     g = model.graph
-    gqa = [n for n in g.node if n.op_type == "GroupQueryAttention"]
+    # by position: protobuf wrappers are not stable identities to key on
+    gqa_at = [i for i, n in enumerate(g.node) if n.op_type == "GroupQueryAttention"]
+    gqa = [g.node[i] for i in gqa_at]
     if not gqa:
         raise KvDtypeError("export.kv_dtype float16: the graph has no GroupQueryAttention (use export.exporter gqa)")
     inits = {t.name: t for t in g.initializer}
     casts: dict[str, str] = {}  # float32 tensor -> its float16 copy (a packed QKV read twice is cast once)
-    new_nodes: list[tuple[onnx.NodeProto, list[onnx.NodeProto]]] = []
+    new_nodes: list[list[onnx.NodeProto]] = []
     done_tables: set[str] = set()
     for n in gqa:
         before: list[onnx.NodeProto] = []
@@ -62,11 +70,11 @@ def kv_to_fp16(model: onnx.ModelProto) -> int:
         out32 = n.output[0]
         n.output[0] = f"{out32}/fp16"
         after = helper.make_node("Cast", [n.output[0]], [out32], f"{n.name}/CastFp32", to=TensorProto.FLOAT)
-        new_nodes.append((n, before + [n, after]))
+        new_nodes.append(before + [n, after])
+    at = dict(zip(gqa_at, new_nodes))
     order: list[onnx.NodeProto] = []
-    by_id = {id(n): nodes for n, nodes in new_nodes}
-    for n in g.node:
-        order.extend(by_id.get(id(n), [n]))
+    for i, n in enumerate(g.node):
+        order.extend(_copy(x) for x in at.get(i, [n]))  # copies: the originals go with the clear below
     del g.node[:]
     g.node.extend(order)
     for v in list(g.input) + list(g.output):
