@@ -25,12 +25,13 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
         log_params({"distill": cfg.distill.model_dump()})
         out = folder / "model"
         teacher = tok = None
+        data = load_splits(splits)
         if cfg.distill.data != "corpus":
             # the teacher's generations replace or join the train blocks (compress/distill_data.py)
             cache = folder / f"train_{cfg.distill.data}.npz"
             if not cache.is_file():
                 teacher, tok = load_model(teacher_dir, cfg)
-            data = training_splits(load_splits(splits), teacher, tok, cfg.distill, cache)
+            data = training_splits(data, teacher, tok, cfg.distill, cache)
             log_metrics({"distill_train_blocks": len(data.train)})
             splits = str(cache)
         on_log = lambda step, m: log_metrics(m, step=step)  # noqa: E731
@@ -46,7 +47,7 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
                 teacher, tok = load_model(teacher_dir, cfg)
             student, _ = load_model(student_dir, cfg)
             keep = {k: v.bool() for k, v in load_file(masks).items()} if masks else None
-            report = distill(student, teacher, load_splits(splits), cfg.distill, folder / "ckpt", masks=keep,
+            report = distill(student, teacher, data, cfg.distill, folder / "ckpt", masks=keep,
                              on_log=on_log)
             student.save_pretrained(out)
             tok.save_pretrained(out)
