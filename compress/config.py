@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 # The serve and mlflow sections belong to the server (serve/ imports nothing from compress/); the
 # pipeline's config embeds them and shares the loader's helpers, so both report errors alike.
@@ -180,6 +180,10 @@ class DistillConfig(Section):
     generation_temperature: float = Field(1.0, gt=0)
     # Teacher logits kept as the top-k per position and reused on later epochs; 0 = full logits, no cache.
     teacher_topk: int = Field(0, ge=0)
+    # Intermediate-state loss beside the logit KD (Minitron): weight of the mean, over the student's layers, of the
+    # per-token ||h_s - h_t||^2 / ||h_t||^2 between each layer's output and the teacher layer it was cut from.
+    # 0 = logits only. The teacher then runs every step (no top-k cache). docs/distillation.md.
+    hidden_weight: float = Field(0.0, ge=0)
     eval_every: int = Field(25, ge=1)
     # The eval metric that picks the best checkpoint and drives early stopping: KL to the teacher
     # (fidelity); perplexity rewards fitting the eval text, which can mean leaving the teacher.
@@ -195,6 +199,14 @@ class DistillConfig(Section):
     # Autocast on CUDA: auto = bf16 where supported, else fp16 with loss scaling; CPU always trains in fp32.
     amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _hidden_states_need_the_teacher(self) -> "DistillConfig":
+        if self.hidden_weight > 0 and self.teacher_topk > 0:
+            raise ValueError(
+                f"hidden_weight {self.hidden_weight} compares hidden states with the teacher's, which the top-k cache "
+                f"does not keep (teacher_topk = {self.teacher_topk}); set teacher_topk: 0 or hidden_weight: 0")
+        return self
 
     @model_validator(mode="after")
     def _global_batch_splits_over_processes(self) -> "DistillConfig":
@@ -308,11 +320,17 @@ class RegistryConfig(Section):
     server_url: str | None = None
 
 
+# search.mlp_ratios: auto. On SmolLM2-135M with 60 KD steps these span the range that matters: 0.1 close to
+# lossless, 0.25 accepted on held-out text, 0.35 past what the steps recover (docs/scaling.md).
+AUTO_MLP_RATIOS = (0.1, 0.25, 0.35)
+
+
 class SearchConfig(Section):
     """A pruning search (flows/pipeline.py, docs/scaling.md): one branch per MLP ratio, prune -> distill -> INT8 ->
     gate on the selection split, run in parallel; the fastest accepted candidate goes on to the verdict."""
 
     # Empty = no search: the one candidate of `prune.mlp_ratio`. Each value replaces prune.mlp_ratio in its branch.
+    # auto = AUTO_MLP_RATIOS, written out as the list when the config is read (what the run logs and hashes).
     mlp_ratios: list[float] = Field(default_factory=list)
     # threads = Prefect's ThreadPoolTaskRunner in the flow's process; dask = prefect-dask's DaskTaskRunner
     # (the `dask` extra): a LocalCluster started for the run, or the scheduler at dask_address.
@@ -329,6 +347,15 @@ class SearchConfig(Section):
     # A branch chosen on the split it was gated on looks better there than on the verdict's text; a borderline
     # branch is then not the one sent on (docs/scaling.md).
     selection_margin: float = Field(0.0, ge=0, lt=1)
+
+    @field_validator("mlp_ratios", mode="before")
+    @classmethod
+    def _auto_ratios(cls, v):
+        if isinstance(v, str):
+            if v.strip().lower() != "auto":
+                raise ValueError(f"search.mlp_ratios {v!r}: give a list of ratios, e.g. [0.1, 0.25], or auto")
+            return list(AUTO_MLP_RATIOS)
+        return v
 
     @model_validator(mode="after")
     def _ratios_and_runner(self) -> "SearchConfig":

@@ -35,7 +35,7 @@ from compress import distributed
 from compress.data import DataSplits
 from compress.distill_checkpoint import (REPORT, TrainState, best_step_on_disk, load_best, load_last, run_fingerprint,
                                          save_best, save_last)
-from compress.distill_loss import TeacherCache, TopK, autocast, evaluate, kd_loss
+from compress.distill_loss import TeacherCache, TeacherOut, autocast, evaluate, hidden_loss, kd_loss
 from compress.distill_report import DistillError, DistillReport
 from compress.distributed import Rank
 from compress.schedules import alpha_at, lr_at, temperature_at
@@ -105,6 +105,28 @@ class _DataOrder:
 # ---------------------------------------------------------------------------------------------- training
 
 
+def _layer_map(student, teacher, cfg, teacher_layers: list[int] | None) -> list[int] | None:
+    """The teacher layer of each student layer for the hidden-state loss; None when the loss is off."""
+    if cfg.hidden_weight <= 0:
+        return None
+    hs, ht = student.config.hidden_size, teacher.config.hidden_size
+    if hs != ht:
+        raise DistillError(f"distill.hidden_weight needs the student's hidden size to be the teacher's ({hs} vs {ht}); "
+                           f"set distill.hidden_weight: 0")
+    ns, nt = student.config.num_hidden_layers, teacher.config.num_hidden_layers
+    if teacher_layers is None:
+        if ns != nt:
+            raise DistillError(
+                f"distill.hidden_weight compares each student layer with the teacher layer it was cut from, but the "
+                f"student has {ns} layers and the teacher {nt} and no layer map was given; pass the prune stage's "
+                f"kept layers (teacher_layers) or set distill.hidden_weight: 0")
+        return list(range(ns))
+    if len(teacher_layers) != ns or not all(0 <= t < nt for t in teacher_layers):
+        raise DistillError(f"teacher_layers {teacher_layers} must name one of the teacher's {nt} layers for each of "
+                           f"the student's {ns}")
+    return list(teacher_layers)
+
+
 def _report(state: TrainState, resumed_from: int, device: torch.device, world: int) -> DistillReport:
     b, a = state.before, state.best_eval
     return DistillReport(
@@ -137,20 +159,23 @@ def step_chunks(order: _DataOrder, step: int, cfg, rank: Rank) -> list[list[int]
     return [ids[c : c + cfg.batch_size] for c in range(0, mine, cfg.batch_size)]
 
 
-def train_step(i: int, *, model, teacher_for: Callable[[list[int], torch.Tensor], torch.Tensor | TopK],
+def train_step(i: int, *, model, teacher_for: Callable[[list[int], torch.Tensor], TeacherOut],
                train: np.ndarray, order: _DataOrder, opt: torch.optim.Optimizer, scaler, pairs, cfg, rank: Rank,
-               device: torch.device, amp_dtype: torch.dtype | None) -> dict[str, float]:
+               device: torch.device, amp_dtype: torch.dtype | None,
+               teacher_layers: list[int] | None = None) -> dict[str, float]:
     """Optimizer step ``i`` (0-based) on this rank's share of the step's global batch.
 
     Forward and KD loss per micro-batch, backward (DDP all-reduces on the last micro-batch only),
     pruned gradients zeroed, clipping, the step, pruned weights zeroed again. teacher_for(ids, x)
-    gives the teacher's logits (or cached top-k) for train blocks ``ids`` = ``x``. Returns {T,
-    alpha, kd_loss, ce_loss, loss, lr}: the schedule values used and the losses averaged over
-    the global batch.
+    gives the teacher's logits (or cached top-k) for train blocks ``ids`` = ``x``, and its hidden
+    states when cfg.hidden_weight > 0 (compared layer by layer through ``teacher_layers``). Returns
+    {T, alpha, kd_loss, ce_loss, hidden_loss, loss, lr}: the schedule values used and the losses
+    averaged over the global batch.
     """
     T, alpha, lr = temperature_at(i, cfg.steps, cfg), alpha_at(i, cfg.steps, cfg), lr_at(i, cfg.steps, cfg)
     model.train()
-    sums = {"kd_loss": 0.0, "ce_loss": 0.0, "loss": 0.0}
+    sums = {"kd_loss": 0.0, "ce_loss": 0.0, "hidden_loss": 0.0, "loss": 0.0}
+    with_hidden = cfg.hidden_weight > 0
     chunks = step_chunks(order, i, cfg, rank)
     mine = per_rank_blocks(cfg, rank.world)
     for c, ids in enumerate(chunks):
@@ -159,8 +184,15 @@ def train_step(i: int, *, model, teacher_for: Callable[[list[int], torch.Tensor]
         sync = c == len(chunks) - 1 or not rank.distributed
         with (contextlib.nullcontext() if sync else model.no_sync()):
             with autocast(device, amp_dtype):
-                s_logits = model(input_ids=x, use_cache=False).logits[:, :-1]
-            loss, parts = kd_loss(s_logits, teacher_for(ids, x), x[:, 1:], None, T, alpha)
+                out = model(input_ids=x, use_cache=False, output_hidden_states=with_hidden)
+            t_out = teacher_for(ids, x)
+            loss, parts = kd_loss(out.logits[:, :-1], t_out.logits, x[:, 1:], None, T, alpha)
+            parts["hidden_loss"] = 0.0
+            if with_hidden:
+                h = hidden_loss(out.hidden_states, t_out.hidden, teacher_layers)
+                loss = loss + cfg.hidden_weight * h
+                parts["hidden_loss"] = h.item()
+                parts["loss"] += cfg.hidden_weight * parts["hidden_loss"]
             (scaler.scale(loss / share) if scaler else loss / share).backward()
         for k in sums:
             sums[k] += parts[k] / share
@@ -186,13 +218,15 @@ def train_step(i: int, *, model, teacher_for: Callable[[list[int], torch.Tensor]
 
 
 def distill(student, teacher, splits: DataSplits, cfg, workdir: str | Path, masks: dict | None = None,
-            on_log: Callable[[int, dict], None] | None = None, progress: bool = True) -> DistillReport:
+            on_log: Callable[[int, dict], None] | None = None, progress: bool = True,
+            teacher_layers: list[int] | None = None) -> DistillReport:
     """Distil ``teacher`` into ``student`` in place; on return the student holds the best checkpoint.
 
     cfg: a DistillConfig. masks: {parameter name: bool tensor, True = keep} of unstructured pruning;
     pruned weights are zeroed before training and after every optimizer step (their gradients too).
-    on_log(step, metrics) gets, after optimizer step ``step`` (1-based), {T, alpha, kd_loss, ce_loss,
-    loss, lr} (the values used in that step, averaged over the global batch), and after each eval
+    teacher_layers: the teacher layer each student layer was cut from, for cfg.hidden_weight > 0
+    (None = the identity; required when the prune stage dropped layers). on_log(step, metrics)
+    gets, after optimizer step ``step`` (1-based), {T, alpha, kd_loss, ce_loss, hidden_loss, loss, lr} (the values used in that step, averaged over the global batch), and after each eval
     {eval_perplexity, eval_kl, eval_top1_agreement} (step 0 = before training). A re-run with the
     same workdir resumes from the last checkpoint (weights, optimizer, RNG, step; data order and
     schedules follow from the step), or returns the finished run's report at once. Models are moved
@@ -210,20 +244,23 @@ def distill(student, teacher, splits: DataSplits, cfg, workdir: str | Path, mask
     vs, vt = student.config.vocab_size, teacher.config.vocab_size
     if vs != vt:
         raise DistillError(f"student and teacher must share a vocabulary for the KL term (vocab {vs} vs {vt})")
+    teacher_layers = _layer_map(student, teacher, cfg, teacher_layers)
     device = resolve_device(cfg.device, rank.local)
     amp_dtype = amp_dtype_for(cfg, device)
     home_s, home_t = next(student.parameters()).device, next(teacher.parameters()).device
     student.to(device)
     teacher.to(device)
     try:
-        return _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device, amp_dtype, rank)
+        return _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device, amp_dtype, rank,
+                    teacher_layers)
     finally:
         student.to(home_s)
         teacher.to(home_t)
         student.eval()
 
 
-def _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device, amp_dtype, rank: Rank) -> DistillReport:
+def _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device, amp_dtype, rank: Rank,
+         teacher_layers: list[int] | None) -> DistillReport:
     """Resume or start, then optimizer steps with evals and checkpoints until a stop reason; see distill()."""
     from tqdm.auto import tqdm
 
@@ -295,8 +332,12 @@ def _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device
         with torch.no_grad(), autocast(device, amp_dtype):
             return teacher(input_ids=x, use_cache=False).logits[:, :-1]
 
-    def teacher_for(ids: list[int], x: torch.Tensor) -> torch.Tensor | TopK:
-        return cache.get(ids, x, teacher_logits) if cache is not None else teacher_logits(x)
+    def teacher_for(ids: list[int], x: torch.Tensor) -> TeacherOut:
+        if cfg.hidden_weight > 0:  # the config refuses a top-k cache here: the teacher runs every step anyway
+            with torch.no_grad(), autocast(device, amp_dtype):
+                out = teacher(input_ids=x, use_cache=False, output_hidden_states=True)
+            return TeacherOut(out.logits[:, :-1], out.hidden_states)
+        return TeacherOut(cache.get(ids, x, teacher_logits) if cache is not None else teacher_logits(x), None)
 
     # DDP averages the ranks' gradients during backward; its constructor also makes every rank
     # start from rank 0's weights.
@@ -318,7 +359,8 @@ def _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device
             i = state.step  # 0-based index of this optimizer step
             t0 = time.perf_counter()
             rec = train_step(i, model=model, teacher_for=teacher_for, train=splits.train, order=order, opt=opt,
-                             scaler=scaler, pairs=pairs, cfg=cfg, rank=rank, device=device, amp_dtype=amp_dtype)
+                             scaler=scaler, pairs=pairs, cfg=cfg, rank=rank, device=device, amp_dtype=amp_dtype,
+                             teacher_layers=teacher_layers)
             state.train_seconds += time.perf_counter() - t0
             state.step = step = i + 1
             state.history.append({"step": step, **rec})

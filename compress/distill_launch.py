@@ -52,6 +52,7 @@ class DistillJob:
     out_dir: str  # the best student + tokenizer, save_pretrained by rank 0
     config: dict  # DistillConfig fields
     masks: str | None = None  # safetensors {param name: keep mask} of unstructured pruning
+    teacher_layers: list[int] | None = None  # the teacher layer of each student layer (distill.hidden_weight)
     # How the teacher (a folder or a hub id) is loaded: as compress.models.load_teacher takes it.
     cache_dir: str = ".cache/models"
     revision: str | None = None
@@ -191,7 +192,7 @@ def run_rank(job_path: str) -> None:
         splits = DataSplits.load(job.splits)
         masks = {k: v.bool() for k, v in load_file(job.masks).items()} if job.masks else None
         distill(student, teacher, splits, cfg, job.workdir, masks=masks,
-                on_log=_print_metrics if rank.main else None, progress=rank.main)
+                on_log=_print_metrics if rank.main else None, progress=rank.main, teacher_layers=job.teacher_layers)
         if rank.main:
             student.save_pretrained(job.out_dir)
             tok.save_pretrained(job.out_dir)

@@ -12,13 +12,22 @@ of a 49k vocabulary would be 6.4 GB. The price is accuracy: the KD term then com
 with the teacher renormalised over its top k, which drops the tail mass the teacher puts outside
 them (more of it at a high T). With k = 0 the teacher runs on every batch and the KL is exact.
 It pays only past the first epoch (steps * batch_size * grad_accum > train blocks).
+
+Intermediate states (``hidden_weight = beta > 0``, as Minitron does beside the logit KD)::
+
+    loss += beta * mean over student layers l of mean over tokens of ||h_s[l] - h_t[m(l)]||^2 / ||h_t[m(l)]||^2
+
+h is the residual stream after a decoder layer and m(l) the teacher layer that student layer l was
+cut from (the identity unless the prune stage dropped layers). Normalising per token keeps the few
+tokens whose residual norm is hundreds of times the rest (the first position's attention sink)
+from outweighing every other token, and makes beta mean the same on any model width.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +42,13 @@ class TopK(NamedTuple):
 
     values: torch.Tensor
     indices: torch.Tensor
+
+
+class TeacherOut(NamedTuple):
+    """What the loss reads from the teacher for a batch: logits (or their cached top-k), hidden states or None."""
+
+    logits: torch.Tensor | TopK
+    hidden: Sequence[torch.Tensor] | None
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | TopK, labels: torch.Tensor,
@@ -67,6 +83,25 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | TopK, l
     kl_f, ce_f = kl.item(), ce.item()
     parts = {"kl": kl_f, "kd_loss": T * T * kl_f, "ce_loss": ce_f, "loss": alpha * T * T * kl_f + (1.0 - alpha) * ce_f}
     return loss, parts
+
+
+def hidden_loss(student_hidden: Sequence[torch.Tensor], teacher_hidden: Sequence[torch.Tensor],
+                teacher_layers: Sequence[int]) -> torch.Tensor:
+    """Mean over the student's layers of the per-token normalised squared error to the teacher's layer.
+
+    student_hidden, teacher_hidden: the models' ``hidden_states`` outputs ([batch, seq, hidden] each;
+    entry 0 is the embedding output, entry l + 1 the output of decoder layer l). teacher_layers[l] is
+    the teacher layer student layer l corresponds to. Every position counts (training blocks carry no
+    padding).
+    """
+    if len(student_hidden) - 1 != len(teacher_layers):
+        raise ValueError(f"{len(student_hidden) - 1} student layers but a layer map of {len(teacher_layers)}")
+    total = student_hidden[0].new_zeros((), dtype=torch.float32)
+    for layer, t_layer in enumerate(teacher_layers):
+        hs, ht = student_hidden[layer + 1].float(), teacher_hidden[t_layer + 1].float()
+        err = (hs - ht).pow(2).sum(-1) / ht.pow(2).sum(-1).clamp(min=1e-6)
+        total = total + err.mean()
+    return total / max(len(teacher_layers), 1)
 
 
 @torch.no_grad()

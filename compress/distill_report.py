@@ -30,7 +30,7 @@ class DistillReport:
     resumed_from: int  # step the last call started from (0 = fresh)
     device: str
     world_size: int = 1  # processes (torchrun ranks) that trained together in the last call
-    history: list[dict] = field(default_factory=list)  # per step: step, T, alpha, kd_loss, ce_loss, loss, lr
+    history: list[dict] = field(default_factory=list)  # per step: step, T, alpha, kd_loss, ce_loss, hidden_loss, loss, lr
     evals: list[dict] = field(default_factory=list)  # per eval: step, perplexity, kl, top1_agreement
 
     @property
@@ -65,6 +65,8 @@ class DistillReport:
         steps = [h["step"] for h in self.history]
         ax_loss.plot(steps, [h["kd_loss"] for h in self.history], label="KD (T²·KL)", lw=1)
         ax_loss.plot(steps, [h["ce_loss"] for h in self.history], label="CE", lw=1)
+        if any(h.get("hidden_loss") for h in self.history):
+            ax_loss.plot(steps, [h.get("hidden_loss", 0.0) for h in self.history], label="hidden states", lw=1)
         ax_loss.plot(steps, [h["loss"] for h in self.history], "k--", label="loss (α-weighted)", lw=1)
         ax_loss.set(title="training loss", xlabel="step")
         ax_loss.legend()

@@ -16,7 +16,8 @@ from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_par
 
 @task(name="distill", cache_key_fn=cache_key_fn, persist_result=True)
 def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, teacher_dir: str,
-                 student_dir: str, splits: str, masks: str | None = None) -> dict:
+                 student_dir: str, splits: str, masks: str | None = None,
+                 teacher_layers: list[int] | None = None) -> dict:
     # No wipe: checkpoints under folder/ckpt let a killed run continue where it stopped.
     folder, done = open_stage(cfg, stage, key, wipe=False)
     if done is not None:
@@ -39,7 +40,7 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
             # torchrun ranks (DDP); rank 0 reports the step metrics to this process and saves the student.
             job = DistillJob(teacher_dir=teacher_dir, student_dir=student_dir, splits=splits,
                              workdir=str(folder / "ckpt"), out_dir=str(out), config=cfg.distill.model_dump(mode="json"),
-                             masks=masks, cache_dir=cfg.model.cache_dir, revision=cfg.model.revision,
+                             masks=masks, teacher_layers=teacher_layers, cache_dir=cfg.model.cache_dir, revision=cfg.model.revision,
                              trust_remote_code=cfg.model.trust_remote_code)
             report = launch_distill(job, cfg.distill.nproc_per_node, on_log=on_log)
         else:
@@ -48,7 +49,7 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
             student, _ = load_model(student_dir, cfg)
             keep = {k: v.bool() for k, v in load_file(masks).items()} if masks else None
             report = distill(student, teacher, data, cfg.distill, folder / "ckpt", masks=keep,
-                             on_log=on_log)
+                             on_log=on_log, teacher_layers=teacher_layers)
             student.save_pretrained(out)
             tok.save_pretrained(out)
         metrics = report.metrics()

@@ -48,16 +48,17 @@ def candidate_chain(cfg: PipelineConfig, pid: str | None, loaded: dict, teacher:
     Returns the candidate artifact, its cache key (what the accept and benchmark keys chain from), the
     quantize stage's result (None when off) and the student's checkpoint folder.
     """
-    student_dir, masks, key = loaded["model_dir"], None, k_load
+    student_dir, masks, layers, key = loaded["model_dir"], None, None, k_load
     if cfg.prune.enabled:
         key = stage_key(cfg, "prune", ["prune"], key)
         pruned = run("prune", submit_stage, prune_task, cfg, "prune", key, parent_run_id=pid,
                      model_dir=student_dir, splits=loaded["splits"])
-        student_dir, masks = pruned["model_dir"], pruned["masks"]
+        student_dir, masks, layers = pruned["model_dir"], pruned["masks"], pruned.get("teacher_layers")
     if cfg.distill.enabled:
         key = stage_key(cfg, "distill", ["distill"], key)
         distilled = run("distill", submit_stage, distill_task, cfg, "distill", key, parent_run_id=pid,
-                        teacher_dir=loaded["model_dir"], student_dir=student_dir, splits=loaded["splits"], masks=masks)
+                        teacher_dir=loaded["model_dir"], student_dir=student_dir, splits=loaded["splits"], masks=masks,
+                        teacher_layers=layers)
         student_dir = distilled["model_dir"]
     candidate, cand_key = teacher["artifact"], k_exp
     if student_dir != loaded["model_dir"]:

@@ -94,6 +94,7 @@ def test_pareto_plot_marks_the_front_and_the_pick(tmp_path):
     ("search.task_runner=ray", "search.task_runner"),
     ("search.workers=0", "search.workers"),
     ("search.dask_address=tcp://10.0.0.5:8786", "set search.task_runner: dask"),
+    ("search.mlp_ratios=some", "give a list of ratios, e.g. [0.1, 0.25], or auto"),
 ])
 def test_bad_search_settings_name_the_field(override, message):
     from compress.config import ConfigError, load_config
@@ -122,6 +123,14 @@ def test_selection_margin_narrows_every_accuracy_tolerance():
     assert g.max_size_ratio == 0.5 and g.max_heldout_perplexity_ratio is None  # not an accuracy tolerance
     # SmolLM2's distill-on search (docs/scaling.md): 0.35 passed at 1.0966 and failed the verdict; 0.25 at 1.0548
     assert 1.0966 > g.max_perplexity_ratio > 1.0548
+
+
+def test_auto_ratios_are_written_out_as_the_list_that_runs():
+    from compress.config import AUTO_MLP_RATIOS, load_config
+
+    auto = load_config("configs/tiny.yaml", ["search.mlp_ratios=auto"])
+    assert auto.search.mlp_ratios == [0.1, 0.25, 0.35] == list(AUTO_MLP_RATIOS)
+    assert auto.section_hash() == load_config("configs/tiny.yaml", ["search.mlp_ratios=[0.1,0.25,0.35]"]).section_hash()
 
 
 def test_a_search_needs_structured_pruning_and_the_gate():
