@@ -226,7 +226,8 @@ def distill(student, teacher, splits: DataSplits, cfg, workdir: str | Path, mask
     pruned weights are zeroed before training and after every optimizer step (their gradients too).
     teacher_layers: the teacher layer each student layer was cut from, for cfg.hidden_weight > 0
     (None = the identity; required when the prune stage dropped layers). on_log(step, metrics)
-    gets, after optimizer step ``step`` (1-based), {T, alpha, kd_loss, ce_loss, hidden_loss, loss, lr} (the values used in that step, averaged over the global batch), and after each eval
+    gets, after optimizer step ``step`` (1-based), {T, alpha, kd_loss, ce_loss, hidden_loss, loss,
+    lr} (the values used in that step, averaged over the global batch), and after each eval
     {eval_perplexity, eval_kl, eval_top1_agreement} (step 0 = before training). A re-run with the
     same workdir resumes from the last checkpoint (weights, optimizer, RNG, step; data order and
     schedules follow from the step), or returns the finished run's report at once. Models are moved
