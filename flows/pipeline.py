@@ -140,6 +140,22 @@ def make_task_runner(scfg):
                                           "processes": scfg.dask_processes})
 
 
+def check_dask_scheduler(address: str, timeout_s: float = 10.0) -> int:
+    """The number of workers of the Dask scheduler at ``address``; a clear error when none answers there.
+
+    Checked before the first stage, so a wrong address costs seconds, not the stages before the search.
+    """
+    from distributed import Client
+
+    try:
+        with Client(address, timeout=timeout_s) as client:
+            return len(client.scheduler_info().get("workers", {}))
+    except (OSError, TimeoutError) as e:
+        raise ConfigError(f"search.dask_address {address!r}: no Dask scheduler answers there within {timeout_s:g} s "
+                          f"({type(e).__name__}); start one where the workers can reach it (dask scheduler --port "
+                          f"8786, docs/scaling.md) or fix the address") from None
+
+
 @flow(name="search", validate_parameters=False)
 def search_flow(branch_cfgs: list[PipelineConfig], parent_run_id: str, tracking_uri: str, loaded: dict,
                 teacher: dict, gold: dict, k_load: str, k_exp: str, baseline_figures: dict) -> list[dict]:
@@ -252,6 +268,12 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     log = get_run_logger()
     tracking_uri = registry.configure(cfg.mlflow.tracking_uri, cfg.mlflow.experiment)
     registry.check_reachable(tracking_uri)
+    s = cfg.search
+    if s.mlp_ratios and s.task_runner == "dask" and s.dask_address:
+        make_task_runner(s)  # the dask extra's missing-package error comes first
+        if check_dask_scheduler(s.dask_address) == 0:
+            log.warning("search: the scheduler at %s has no workers yet; the branches wait until one joins",
+                        s.dask_address)
     timer = StageTimer()
     registered: list[dict] = []
     run_name = f"{cfg.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"

@@ -218,16 +218,31 @@ def test_search_fans_out_on_a_dask_local_cluster_and_picks_the_fastest_accepted(
     assert json.loads(params["search.mlp_ratios"]) == [0.25, 0.5]
 
 
+def test_a_scheduler_address_nobody_answers_is_a_clear_error_before_any_stage():
+    import socket
+
+    from compress.config import ConfigError
+    from flows.pipeline import check_dask_scheduler
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConfigError, match=rf"search.dask_address 'tcp://127.0.0.1:{port}': no Dask scheduler answers "
+                                          r"there within 2 s .*dask scheduler --port 8786"):
+        check_dask_scheduler(f"tcp://127.0.0.1:{port}", timeout_s=2)
+
+
 def test_search_on_a_running_scheduler_by_address(dask_search):
     """search.dask_address: the flow connects to a scheduler it did not start (an in-process one here, as a user's
     `dask scheduler` would be), runs the branches there and leaves the cluster running. The stages come from the
     Dask run's cache (same workdir), so the branches only look up their keys."""
     from distributed import LocalCluster
 
-    from flows.pipeline import compress_flow
+    from flows.pipeline import check_dask_scheduler, compress_flow
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
         before = cluster.scheduler.transition_counter
+        assert check_dask_scheduler(cluster.scheduler_address) == 2
         overrides = dask_search["overrides"] + [f"search.dask_address={cluster.scheduler_address}"]
         out = compress_flow(config="configs/tiny.yaml", overrides=overrides)
         assert cluster.scheduler.transition_counter > before  # the branches ran on this scheduler
