@@ -6,6 +6,8 @@
         --calib-blocks 64 --figure ''     # what the student trains on, scored on held-out text
     .venv/bin/python -m benchmarks.distill_smollm2 --steps 60 --eval-every 20 --hidden-weight 0 1 \
         --calib-blocks 64 --figure ''     # logits alone vs logits + intermediate states (Minitron)
+    .venv/bin/python -m benchmarks.distill_smollm2 --steps 60 --eval-every 20 --hidden-weight 0 3 \
+        --mlp-ratio 0 --layer-ratio 0.1 --calib-blocks 64 --figure ''   # the same on a student 3 layers shallower
 
 Student: compress.prune.prune_model, structured, 25% of the MLP neurons of every layer by
 activation importance on the calib split (no distillation, no fine-tuning). Data: the embedded
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--monitor", default="kl", choices=["kl", "perplexity"])
     ap.add_argument("--teacher-topk", type=int, default=0)
     ap.add_argument("--mlp-ratio", type=float, default=0.25)
+    ap.add_argument("--layer-ratio", type=float, default=0.0, help="prune.layer_ratio: whole layers dropped too")
     ap.add_argument("--max-minutes", type=float, default=60.0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--data", nargs="+", default=["corpus"], choices=["corpus", "generated", "mix"],
@@ -85,7 +88,10 @@ def main() -> None:
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     student, prep = prune_model(teacher, splits.calib, PruneConfig(enabled=True, method="structured",
-                                                                    mlp_ratio=args.mlp_ratio, importance="activation"))
+                                                                    mlp_ratio=args.mlp_ratio, layer_ratio=args.layer_ratio,
+                                                                    importance="activation"))
+    # what the hidden-state loss compares each student layer with (None: every layer kept)
+    layer_map = prep.plan.kept_layers if prep.plan is not None and prep.plan.drop_layers else None
     t_prune = time.perf_counter() - t0
 
     cfg = DistillConfig(
@@ -103,7 +109,7 @@ def main() -> None:
         runs["ce"] = cfg.model_copy(update={"alpha_start": 0.0, "alpha_end": 0.0})
     results = {
         "torch_threads": torch.get_num_threads(), "load_seconds": round(t_load, 1), "prune_seconds": round(t_prune, 1),
-        "params_teacher": prep.params_before, "params_student": prep.params_after,
+        "params_teacher": prep.params_before, "params_student": prep.params_after, "kept_layers": layer_map,
         "intermediate_size": [prep.shape_before["intermediate_size"], prep.shape_after["intermediate_size"]],
         "train_tokens_per_step": args.batch_size * args.grad_accum * 128, "config": cfg.model_dump(), "runs": {},
     }
@@ -114,7 +120,7 @@ def main() -> None:
         data = training_splits(splits, teacher, tok, c, args.workdir / f"train_{c.data}.npz")
         trained = copy.deepcopy(student)
         t0 = time.perf_counter()
-        rep = distill(trained, teacher, data, c, work)
+        rep = distill(trained, teacher, data, c, work, teacher_layers=layer_map)
         results["runs"][name] = {**rep.metrics(), "stop_reason": rep.stop_reason, "evals": rep.evals,
                                  "data": c.data, "train_blocks": len(data.train),
                                  "seconds_with_generation": round(time.perf_counter() - t0, 1),
