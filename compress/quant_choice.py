@@ -10,7 +10,9 @@ The forms, in the order they are tried (``AUTO_FORMS``):
 
 Each form runs the accuracy-aware loop of compress/accept.py (``quantize_with_acceptance``) on the selection
 split; the accepted ones are then timed against each other at batch 1 (decode steps interleaved, so load
-on a shared machine hits them alike), and the fastest is renamed to ``out_dir``. When none passes, the
+on a shared machine hits them alike), and the fastest is renamed to ``out_dir``; forms within
+``quantize.auto_speed_tolerance`` of the fastest count as tied, and the lowest selection-split perplexity
+among them wins (timing noise on a shared box must not flip the choice to the less accurate form). When none passes, the
 last form's rejected artifact is kept, as a single-method run would keep it. The gate's verdict is still
 the accept stage's, on the test split no trial has seen.
 """
@@ -67,6 +69,14 @@ def decode_step_ms(artifacts: dict[str, Path], steps: int = 32, prompt_len: int 
     return {n: 1000 * float(np.median(v)) for n, v in times.items()}
 
 
+def pick_form(ms_per_step: dict[str, float], perplexity: dict[str, float], tolerance: float) -> str:
+    """The fastest form, where every form within ``tolerance`` (a share) of the fastest step time ties with it
+    and the lowest perplexity among the tied wins (then the faster)."""
+    fastest = min(ms_per_step.values())
+    tied = [n for n, ms in ms_per_step.items() if ms <= fastest * (1 + tolerance)]
+    return min(tied, key=lambda n: (perplexity[n], ms_per_step[n]))
+
+
 def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_blocks: np.ndarray, eval_blocks: np.ndarray,
                       qcfg: QuantizeConfig, acfg: AcceptConfig, threads: int | None = None,
                       forms: dict[str, dict] | None = None, on_trial=None) -> FormChoice:
@@ -92,7 +102,7 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
                                prompt=[int(t) for t in np.asarray(eval_blocks)[0][:32]])
         for n, ms in speed.items():
             record[n]["decode_ms_per_step"] = ms
-        chosen = min(accepted, key=speed.get)
+        chosen = pick_form(speed, {n: results[n].metrics["perplexity"] for n in accepted}, qcfg.auto_speed_tolerance)
     else:
         chosen = accepted[0] if accepted else None
     keep = chosen or list(results)[-1]
