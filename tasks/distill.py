@@ -40,8 +40,8 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
             # torchrun ranks (DDP); rank 0 reports the step metrics to this process and saves the student.
             job = DistillJob(teacher_dir=teacher_dir, student_dir=student_dir, splits=splits,
                              workdir=str(folder / "ckpt"), out_dir=str(out), config=cfg.distill.model_dump(mode="json"),
-                             masks=masks, teacher_layers=teacher_layers, cache_dir=cfg.model.cache_dir, revision=cfg.model.revision,
-                             trust_remote_code=cfg.model.trust_remote_code)
+                             masks=masks, teacher_layers=teacher_layers, cache_dir=cfg.model.cache_dir,
+                             revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
             report = launch_distill(job, cfg.distill.nproc_per_node, on_log=on_log)
         else:
             if teacher is None:
