@@ -90,8 +90,7 @@ def main() -> None:
     student, prep = prune_model(teacher, splits.calib, PruneConfig(enabled=True, method="structured",
                                                                     mlp_ratio=args.mlp_ratio, layer_ratio=args.layer_ratio,
                                                                     importance="activation"))
-    # what the hidden-state loss compares each student layer with (None: every layer kept)
-    layer_map = prep.plan.kept_layers if prep.plan is not None and prep.plan.drop_layers else None
+    layer_map = prep.teacher_layers
     t_prune = time.perf_counter() - t0
 
     cfg = DistillConfig(
@@ -148,7 +147,8 @@ def main() -> None:
 
 def run_name(data: str, hidden_weight: float) -> str:
     """kd (corpus, logits only), kd_mix, kd_hidden1, kd_mix_hidden0.5, ..."""
-    return "_".join(["kd"] + ([data] if data != "corpus" else []) + ([f"hidden{hidden_weight:g}"] if hidden_weight else []))
+    parts = ["kd"] + ([data] if data != "corpus" else []) + ([f"hidden{hidden_weight:g}"] if hidden_weight else [])
+    return "_".join(parts)
 
 
 def held_out(model, splits) -> dict[str, float]:

@@ -103,6 +103,11 @@ class PruneReport:
         return self.plan.to_dict() if self.plan is not None else {}
 
     @property
+    def teacher_layers(self) -> list[int] | None:
+        """The teacher layer each student layer came from (distill.hidden_weight's map); None = every layer kept."""
+        return self.plan.kept_layers if self.plan is not None and self.plan.drop_layers else None
+
+    @property
     def nonembedding_removed_fraction(self) -> float:
         return 1 - self.nonembedding_params_after / max(self.nonembedding_params_before, 1)
 

@@ -13,8 +13,8 @@ split; the accepted ones are then timed against each other at batch 1 (decode st
 on a shared machine hits them alike), and the fastest is renamed to ``out_dir``; forms within
 ``quantize.auto_speed_tolerance`` of the fastest count as tied, and the lowest selection-split perplexity
 among them wins (timing noise on a shared box must not flip the choice to the less accurate form). When
-none passes, the last form's rejected artifact is kept, as a single-method run would keep it. The gate's verdict is still
-the accept stage's, on the test split no trial has seen.
+none passes, the last form's rejected artifact is kept, as a single-method run would keep it. The gate's
+verdict is still the accept stage's, on the test split no trial has seen.
 """
 
 from __future__ import annotations

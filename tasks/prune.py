@@ -43,6 +43,5 @@ def prune_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | N
             if sens is not None:
                 log_rows(sens.table(), "sensitivity.json")
                 log_figure(sens.figure(), "sensitivity.png")
-    # the teacher layer of each student layer: what distill.hidden_weight compares (None = all layers kept)
-    layers = report.plan.kept_layers if report.plan is not None and report.plan.drop_layers else None
-    return mark_done(folder, {"model_dir": str(out), "masks": masks_path, "teacher_layers": layers, "metrics": metrics})
+    return mark_done(folder, {"model_dir": str(out), "masks": masks_path, "teacher_layers": report.teacher_layers,
+                              "metrics": metrics})

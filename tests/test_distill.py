@@ -300,7 +300,7 @@ def test_hidden_state_loss_pulls_each_layer_toward_the_teacher_layer_it_was_cut_
     cfg_p = PruneConfig(enabled=True, method="structured", mlp_ratio=0.5, layer_ratio=0.25, sensitivity=False,
                         protected_layers=[0, -1])
     pruned, rep = prune_model(trained_tiny4, tiny_splits.calib, cfg_p)
-    layers = rep.plan.kept_layers
+    layers = rep.teacher_layers
     assert len(layers) == 3 and pruned.config.num_hidden_layers == 3
     cfg = _cfg(steps=40, lr=1e-3, alpha_start=1.0, alpha_end=1.0, eval_every=40, checkpoint_every=40)
     with pytest.raises(ValueError, match="no layer map"):
