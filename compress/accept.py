@@ -34,9 +34,35 @@ WHY = {
                                 "can teach the corpus instead of the teacher",
     "downstream_drop": "quality: multiple-choice continuation accuracy on held-out text (compress/downstream.py); "
                        "a student is a different model, judged on what it does rather than on imitation",
+    "chat_perplexity_ratio": "use: how well it predicts the teacher's answers to held-out chat prompts, rendered with "
+                             "the model's chat template (compress/chat_eval.py), against the teacher",
+    "chat_top1_agreement": "use: how often it picks the teacher's next token inside those answers",
+    "chat_judged_ratio": "use: the teacher's perplexity of the candidate's own greedy answers over that of its own; "
+                         "what users read is what the candidate writes, not what it would score",
+    "chat_late_divergence_share": "use: the share of answers that follow the teacher's for at least "
+                                  "accept.chat_divergence_tokens tokens",
     "throughput_ratio": "speed floor: batch-1 decode tokens/s against the baseline",
     "size_ratio": "size ceiling: artifact bytes against the baseline",
 }
+
+
+# Which text each check reads: the verdict lists the genres, each must pass (the worst decides, never an average).
+GENRE = {"perplexity_ratio": "test", "perplexity_delta": "test", "top1_agreement": "test", "kl": "test",
+         "heldout_perplexity_ratio": "heldout", "downstream_drop": "downstream", "chat_perplexity_ratio": "chat",
+         "chat_top1_agreement": "chat", "chat_judged_ratio": "chat_judged", "chat_late_divergence_share": "chat_judged",
+         "throughput_ratio": "speed", "size_ratio": "size"}
+
+# accept.*chat* "auto" limits by criteria. A quantized model should be the teacher on its own answers (INT8 of
+# SmolLM2: 1.0xx, agreement 0.9x, docs/evaluation.md); a pruned or distilled student is another model and may
+# lose more, within a stated bound.
+CHAT_LIMITS = {"fidelity": {"max_chat_perplexity_ratio": 1.05, "min_chat_top1_agreement": 0.85, "max_chat_judged_ratio": 1.10},
+               "quality": {"max_chat_perplexity_ratio": 1.10, "min_chat_top1_agreement": None, "max_chat_judged_ratio": 1.25}}
+
+
+def chat_limit(cfg: AcceptConfig, name: str, criteria: str) -> float | None:
+    """An accept.*chat* limit with "auto" made concrete for the criteria."""
+    v = getattr(cfg, name)
+    return CHAT_LIMITS[criteria][name] if v == "auto" else v
 
 
 @dataclass
@@ -80,7 +106,8 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
     m: dict[str, float] = {}
 
     def check(name: str, value: float, limit: float, ok: bool, reason: str) -> None:
-        checks.append({"name": name, "value": value, "limit": limit, "passed": bool(ok), "why": WHY[name]})
+        checks.append({"name": name, "genre": GENRE[name], "value": value, "limit": limit, "passed": bool(ok),
+                       "why": WHY[name]})
         if not ok:
             reasons.append(reason)
 
@@ -125,6 +152,8 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
             check("downstream_drop", db - dc, cfg.max_downstream_drop, db - dc <= cfg.max_downstream_drop,
                   f"downstream accuracy {dc:.3f} is {db - dc:+.3f} below the baseline's {db:.3f} > max_downstream_drop "
                   f"{cfg.max_downstream_drop}" + (" (not measured)" if math.isnan(db - dc) else ""))
+    if "chat_perplexity_ratio" in candidate:  # measured: the model has a chat template and accept.chat_sets is set
+        _chat_checks(candidate, cfg, criteria, m, check)
     if cfg.min_throughput_ratio is not None:
         c_tps = _num(candidate, "decode_tokens_per_s", "candidate")
         b_tps = _num(baseline, "decode_tokens_per_s", "baseline")
@@ -137,8 +166,77 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
         m["gate_size_ratio"] = sr
         check("size_ratio", sr, cfg.max_size_ratio, sr <= cfg.max_size_ratio,
               f"size {candidate['size_bytes'] / 2**20:.1f} MiB is {sr:.3f}x the baseline > max_size_ratio {cfg.max_size_ratio}")
+    ratios = {g: m[f"gate_{k}"] for g, k in (("test", "perplexity_ratio"), ("heldout", "heldout_perplexity_ratio"),
+                                              ("chat", "chat_perplexity_ratio")) if f"gate_{k}" in m}
+    if ratios:  # the genre the candidate does worst on, as a figure (the verdict already needs every genre to pass)
+        m["gate_worst_perplexity_ratio"] = max(v if math.isfinite(v) else math.inf for v in ratios.values())
     m["gate_quality_criteria"] = float(criteria == "quality")
     return Verdict(not reasons, reasons, m, criteria, checks)
+
+
+def _chat_checks(c: dict, cfg: AcceptConfig, criteria: str, m: dict, check) -> None:
+    """The chat set's tolerances (compress/chat_eval.py figures, each already a ratio to the teacher)."""
+    n = int(c.get("chat_items", 0))
+    r = float(c["chat_perplexity_ratio"])
+    m["gate_chat_perplexity_ratio"] = r
+    if (lim := chat_limit(cfg, "max_chat_perplexity_ratio", criteria)) is not None:
+        check("chat_perplexity_ratio", r, lim, math.isfinite(r) and r <= lim,
+              f"chat: perplexity of the teacher's answers to {n} held-out chat prompts is {r:.4f}x the teacher's "
+              f"> max_chat_perplexity_ratio {lim}")
+    agr = float(c.get("chat_top1_agreement", float("nan")))
+    m["gate_chat_top1_agreement"] = agr
+    if (lim := chat_limit(cfg, "min_chat_top1_agreement", criteria)) is not None:
+        check("chat_top1_agreement", agr, lim, agr >= lim,
+              f"chat: top-1 agreement with the teacher inside its answers {agr:.4f} < min_chat_top1_agreement {lim}")
+    if "chat_judged_ratio" in c:
+        j = float(c["chat_judged_ratio"])
+        m["gate_chat_judged_ratio"] = j
+        if (lim := chat_limit(cfg, "max_chat_judged_ratio", criteria)) is not None:
+            check("chat_judged_ratio", j, lim, math.isfinite(j) and j <= lim,
+                  f"chat: the teacher finds the candidate's own answers {j:.4f}x as perplexing as its own "
+                  f"> max_chat_judged_ratio {lim}")
+        share = float(c["chat_late_divergence_share"])
+        m["gate_chat_late_divergence_share"] = share
+        if cfg.min_chat_late_divergence_share is not None:
+            lim = cfg.min_chat_late_divergence_share
+            check("chat_late_divergence_share", share, lim, share >= lim,
+                  f"chat: only {share:.3f} of the answers follow the teacher's for {cfg.chat_divergence_tokens}+ tokens "
+                  f"< min_chat_late_divergence_share {lim}")
+
+
+def genre_table(checks: list[dict]) -> list[dict]:
+    """One row per genre: passed only when every check of it passed; its checks' values and limits."""
+    rows: dict[str, dict] = {}
+    for c in checks:
+        r = rows.setdefault(c["genre"], {"genre": c["genre"], "passed": True, "checks": []})
+        r["passed"] = r["passed"] and c["passed"]
+        r["checks"].append(c)
+    return list(rows.values())
+
+
+# What is compared between an accepted candidate and the current champion (registered figures of both): key,
+# whether lower is better, what it says. The first is the use set, which decides promotion (registry.promote_when_worse).
+VERSUS_CHAMPION = (("chat_perplexity_ratio", True, "chat set perplexity ratio to the teacher"),
+                   ("chat_judged_ratio", True, "teacher-judged chat answers"),
+                   ("gate_perplexity_ratio", True, "test split perplexity ratio"),
+                   ("heldout_perplexity_ratio", True, "held-out source perplexity ratio"),
+                   ("size_bytes", True, "artifact bytes"),
+                   ("decode_ms_per_token", True, "batch-1 decode ms/token"))
+
+
+def versus_champion(candidate: dict, champion: dict, rel_tol: float = 1e-3) -> dict:
+    """Which of the two is better on each figure both have (within rel_tol: "same"), and whether the candidate is
+    worse on the use set (the chat set's perplexity ratio); ``use_measured`` is False when either lacks it."""
+    rows = []
+    for key, lower, what in VERSUS_CHAMPION:
+        if key in candidate and key in champion:
+            c, h = float(candidate[key]), float(champion[key])
+            same = math.isclose(c, h, rel_tol=rel_tol)
+            better = "same" if same else ("candidate" if (c < h) == lower else "champion")
+            rows.append({"key": key, "what": what, "candidate": c, "champion": h, "better": better})
+    use = next((r for r in rows if r["key"] == VERSUS_CHAMPION[0][0]), None)
+    return {"rows": rows, "use_measured": use is not None, "worse_on_use": bool(use and use["better"] == "champion"),
+            "use": use}
 
 
 @dataclass

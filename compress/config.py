@@ -287,12 +287,46 @@ class AcceptConfig(Section):
     # many of the held-out source. null = not measured.
     max_downstream_drop: float | None = Field(0.05, ge=0, le=1)
     downstream_items: int = Field(32, ge=1)
+    # Evaluation in the form of use (compress/chat_eval.py), for a model with a chat template: held-out chat
+    # prompts rendered with its template, the teacher's greedy answers as targets (cached per teacher), and the
+    # candidate's own answers judged by the teacher. "builtin" = compress/chatsets/use.jsonl (48 prompts read by no
+    # other stage); a local .jsonl of {"messages": [...]} conversations adds to it (or replaces it, listed alone);
+    # [] = off. A model without a chat template is not scored on chat (said in the verdict).
+    chat_sets: list[str] = Field(default_factory=lambda: ["builtin"])
+    chat_max_new_tokens: int = Field(48, ge=1, le=2048)
+    # Limits on the chat set; "auto" = the criteria's (compress/accept.py CHAT_LIMITS: fidelity, a quantized model,
+    # stays within 1.05x / agreement 0.85 / judged 1.10x; quality, a student, within 1.10x / - / 1.25x), null = logged only.
+    max_chat_perplexity_ratio: float | Literal["auto"] | None = "auto"
+    min_chat_top1_agreement: float | Literal["auto"] | None = "auto"
+    # The teacher's perplexity of the candidate's own greedy answers over its perplexity of its own answers.
+    max_chat_judged_ratio: float | Literal["auto"] | None = "auto"
+    # Share of answers that agree with the teacher's for at least chat_divergence_tokens tokens; null = logged only.
+    min_chat_late_divergence_share: float | None = Field(None, ge=0, le=1)
+    chat_divergence_tokens: int = Field(16, ge=1)
     # candidate tokens/s over baseline tokens/s (batch-1 decode); null = no floor.
     min_throughput_ratio: float | None = Field(None, gt=0)
     max_size_ratio: float | None = Field(None, gt=0)
+
     # Accuracy-aware loop: on rejection move this many more groups (most sensitive first) to float and retry.
     relax_trials: int = Field(2, ge=0)
     relax_groups_per_trial: int = Field(4, ge=1)
+
+    @field_validator("chat_sets")
+    @classmethod
+    def _chat_sets_exist(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            if entry != "builtin" and not (Path(entry).is_file() and entry.endswith(".jsonl")):
+                raise ValueError(f"{entry!r} is not a local .jsonl file; list 'builtin' and/or .jsonl files of "
+                                 f"{{\"messages\": [...]}} conversations, or [] to switch chat evaluation off")
+        return v
+
+    @field_validator("max_chat_perplexity_ratio", "max_chat_judged_ratio")
+    @classmethod
+    def _ratio_at_least_one(cls, v):
+        if isinstance(v, float) and v < 1.0:
+            raise ValueError(f"{v} < 1.0: a ratio limit below 1 would reject the teacher itself; use a value >= 1.0, "
+                             f"'auto' or null")
+        return v
 
 
 class BenchmarkConfig(Section):
@@ -319,6 +353,9 @@ class RegistryConfig(Section):
     register_baseline: bool = True
     # Accepted candidates become `champion` (via the deploy flow) when true.
     promote: bool = False
+    # An accepted candidate that is worse than the current champion on the chat set (its chat perplexity ratio
+    # above the champion's) does not take `champion` unless this is true; the run says which is better on what.
+    promote_when_worse: bool = False
     # Live server to smoke-test after promotion. None = the `serve` section's host:port when a server
     # there serves this model, else promote without a smoke test (said in the run's final state).
     server_url: str | None = None

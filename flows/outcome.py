@@ -38,7 +38,7 @@ def versions_line(registered: list[dict]) -> str:
 def pipeline_outcome(out: dict) -> tuple[str, str]:
     """(state name, message) of a finished pipeline run."""
     verdict, bench = out.get("verdict"), out.get("benchmark") or {}
-    blocked = bench.get("promotion_blocked")
+    blocked = out.get("promotion_blocked") or bench.get("promotion_blocked")
     if verdict is None:
         name, head = "Completed", "no acceptance gate ran"
     elif not verdict["accepted"]:

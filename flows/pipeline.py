@@ -19,7 +19,7 @@ import mlflow
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from compress import registry
+from compress import chat_eval, registry
 from compress.config import ConfigError, PipelineConfig, load_config, project_root
 from compress.data import DATA_FORMAT
 from compress.export import EXPORT_FORMAT
@@ -43,7 +43,8 @@ KEY_FIGURES = {
                   "bench_e2e_p99_s", "bench_ttft_p99_s", "bench_peak_rss_mb"],
     "accept": ["candidate_perplexity", "baseline_perplexity", "gate_perplexity_ratio", "gate_top1_agreement",
                "heldout_perplexity_ratio", "heldout_top1_agreement", "selection_perplexity_ratio",
-               "gate_downstream_accuracy", "gate_downstream_drop", "candidate_size_bytes",
+               "gate_downstream_accuracy", "gate_downstream_drop", "gate_chat_perplexity_ratio",
+               "gate_chat_top1_agreement", "gate_chat_judged_ratio", "candidate_size_bytes",
                "candidate_decode_ms_per_token"],
 }
 
@@ -61,7 +62,7 @@ class StageTimer:
         return out
 
     def markdown(self, cfg: PipelineConfig, run, tracking_uri: str, registered: list[dict],
-                 verdict: dict | None = None) -> str:
+                 verdict: dict | None = None, champion_vs: dict | None = None) -> str:
         link = registry.run_link(registry.ui_url(tracking_uri, cfg.mlflow.ui_url), run.info.experiment_id,
                                  run.info.run_id)
         lines = [f"# Compression run `{cfg.name}`", "",
@@ -76,10 +77,30 @@ class StageTimer:
             lines += ["", f"**Acceptance: {'accepted' if verdict['accepted'] else 'rejected'}** "
                       f"(criteria: {verdict.get('criteria', 'fidelity')})"]
             lines += [f"- {r}" for r in verdict["reasons"]]
+            lines += genre_markdown(verdict)
+        if champion_vs and champion_vs["rows"]:
+            lines += ["", f"Against champion v{champion_vs['version']} (registered figures):", "",
+                      "| figure | candidate | champion | better |", "|---|---:|---:|---|"]
+            lines += [f"| {r['what']} | {r['candidate']:.4g} | {r['champion']:.4g} | {r['better']} |"
+                      for r in champion_vs["rows"]]
+            if not champion_vs["use_measured"]:
+                lines.append("(the champion has no chat-set figures: registered before they were measured)")
         if registered:
             lines += ["", "| model | version | aliases |", "|---|---|---|"]
             lines += [f"| {r['name']} | {r['version']} | {', '.join(r['aliases'])} |" for r in registered]
         return "\n".join(lines)
+
+
+def genre_markdown(verdict: dict) -> list[str]:
+    """Every genre's checks with values and limits: the verdict needs each to pass (the worst decides)."""
+    if not verdict.get("checks"):
+        return []
+    lines = ["", "| genre | check | value | limit | passed |", "|---|---|---:|---:|---|"]
+    lines += [f"| {c.get('genre', '')} | {c['name']} | {c['value']:.4g} | {c['limit']:.4g} | "
+              f"{'yes' if c['passed'] else '**no**'} |" for c in verdict["checks"]]
+    if verdict.get("chat_note"):
+        lines += ["", f"chat set: {verdict['chat_note']}"]
+    return lines
 
 
 SIDE_FIGURES = ("heldout_", "selection_")  # beside the verdict's: the held-out source's, the selection split's
@@ -247,6 +268,18 @@ def search_rejection(search: dict) -> dict:
             "candidate": {}, "baseline": {}, "metrics": metrics, "split": "selection"}
 
 
+def compare_with_champion(cfg: PipelineConfig, figures: dict) -> dict | None:
+    """The candidate's figures against the current champion's registered ones (compress.accept.versus_champion),
+    with the champion's version; None when the model has no champion yet."""
+    from compress.accept import versus_champion
+
+    name = cfg.registry.model_name
+    champ = registry.version_for_alias(name, "champion")
+    if champ is None:
+        return None
+    return {**versus_champion(figures, registry.figures(name, champ.version)), "version": champ.version}
+
+
 def local_server_url(cfg: PipelineConfig, model_name: str) -> str | None:
     """The `serve` section's server when one answers there serving this model from this registry; None otherwise.
 
@@ -310,7 +343,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             chain = candidate_chain(cfg, pid, loaded, teacher, gold, k_load, k_exp, timer.run)
         candidate, cand_key, quant = chain["candidate"], chain["cand_key"], chain["quant"]
 
-        verdict, deployed = None, None
+        verdict, deployed, champion_vs, blocked = None, None, None, None
         searched_none = search is not None and search["picked"] is None
         if searched_none:
             # No branch passed the gate on the selection split: the run is rejected here, without a verdict on
@@ -320,7 +353,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             for reason in verdict["reasons"]:
                 log.warning("acceptance: %s", reason)
         elif cfg.accept.enabled:
-            k = stage_key(cfg, "accept", ["accept"], cand_key, k_exp)
+            k = stage_key(cfg, "accept", ["accept"], cand_key, k_exp, f"chat{chat_eval.sets_digest(cfg.accept.chat_sets)}")
             verdict = timer.run("accept", submit_stage, accept_task, cfg, "accept", k, parent_run_id=pid,
                                 candidate=candidate, baseline=teacher["artifact"], splits=loaded["splits"],
                                 heldout=loaded["heldout"], evaluated=quant.get("evaluation") if quant else None)
@@ -334,6 +367,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         if candidate != teacher["artifact"]:
             status = "unchecked" if verdict is None else ("accepted" if verdict["accepted"] else "rejected")
             blocked = bench["promotion_blocked"] if bench else None
+            figures = {**(model_figures(verdict) if verdict else {}),
+                       **({f"bench_{k}": v for k, v in {**bench["candidate"], **bench["ratios"]}.items()} if bench else {})}
+            if status == "accepted" and cfg.registry.promote and not blocked:
+                champion_vs = compare_with_champion(cfg, figures)
+                if champion_vs and champion_vs["worse_on_use"] and not cfg.registry.promote_when_worse:
+                    u = champion_vs["use"]
+                    blocked = (f"worse than champion v{champion_vs['version']} on the chat set: perplexity ratio "
+                               f"{u['candidate']:.4f}x vs {u['champion']:.4f}x (registry.promote_when_worse: true "
+                               f"lets it through)")
             if blocked:
                 log.warning("promotion blocked: %s", blocked)
             # `candidate` points only at versions that may be promoted: a rejected or blocked one is
@@ -345,8 +387,6 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 tags["reasons"] = "; ".join(verdict["reasons"])
             if blocked:
                 tags["promotion_blocked"] = blocked
-            figures = {**(model_figures(verdict) if verdict else {}),
-                       **({f"bench_{k}": v for k, v in {**bench["candidate"], **bench["ratios"]}.items()} if bench else {})}
             reg = timer.run("register", lambda: register_task(cfg, pid, candidate, aliases, tags, metrics=figures,
                                                               params=version_params(cfg, "candidate", status)))
             registered.append(reg)
@@ -367,9 +407,11 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 log.info("deployed: %s", deployed)
             mlflow.set_tags({"verdict": status, **({"promotion_blocked": blocked} if blocked else {})})
 
+        if champion_vs:
+            log_json(champion_vs, "versus_champion.json")
         for r in timer.rows:
             log_metrics({f"{r['stage']}_seconds": r["seconds"], **r["metrics"]})
-        summary = timer.markdown(cfg, parent, tracking_uri, registered, verdict)
+        summary = timer.markdown(cfg, parent, tracking_uri, registered, verdict, champion_vs)
         if search is not None:
             summary += "\n\n" + search_markdown(search)
         mlflow.log_text(summary, "summary.md")
@@ -378,7 +420,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)
     return {"run_id": pid, "tracking_uri": tracking_uri, "stages": timer.rows, "registered": registered,
             "teacher_artifact": teacher["artifact"], "candidate_artifact": candidate, "golden": gold["metrics"],
-            "verdict": verdict, "benchmark": bench, "deployed": deployed,
+            "verdict": verdict, "benchmark": bench, "deployed": deployed, "promotion_blocked": blocked,
+            "versus_champion": champion_vs,
             "search": search and {k: search[k] for k in ("rows", "lines", "metrics")},
             "run_url": registry.run_link(ui, parent.info.experiment_id, pid),
             "model_url": registry.model_link(ui, cfg.registry.model_name)}

@@ -5,6 +5,9 @@ Three evaluations, each of the candidate against the baseline (the reference for
 - the verdict's, on the test split (heldout.npz, which no stage before this one opens): the gate decides
   on these figures; they keep the plain names (candidate_perplexity, gate_perplexity_ratio, ...);
 - the held-out source's (text of another genre, data.heldout_source), beside it as ``heldout_*`` figures;
+- the chat set's (compress/chat_eval.py: held-out chat prompts in the model's template, the teacher's answers as
+  targets, the candidate's own answers judged by the teacher), as ``chat_*`` figures the gate reads too, when the
+  model has a chat template and accept.chat_sets is set; the teacher's side is cached in <workdir>/chat_targets/;
 - the selection split's (eval, which the relax loop and distillation chose on), as ``selection_*`` figures.
   When the quantize stage's accuracy-aware loop already measured this candidate against this baseline on
   that split, its figures are used as they are instead of being measured a second time (``evaluated_in``).
@@ -17,12 +20,13 @@ from pathlib import Path
 import mlflow
 from prefect import task
 
-from compress.accept import accept, resolve_criteria
+from compress import chat_eval
+from compress.accept import accept, genre_table, resolve_criteria
 from compress.config import PipelineConfig
 from compress.data import load_heldout
 from compress.downstream import downstream_scores
 from compress.evaluate import evaluate_onnx
-from tasks.common import cache_key_fn, mark_done, open_stage
+from tasks.common import cache_key_fn, mark_done, open_stage, workdir
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_json, log_metrics, log_params
 
@@ -49,6 +53,22 @@ def side_figures(prefix: str, cand: dict, base: dict) -> dict[str, float]:
     return out
 
 
+def chat_figures(cfg: PipelineConfig, candidate: str, baseline: str) -> tuple[dict, str]:
+    """The chat set's figures of the candidate against the baseline (the teacher), and a note saying what was
+    scored or why nothing was."""
+    a = cfg.accept
+    if not a.chat_sets:
+        return {}, "not scored: accept.chat_sets is []"
+    if not chat_eval.has_chat_template(baseline):
+        return {}, "not scored: the model has no chat template (set accept.chat_sets: [] to say so)"
+    prompts = chat_eval.render(baseline, chat_eval.load_sets(a.chat_sets))
+    targets = chat_eval.teacher_targets(baseline, prompts, a.chat_max_new_tokens, workdir(cfg) / "chat_targets")
+    chat = chat_eval.evaluate_chat(candidate, baseline, prompts, targets, a.chat_divergence_tokens,
+                                   a.chat_max_new_tokens)
+    return chat, (f"{len(prompts)} conversations of {', '.join(a.chat_sets)}; teacher answers "
+                  f"{'reused from cache' if targets.cached else 'generated'}")
+
+
 @task(name="accept", cache_key_fn=cache_key_fn, persist_result=True)
 def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, candidate: str,
                 baseline: str, splits: str, heldout: str, evaluated: dict | None = None) -> dict:
@@ -72,6 +92,13 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
             n = cfg.accept.downstream_items
             cand.update(downstream_scores(candidate, held.test, held.heldout, n, seed=cfg.data.seed))
             base.update(downstream_scores(baseline, held.test, held.heldout, n, seed=cfg.data.seed))
+        chat, chat_note = chat_figures(cfg, candidate, baseline)
+        cand.update({k: v for k, v in chat.items() if k != "by_kind"})
+        if chat:  # the teacher against itself, under the same names, so the registry's Compare lines them up
+            base.update({"chat_perplexity": chat["chat_baseline_perplexity"], "chat_perplexity_ratio": 1.0,
+                         "chat_top1_agreement": 1.0}
+                        | ({"chat_judged_ratio": 1.0, "chat_late_divergence_share": 1.0}
+                           if "chat_judged_ratio" in chat else {}))
         # The gate reads the held-out source's perplexity beside the test split's (quality criteria).
         held_ppl = ({"heldout_perplexity": side["heldout_perplexity"]},
                     {"heldout_perplexity": side["heldout_baseline_perplexity"]}) if side else ({}, {})
@@ -91,13 +118,16 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         metrics = {**{f"baseline_{k}": v for k, v in base.items()}, **{f"candidate_{k}": v for k, v in cand.items()},
                    **verdict.metrics, **side, "accepted": float(verdict.accepted)}
         log_metrics(metrics)
+        genres = genre_table(verdict.checks)
         log_json({"accepted": verdict.accepted, "reasons": verdict.reasons, "criteria": verdict.criteria,
-                  "checks": verdict.checks, "candidate": cand, "baseline": base,
+                  "checks": verdict.checks, "genres": genres, "chat": chat, "chat_note": chat_note,
+                  "candidate": cand, "baseline": base,
                   "split": "test", "heldout_source": held.heldout_source, "side": side,
                   "selection": {"candidate": sel_cand, "baseline": sel_base}, "evaluated_in": evaluated_in},
                  "verdict.json")
     return mark_done(folder, {"accepted": verdict.accepted, "reasons": verdict.reasons, "metrics": metrics,
-                              "criteria": verdict.criteria, "checks": verdict.checks,
+                              "criteria": verdict.criteria, "checks": verdict.checks, "genres": genres,
+                              "chat_by_kind": chat.get("by_kind", {}), "chat_note": chat_note,
                               "candidate": cand, "baseline": base, "heldout_source": held.heldout_source,
                               "selection": {"candidate": sel_cand, "baseline": sel_base},
                               "evaluated_in": evaluated_in})

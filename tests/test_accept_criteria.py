@@ -100,7 +100,8 @@ def test_accept_stage_judges_a_pruned_student_on_quality(tiny, tiny_artifact, ti
     tiny_splits.save_heldout(tmp_path / "heldout.npz")
     overrides = {"workdir": str(tmp_path / "work"), "prune": {"enabled": True},
                  "accept": {"enabled": True, "max_perplexity_ratio": 5.0, "min_top1_agreement": 1.0,
-                            "max_heldout_perplexity_ratio": 1.0, "max_downstream_drop": 1.0, "downstream_items": 8}}
+                            "max_heldout_perplexity_ratio": 1.0, "max_downstream_drop": 1.0, "downstream_items": 8,
+                            "chat_max_new_tokens": 8, "max_chat_perplexity_ratio": 100.0, "max_chat_judged_ratio": 100.0}}
     cfg = PipelineConfig.model_validate(overrides)
     mlflow.set_experiment("accept-criteria")
     with mlflow.start_run() as parent:  # the stage logs to a child run, as under the flow
@@ -111,8 +112,9 @@ def test_accept_stage_judges_a_pruned_student_on_quality(tiny, tiny_artifact, ti
                                   output_format="list")
     assert child.data.tags["accept_criteria"] == "quality" and child.data.metrics["accepted"] == 0.0
     assert out["criteria"] == "quality"
-    assert [c["name"] for c in out["checks"]] == ["perplexity_ratio", "heldout_perplexity_ratio", "downstream_drop"]
-    # Agreement 1.0 was asked, and not checked: a pruned student is judged on quality. The held-out source's
+    assert [c["name"] for c in out["checks"]] == ["perplexity_ratio", "heldout_perplexity_ratio", "downstream_drop",
+                                                  "chat_perplexity_ratio", "chat_judged_ratio"]
+    # Agreement 1.0 was asked, and not checked (nor the chat set's): a pruned student is judged on quality. The held-out source's
     # perplexity ratio is checked (a pruned random model is worse there than the model it came from).
     ratio = out["metrics"]["heldout_perplexity_ratio"]
     assert ratio > 1.0 and not out["accepted"] and len(out["reasons"]) == 1 and "heldout" in out["reasons"][0]

@@ -93,7 +93,13 @@ def test_accept_gates_on_the_test_split_and_reuses_the_selection_figures(prefect
     assert verdict_b["perplexity"] == pytest.approx(base["perplexity"], rel=1e-6)
     assert verdict_c["perplexity"] != evaluation["candidate"]["perplexity"]
     assert m["gate_perplexity_ratio"] == pytest.approx(cand["perplexity"] / base["perplexity"], rel=1e-6)
-    assert set(verdict_b) == set(base) | {"decode_ms_per_token", "decode_tokens_per_s"}  # no self-agreement
+    # No self-agreement on the test split; the chat set's figures of the teacher against itself (ratios 1) so the
+    # registry's Compare lines them up with the candidate's.
+    chat_b = {k for k in verdict_b if k.startswith("chat_")}
+    assert set(verdict_b) - chat_b == set(base) | {"decode_ms_per_token", "decode_tokens_per_s"}
+    assert verdict_b["chat_perplexity_ratio"] == 1.0 and verdict_c["chat_items"] == 48
+    assert m["gate_chat_perplexity_ratio"] == verdict_c["chat_perplexity_ratio"]
+    assert verdict_c["chat_perplexity"] == pytest.approx(verdict_c["chat_perplexity_ratio"] * verdict_b["chat_perplexity"])
     hc = evaluate_onnx(out["candidate_artifact"], held.heldout, reference_artifact=out["teacher_artifact"], latency=False)
     assert m["heldout_perplexity"] == pytest.approx(hc["perplexity"], rel=1e-6)
     assert m["heldout_top1_agreement"] == pytest.approx(hc["top1_agreement"], rel=1e-6)
@@ -104,6 +110,8 @@ def test_accept_gates_on_the_test_split_and_reuses_the_selection_figures(prefect
     assert figs["perplexity"] == verdict_c["perplexity"] and figs["gate_top1_agreement"] == m["gate_top1_agreement"]
     assert figs["heldout_perplexity_ratio"] == m["heldout_perplexity_ratio"]
     assert figs["selection_perplexity"] == m["selection_perplexity"]
+    assert figs["chat_perplexity_ratio"] == verdict_c["chat_perplexity_ratio"]
+    assert {g["genre"] for g in out["verdict"]["genres"]} >= {"test", "chat", "chat_judged"}
 
 
 def test_only_the_accept_stage_opens_the_heldout_file():

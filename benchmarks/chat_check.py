@@ -1,0 +1,64 @@
+"""Chat-set figures of artifacts against their teacher, on the gate's set and on a second set no stage reads.
+
+    python -m benchmarks.chat_check --teacher artifacts/export/<key>/artifact \
+        --candidate int8=artifacts/quantize/<key>/artifact --candidate chain=... [--json out.json]
+
+The gate's set is compress/chatsets/use.jsonl (single-turn prompts). The second set,
+benchmarks/data/chat_second.jsonl, is another style (system personas, multi-turn conversations, opinions, creative
+and how-to requests), written apart from the first and read by no stage of the pipeline, no config and no test
+threshold: it checks that a verdict on the first set holds on chat it was not tuned on (issue 26: within 0.03 of
+the perplexity ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from compress import chat_eval
+
+SECOND_SET = Path(__file__).parent / "data" / "chat_second.jsonl"
+SHOWN = ("chat_perplexity_ratio", "chat_top1_agreement", "chat_judged_ratio", "chat_late_divergence_share",
+         "chat_median_divergence", "chat_tokens")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--teacher", required=True)
+    ap.add_argument("--candidate", action="append", required=True, help="NAME=ARTIFACT_DIR (repeatable)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--divergence-tokens", type=int, default=16)
+    ap.add_argument("--cache", default=None, help="teacher-answer cache folder (default: a temporary one)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    cache = a.cache or tempfile.mkdtemp(prefix="chat_targets_")
+    sets = {"use (gate)": "builtin", "second (never tuned on)": str(SECOND_SET)}
+    out: dict = {}
+    for set_name, spec in sets.items():
+        prompts = chat_eval.render(a.teacher, chat_eval.load_sets([spec]))
+        t0 = time.perf_counter()
+        targets = chat_eval.teacher_targets(a.teacher, prompts, a.max_new_tokens, cache)
+        out[set_name] = {"teacher_seconds": time.perf_counter() - t0}
+        for item in a.candidate:
+            name, _, path = item.partition("=")
+            t0 = time.perf_counter()
+            r = chat_eval.evaluate_chat(path, a.teacher, prompts, targets, a.divergence_tokens, a.max_new_tokens)
+            r["seconds"] = time.perf_counter() - t0
+            out[set_name][name] = r
+    print(f"\n| set | candidate | {' | '.join(SHOWN)} | seconds |\n|---|---|{'---:|' * (len(SHOWN) + 1)}")
+    for set_name, res in out.items():
+        for name, r in res.items():
+            if isinstance(r, dict):
+                print(f"| {set_name} | {name} | " + " | ".join(f"{r[k]:.4g}" for k in SHOWN) + f" | {r['seconds']:.0f} |")
+    for name in (c.partition("=")[0] for c in a.candidate):
+        a_, b_ = (out[s][name]["chat_perplexity_ratio"] for s in sets)
+        print(f"{name}: second-set ratio - gate-set ratio = {b_ - a_:+.4f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Evaluation in the form of use: held-out chat conversations rendered with the model's own chat template.
+
+A chat model's users send conversations, and a gate that reads only documentation or code passes a student
+that is much worse at answering them (a pruned + distilled SmolLM2 was 1.06x the teacher on documentation and
+1.55x on English conversations). So, for an artifact with a chat template, the acceptance gate also scores:
+
+* **answers the teacher would give**: each prompt (``compress/chatsets/use.jsonl``, written for this and read by
+  no training or calibration step, or a user's jsonl of conversations) is rendered with the template exactly as
+  the server renders ``/v1/chat/completions`` (serve/chat_template.py, serve/tokenizer.py), the teacher answers
+  it greedily, and the candidate is scored on those answer tokens only: NLL (``chat_perplexity_ratio`` against
+  the teacher's own NLL of them) and top-1 agreement with the teacher's argmax at the same positions. A
+  conversation that ends with an assistant turn is scored on that turn instead (a reference answer);
+* **its own answers, judged by the teacher**: the candidate answers each prompt greedily; the teacher's
+  perplexity of those answers over its perplexity of its own (``chat_judged_ratio``), and the share of answers
+  whose first token different from the teacher's comes at or after ``divergence_tokens``
+  (``chat_late_divergence_share``; an identical answer counts as late).
+
+The teacher's side (its greedy answers, its NLL and argmax on the targets) is data-free, offline and cached
+per (teacher files, rendered prompts, max_new_tokens) in ``cache_dir``: a re-run or a second candidate reuses
+it, and a changed teacher gets new answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from compress.artifact import read_manifest
+from compress.lm_driver import LanguageModelDriver, load_lm
+
+CHAT_FORMAT = 1  # bump when the cached teacher targets change meaning
+BUILTIN = "builtin"
+BUILTIN_SET = Path(__file__).parent / "chatsets" / "use.jsonl"
+
+
+class ChatEvalError(ValueError):
+    pass
+
+
+# -- the conversations --------------------------------------------------------------------------------------------
+def load_conversations(spec: str) -> list[dict]:
+    """``builtin`` or a local .jsonl file, one conversation a line: {"messages": [{"role", "content"}, ...]} with an
+    optional "kind" (a label for the per-kind table). The last message is a user turn (the teacher answers it) or
+    an assistant turn (the reference answer scored as it is)."""
+    path = BUILTIN_SET if spec == BUILTIN else Path(spec)
+    where = f"accept.chat_sets entry {spec!r}"
+    if not path.is_file():
+        raise ChatEvalError(f"{where}: no such file; give a local .jsonl of {{\"messages\": [...]}} conversations, "
+                            f"'{BUILTIN}', or remove it")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            conv = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ChatEvalError(f"{where}: line {n} is not JSON ({e.msg}); each line is one {{\"messages\": [...]}}") from None
+        msgs = conv.get("messages") if isinstance(conv, dict) else None
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+            raise ChatEvalError(f"{where}: line {n} needs \"messages\": a non-empty list of {{\"role\", \"content\"}} "
+                                f"objects with string values")
+        if msgs[-1]["role"] not in ("user", "assistant"):
+            raise ChatEvalError(f"{where}: line {n} ends with a {msgs[-1]['role']!r} message; end it with the user "
+                                f"turn to be answered, or with an assistant turn to score as the reference answer")
+        out.append({"messages": msgs, "kind": str(conv.get("kind", "chat"))})
+    if not out:
+        raise ChatEvalError(f"{where}: the file holds no conversation")
+    return out
+
+
+def load_sets(specs: list[str]) -> list[dict]:
+    return [c for s in specs for c in load_conversations(s)]
+
+
+def sets_digest(specs: list[str]) -> str:
+    """A digest of the chat sets' contents, for the accept stage's cache key (an edited file is scored anew)."""
+    h = hashlib.sha256()
+    for s in specs:
+        h.update(s.encode())
+        p = BUILTIN_SET if s == BUILTIN else Path(s)
+        h.update(p.read_bytes() if p.is_file() else b"missing")
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class ChatPrompt:
+    prompt_ids: list[int]
+    reference_ids: list[int] | None  # the conversation's own last assistant turn, tokenized as the template writes it
+    kind: str = "chat"
+
+
+def has_chat_template(artifact_dir: str | Path) -> bool:
+    return bool(read_manifest(artifact_dir, verify=False).get("chat_template"))
+
+
+def render(artifact_dir: str | Path, conversations: list[dict]) -> list[ChatPrompt]:
+    """Token ids of each conversation as the server builds them for /v1/chat/completions."""
+    from jinja2 import TemplateError
+
+    from serve.chat_template import render_template, template_specials
+    from serve.tokenizer import encode_chat, load_tokenizer
+
+    manifest = read_manifest(artifact_dir, verify=False)
+    source = manifest.get("chat_template")
+    if not source:
+        raise ChatEvalError(f"{artifact_dir}: the artifact has no chat template; set accept.chat_sets: [] for a "
+                            f"model that is not used through chat")
+    tok = load_tokenizer(artifact_dir)
+    specials = template_specials(tok, manifest)
+    out = []
+    for conv in conversations:
+        msgs = conv["messages"]
+        ref = msgs[-1]["role"] == "assistant"
+        try:
+            prompt = encode_chat(tok, manifest, render_template(source, msgs[:-1] if ref else msgs, True, **specials))
+            full = encode_chat(tok, manifest, render_template(source, msgs, False, **specials)) if ref else None
+        except TemplateError as e:
+            raise ChatEvalError(f"the chat template rejected a conversation ({e}): {msgs!r}") from None
+        if full is not None and full[:len(prompt)] != prompt:
+            raise ChatEvalError("the chat template renders the reference answer's conversation with another prefix "
+                                f"than its prompt, so the answer tokens cannot be told apart: {msgs!r}")
+        out.append(ChatPrompt(prompt, full[len(prompt):] if full is not None else None, conv["kind"]))
+    return out
+
+
+# -- scoring -----------------------------------------------------------------------------------------------------
+def score_answer(lm: LanguageModelDriver, prompt: list[int], answer: list[int]) -> tuple[float, np.ndarray]:
+    """Sum of the NLL of ``answer``'s tokens after ``prompt``, and the argmax at the positions that predict them."""
+    if not answer:
+        return 0.0, np.zeros(0, np.int64)
+    logits, _ = lm.prefill(prompt + answer)
+    lg = np.asarray(logits[len(prompt) - 1:len(prompt) - 1 + len(answer)], np.float64)
+    m = lg.max(-1, keepdims=True)
+    lse = np.log(np.exp(lg - m).sum(-1)) + m[:, 0]
+    nll = float((lse - lg[np.arange(len(answer)), answer]).sum())
+    return nll, lg.argmax(-1)
+
+
+def first_divergence(a: list[int], b: list[int]) -> float:
+    """Index of the first token where two answers differ (inf when they are the same)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return float(i)
+    return math.inf if len(a) == len(b) else float(min(len(a), len(b)))
+
+
+@dataclass
+class TeacherTargets:
+    """The teacher's side of the chat evaluation, cached per teacher."""
+
+    answers: list[list[int]]  # the teacher's greedy answers (EOS included when it stopped)
+    answer_nll: list[float]  # its NLL of its own answers (the judge's baseline)
+    targets: list[list[int]]  # what the candidate is scored on: the reference answer, else the teacher's answer
+    target_nll: list[float]
+    target_argmax: list[list[int]]
+    kinds: list[str] = field(default_factory=list)
+    cached: bool = False
+
+
+def targets_key(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_tokens: int) -> str:
+    files = read_manifest(teacher_dir, verify=False).get("files", {})
+    blob = json.dumps({"format": CHAT_FORMAT, "teacher": {k: v.get("sha256") for k, v in sorted(files.items())},
+                       "prompts": [[p.prompt_ids, p.reference_ids] for p in prompts], "max_new_tokens": max_new_tokens},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def teacher_targets(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_tokens: int,
+                    cache_dir: str | Path | None = None, threads: int | None = None,
+                    progress: bool = True) -> TeacherTargets:
+    """The teacher's greedy answers and its NLL/argmax on the targets, from ``cache_dir`` when it has them."""
+    path = Path(cache_dir) / f"{targets_key(teacher_dir, prompts, max_new_tokens)}.json" if cache_dir else None
+    if path is not None and path.is_file():
+        return TeacherTargets(**{**json.loads(path.read_text()), "cached": True})
+    lm = load_lm(teacher_dir, threads, verify=False)
+    eos = [int(e) for e in lm.manifest.get("eos_token_ids") or []]
+    t = TeacherTargets([], [], [], [], [], [p.kind for p in prompts])
+    for p in tqdm(prompts, desc="teacher chat answers", unit="prompt", disable=not progress):
+        ans = lm.greedy(p.prompt_ids, max_new_tokens, eos_ids=eos)
+        nll, am = score_answer(lm, p.prompt_ids, ans)
+        t.answers.append(ans)
+        t.answer_nll.append(nll)
+        target, tnll = ans, nll
+        if p.reference_ids is not None:
+            target = p.reference_ids
+            tnll, am = score_answer(lm, p.prompt_ids, target)
+        t.targets.append(list(target))
+        t.target_nll.append(tnll)
+        t.target_argmax.append([int(x) for x in am])
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({k: v for k, v in asdict(t).items() if k != "cached"}))
+        tmp.replace(path)
+    return t
+
+
+def _ppl(nll: float, n: int) -> float:
+    return math.exp(nll / max(n, 1))
+
+
+def evaluate_chat(candidate_dir: str | Path, teacher_dir: str | Path, prompts: list[ChatPrompt],
+                  targets: TeacherTargets, divergence_tokens: int = 16, max_new_tokens: int = 48,
+                  judge: bool = True, threads: int | None = None, progress: bool = True) -> dict:
+    """The chat figures of a candidate against the teacher (module docstring); ``by_kind`` holds the same per kind."""
+    cand = load_lm(candidate_dir, threads, verify=False)
+    teacher = load_lm(teacher_dir, threads, verify=False) if judge else None
+    eos = [int(e) for e in cand.manifest.get("eos_token_ids") or []]
+    rows = []
+    for i, p in enumerate(tqdm(prompts, desc="chat evaluation", unit="prompt", disable=not progress)):
+        tgt = targets.targets[i]
+        nll, am = score_answer(cand, p.prompt_ids, tgt)
+        row = {"kind": p.kind, "tokens": len(tgt), "nll": nll, "teacher_nll": targets.target_nll[i],
+               "agree": int((am == np.asarray(targets.target_argmax[i], np.int64)).sum())}
+        if judge:
+            ans = cand.greedy(p.prompt_ids, max_new_tokens, eos_ids=eos)
+            jn, _ = score_answer(teacher, p.prompt_ids, ans)
+            row.update({"answer_tokens": len(ans), "judged_nll": jn, "own_tokens": len(targets.answers[i]),
+                        "own_nll": targets.answer_nll[i],
+                        # an answer that never departs from the teacher's counts as departing at the end
+                        "divergence": min(first_divergence(ans, targets.answers[i]), float(max_new_tokens))})
+        rows.append(row)
+    out = _figures(rows, divergence_tokens, judge)
+    out["by_kind"] = {k: _figures([r for r in rows if r["kind"] == k], divergence_tokens, judge)
+                      for k in sorted({r["kind"] for r in rows})}
+    return out
+
+
+def _figures(rows: list[dict], divergence_tokens: int, judge: bool) -> dict:
+    n = sum(r["tokens"] for r in rows)
+    cand, base = _ppl(sum(r["nll"] for r in rows), n), _ppl(sum(r["teacher_nll"] for r in rows), n)
+    out = {"chat_items": float(len(rows)), "chat_tokens": float(n), "chat_perplexity": cand,
+           "chat_baseline_perplexity": base, "chat_perplexity_ratio": cand / base,
+           "chat_top1_agreement": sum(r["agree"] for r in rows) / max(n, 1)}
+    if judge:
+        judged = _ppl(sum(r["judged_nll"] for r in rows), sum(r["answer_tokens"] for r in rows))
+        own = _ppl(sum(r["own_nll"] for r in rows), sum(r["own_tokens"] for r in rows))
+        div = [r["divergence"] for r in rows]
+        out.update({"chat_judged_perplexity": judged, "chat_judged_baseline_perplexity": own,
+                    "chat_judged_ratio": judged / own,
+                    "chat_late_divergence_share": sum(d >= divergence_tokens for d in div) / max(len(div), 1),
+                    "chat_median_divergence": float(np.median(div)) if div else math.nan})
+    return out
