@@ -175,7 +175,9 @@ class DistillConfig(Section):
     # What the student trains on (compress/distill_data.py): the corpus's train split, the teacher's own
     # samples (generated_blocks of them, from a random first token at generation_temperature), or both.
     # The corpus alone teaches the corpus: held-out text of another genre recovers far less (docs/distillation.md).
-    data: Literal["corpus", "generated", "mix"] = "corpus"
+    # chat: the teacher's own conversations in its chat template (generated_blocks of them), the distribution a
+    # chat model is used on (what accept's chat set scores).
+    data: Literal["corpus", "generated", "mix", "chat"] = "corpus"
     generated_blocks: int = Field(256, ge=1)
     generation_temperature: float = Field(1.0, gt=0)
     # Teacher logits kept as the top-k per position and reused on later epochs; 0 = full logits, no cache.

@@ -11,7 +11,11 @@ EOS is suppressed (every block is ``block_size`` tokens, as the corpus's are). S
 (and generation batch size) gives the same blocks.
 
 ``distill.data``: ``corpus`` (the train split), ``generated`` (only the teacher's blocks), ``mix`` (both,
-shuffled together by the training loop's data order).
+shuffled together by the training loop's data order), ``chat`` (the teacher's own conversations: each block starts
+as the model's chat template opens a user turn, its default system turn included, and the teacher writes the rest
+at ``temperature``: the user's message, the end of the turn, the assistant turn and its answer, and on; special
+tokens the template does not use are suppressed). ``chat`` is the distribution of use for a chat model, and is
+data-free: no prompt of the gate's chat set (compress/chatsets/) is read.
 """
 
 from __future__ import annotations
@@ -28,17 +32,43 @@ from tqdm.auto import tqdm
 from compress.data import DataSplits
 
 
+def chat_opening(tokenizer, bos_id: int | None = None) -> list[int]:
+    """The token ids with which the model's chat template opens a user turn (a default system turn included)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("distill.data 'chat' needs a model with a chat template; use generated or mix")
+    mark = "MARKER7b1f"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text[:text.index(mark)], add_special_tokens=False)["input_ids"]
+    return ids if bos_id is None or (ids and ids[0] == bos_id) else [bos_id, *ids]
+
+
+def template_special_ids(tokenizer) -> list[int]:
+    """Special tokens that the chat template never writes: a teacher writing a conversation must not emit them."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return [int(i) for t, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids) if t not in template]
+
+
 def teacher_generations(teacher, n_blocks: int, block_size: int, *, seed: int, temperature: float = 1.0,
                         bos_id: int | None = None, exclude_ids: list[int] | tuple[int, ...] = (),
-                        batch_size: int = 32, progress: bool = True) -> np.ndarray:
-    """``n_blocks`` sampled sequences of ``block_size`` tokens, [n_blocks, block_size] int64."""
+                        batch_size: int = 32, progress: bool = True,
+                        opening: list[int] | None = None) -> np.ndarray:
+    """``n_blocks`` sampled sequences of ``block_size`` tokens, [n_blocks, block_size] int64.
+
+    Without ``opening`` each starts from a uniformly drawn token (after BOS) and EOS is never drawn; with it, each
+    starts with those ids (a chat turn's opening, chat_opening) and only ``exclude_ids`` are never drawn."""
     vocab = int(teacher.get_output_embeddings().weight.shape[0])
     allowed = np.setdiff1d(np.arange(vocab), np.asarray(list(exclude_ids), dtype=np.int64))
     rng = np.random.default_rng(seed)
     first = rng.choice(allowed, size=n_blocks)
     prefix = 1 if bos_id is None else 2
-    new = block_size - prefix
     eos = getattr(teacher.generation_config, "eos_token_id", None)
+    if opening is not None:
+        if len(opening) >= block_size:
+            raise ValueError(f"the chat template's opening is {len(opening)} tokens, data.block_size {block_size}: "
+                             f"raise data.block_size")
+        prefix, eos = len(opening), list(exclude_ids)
+    new = block_size - prefix
     device = next(teacher.parameters()).device
     out = np.empty((n_blocks, block_size), np.int64)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -48,7 +78,9 @@ def teacher_generations(teacher, n_blocks: int, block_size: int, *, seed: int, t
     try:
         for lo in range(0, n_blocks, batch_size):
             ids = torch.as_tensor(first[lo:lo + batch_size, None])
-            if bos_id is not None:
+            if opening is not None:
+                ids = torch.as_tensor(opening, dtype=torch.long).repeat(len(ids), 1)
+            elif bos_id is not None:
                 ids = torch.cat([torch.full_like(ids, bos_id), ids], dim=1)
             out[lo:lo + len(ids)] = _sample(teacher, ids.to(device), new, temperature, eos, gen)
             bar.update(len(ids))
@@ -61,7 +93,7 @@ def teacher_generations(teacher, n_blocks: int, block_size: int, *, seed: int, t
 @torch.no_grad()
 def _sample(model, ids: torch.Tensor, new: int, temperature: float, eos, gen: torch.Generator) -> np.ndarray:
     """Plain ancestral sampling with the KV cache: seeded through ``gen`` on the CPU, so the blocks do not
-    depend on the device or on generate()'s logits processors."""
+    depend on the device or on generate()'s logits processors. ``eos``: the ids never drawn."""
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     # transformers 5.x renames past_key_values to cache (the old name warns, then goes in 5.40)
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -86,6 +118,8 @@ def distill_blocks(train: np.ndarray, generated: np.ndarray | None, mode: str) -
     """The blocks the student trains on for ``distill.data`` = mode."""
     if mode == "corpus":
         return train
+    if mode == "chat":
+        mode = "generated"
     if generated is None or not len(generated):
         raise ValueError(f"distill.data {mode!r} needs the teacher's generations (distill.generated_blocks > 0)")
     if generated.shape[1] != train.shape[1]:
@@ -110,10 +144,12 @@ def training_splits(splits: DataSplits, teacher, tokenizer, cfg, cache: str | Pa
     if cache.is_file():
         return DataSplits.load(cache)
     n_eval = len(splits.eval)
+    chat = cfg.data == "chat"
     generated = teacher_generations(
         teacher, cfg.generated_blocks + n_eval, splits.train.shape[1], seed=cfg.seed,
         temperature=cfg.generation_temperature, bos_id=splits.bos_token_id,
-        exclude_ids=list(getattr(tokenizer, "all_special_ids", [])), progress=progress)
+        exclude_ids=template_special_ids(tokenizer) if chat else list(getattr(tokenizer, "all_special_ids", [])),
+        progress=progress, opening=chat_opening(tokenizer, splits.bos_token_id) if chat else None)
     train, held = generated[:cfg.generated_blocks], generated[cfg.generated_blocks:]
     out = dataclasses.replace(splits, train=distill_blocks(splits.train, train, cfg.data),
                               eval=np.concatenate([splits.eval, held]))

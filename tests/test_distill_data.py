@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from compress.config import DistillConfig
+from compress.data import DataSplits
 from compress.distill_data import distill_blocks, teacher_generations, training_splits
 
 
@@ -72,3 +73,26 @@ def test_training_splits_modes_and_cache(trained_tiny4, tiny_splits, tiny_tokeni
     assert len(gen_only) == 8
     with pytest.raises(ValueError, match="generated_blocks"):
         distill_blocks(tiny_splits.train, None, "mix")
+
+
+def test_chat_data_is_the_teachers_own_conversations_in_its_template(trained_tiny4, tiny_splits, tiny_tokenizer,
+                                                                    tmp_path, one_torch_thread):
+    from compress.distill_data import chat_opening, template_special_ids
+
+    tok = tiny_tokenizer
+    opening = chat_opening(tok, tiny_splits.bos_token_id)
+    text = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(opening) == text[:text.index("x")]  # "<|im_start|>user\n": the opening of a user turn
+    unused = template_special_ids(tok)
+    used = [tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
+    assert unused and not set(unused) & set(used)
+    cfg = DistillConfig(enabled=True, data="chat", generated_blocks=8)
+    out = training_splits(tiny_splits, trained_tiny4, tok, cfg, tmp_path / "train_chat.npz", progress=False)
+    block = tiny_splits.train.shape[1]
+    assert out.train.shape == (8, block)  # only the teacher's conversations
+    assert len(out.eval) == 2 * len(tiny_splits.eval)  # as many held-out conversations join the selection split
+    assert (out.train[:, :len(opening)] == opening).all() and (out.eval[-1, :len(opening)] == opening).all()
+    body = out.train[:, len(opening):]
+    assert not np.isin(body, unused).any()  # never a special token the template does not write
+    assert len({tuple(r) for r in body}) == 8  # sampled, not one conversation repeated
+    assert np.array_equal(DataSplits.load(tmp_path / "train_chat.npz").train, out.train)  # cached for a resume
