@@ -248,3 +248,35 @@ def _figures(rows: list[dict], divergence_tokens: int, judge: bool) -> dict:
                     "chat_late_divergence_share": sum(d >= divergence_tokens for d in div) / max(len(div), 1),
                     "chat_median_divergence": float(np.median(div)) if div else math.nan})
     return out
+
+
+def plot_by_kind(chat: dict, limit: float | None, judged_limit: float | None = None,
+                 title: str = "chat set, by kind of prompt"):
+    """Bars of the chat perplexity ratio and the teacher-judged ratio per kind of prompt, with the gate's limits."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    kinds = list(chat["by_kind"]) + ["all"]
+    rows = [chat["by_kind"][k] for k in kinds[:-1]] + [chat]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    x = np.arange(len(kinds))
+    shown = [r["chat_perplexity_ratio"] for r in rows]
+    ax.bar(x - 0.2, shown, 0.4, color="tab:blue", label="perplexity ratio (teacher's answers)")
+    if limit is not None:
+        ax.axhline(limit, color="tab:blue", linestyle="--", linewidth=1, label=f"its limit {limit:g}")
+    if "chat_judged_ratio" in chat:
+        judged = [r["chat_judged_ratio"] for r in rows]
+        shown += judged
+        ax.bar(x + 0.2, judged, 0.4, color="tab:orange", label="teacher-judged ratio (own answers)")
+        if judged_limit is not None:
+            ax.axhline(judged_limit, color="tab:orange", linestyle="--", linewidth=1, label=f"its limit {judged_limit:g}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(x, kinds, rotation=20)
+    ax.set_ylabel("candidate / teacher")
+    ax.set_ylim(min(0.95, *shown) - 0.02, None)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -21,14 +21,14 @@ import mlflow
 from prefect import task
 
 from compress import chat_eval
-from compress.accept import accept, genre_table, resolve_criteria
+from compress.accept import accept, chat_limit, genre_table, resolve_criteria
 from compress.config import PipelineConfig
 from compress.data import load_heldout
 from compress.downstream import downstream_scores
 from compress.evaluate import evaluate_onnx
 from tasks.common import cache_key_fn, mark_done, open_stage, workdir
 from tasks.load import load_splits
-from tasks.tracking import child_run, log_json, log_metrics, log_params
+from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
 
 
 def _same(a: str, b: str) -> bool:
@@ -119,6 +119,10 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
                    **verdict.metrics, **side, "accepted": float(verdict.accepted)}
         log_metrics(metrics)
         genres = genre_table(verdict.checks)
+        if chat and run is not None:
+            limits = [chat_limit(cfg.accept, k, verdict.criteria) for k in ("max_chat_perplexity_ratio",
+                                                                            "max_chat_judged_ratio")]
+            log_figure(chat_eval.plot_by_kind(chat, *limits), "chat_by_kind.png")
         log_json({"accepted": verdict.accepted, "reasons": verdict.reasons, "criteria": verdict.criteria,
                   "checks": verdict.checks, "genres": genres, "chat": chat, "chat_note": chat_note,
                   "candidate": cand, "baseline": base,
