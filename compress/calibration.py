@@ -247,7 +247,8 @@ def collect_stats(
         sha = hashlib.sha256(np.ascontiguousarray(np.asarray(blocks, np.int64)).tobytes()).hexdigest()
         return CalibrationResult(fp, len(blocks), sha, time.perf_counter() - t0, 0)
     calib = calibration_model(model, tensors)
-    # The graph is large (>2 GB protobuf limit is not the issue; speed is): hand ORT the bytes once.
+    # A small graph goes to ORT as bytes; a large one (weights over protobuf's 2 GB, or a lazily loaded graph
+    # whose weights are still in the artifact's data file) through a file beside its data (make_session).
     sess = make_session(calib, (CPU,), threads, log_severity=3)
     names = [i.name for i in sess.get_inputs()]
     reader = PrefillReader(blocks, names, num_kv_heads, head_dim, batch_size)

@@ -19,7 +19,9 @@ KL also counted that position, over n * s positions).
 
 from __future__ import annotations
 
+import gc
 import math
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,12 +38,59 @@ class EvaluateError(ValueError):
 
 def _nll_and_argmax(logits: np.ndarray, ids: np.ndarray) -> tuple[float, np.ndarray]:
     """Sum of next-token NLL of the targets at positions 1..s-1 (position 0, BOS or not, is never scored),
-    and the argmax [n, s-1] at the positions that predict them (0..s-2): the scored positions."""
-    lg = logits[:, :-1].astype(np.float64)
-    m = lg.max(-1, keepdims=True)
-    lse = np.log(np.exp(lg - m).sum(-1)) + m[..., 0]
-    tgt = np.take_along_axis(lg, ids[:, 1:, None], axis=-1)[..., 0]
-    return float((lse - tgt).sum()), logits[:, :-1].argmax(-1)
+    and the argmax [n, s-1] at the positions that predict them (0..s-2): the scored positions.
+
+    One row at a time: the float64 temporaries of a whole batch are [n, s, vocab] x 8 bytes, half a GB per
+    array at batch 4 x 128 tokens x a 128k vocabulary."""
+    nll = 0.0
+    for row, row_ids in zip(logits, ids):
+        lg = row[:-1].astype(np.float64)
+        m = lg.max(-1, keepdims=True)
+        lse = np.log(np.exp(lg - m).sum(-1)) + m[..., 0]
+        tgt = np.take_along_axis(lg, row_ids[1:, None], axis=-1)[..., 0]
+        nll += float((lse - tgt).sum())
+    return nll, logits[:, :-1].argmax(-1)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _kl_sum(ref: np.ndarray, logits: np.ndarray) -> float:
+    """Sum over positions of KL(ref || logits), row by row (the temporaries are one row's [s, vocab])."""
+    total = 0.0
+    for r, c in zip(ref, logits):
+        lr, lp = _log_softmax(r), _log_softmax(c)
+        total += float((np.exp(lr) * (lr - lp)).sum())
+    return total
+
+
+# Reference + candidate graphs above this are evaluated one after the other (evaluate_onnx).
+SEQUENTIAL_BYTES = 3 * 2**30
+
+
+def _onnx_bytes(folder: str | Path) -> int:
+    folder = Path(folder)
+    name = read_manifest(folder, verify=False).get("onnx_file", "model.onnx")
+    return sum(p.stat().st_size for p in folder.glob(name + "*"))
+
+
+def _spooled(reference: str | Path, blocks: np.ndarray, batch_size: int, threads: int | None, folder: Path):
+    """The reference's prefill logits batch by batch, computed all first (then its session is freed) and read
+    back from ``folder`` one batch at a time."""
+    _, _, lm = _load(reference, threads)
+    n = 0
+    for i, x in enumerate(lm.prefill_batches(blocks, batch_size)):
+        np.save(folder / f"{i}.npy", x)
+        n = i + 1
+    del lm
+    gc.collect()
+
+    def read():
+        for i in range(n):
+            yield np.load(folder / f"{i}.npy")
+    return read()
 
 
 def _load(folder: str | Path, threads: int | None) -> tuple[Path, dict, LanguageModelDriver]:
@@ -54,9 +103,19 @@ def _load(folder: str | Path, threads: int | None) -> tuple[Path, dict, Language
 
 
 def prefill_logits(artifact_dir: str | Path, blocks: np.ndarray, batch_size: int = 4, threads: int | None = None) -> np.ndarray:
-    """Logits [n, block, vocab] of an artifact over token blocks (past = 0)."""
+    """Logits [n, block, vocab] of an artifact over token blocks (past = 0).
+
+    All of them at once: 32 blocks of 128 tokens over a 128k vocabulary are 2.1 GB. For the argmax alone use
+    prefill_top1, which keeps one batch's logits at a time."""
     _, _, lm = _load(artifact_dir, threads)
     return np.concatenate(list(lm.prefill_batches(blocks, batch_size)))
+
+
+def prefill_top1(artifact_dir: str | Path, blocks: np.ndarray, batch_size: int = 4, threads: int | None = None) -> np.ndarray:
+    """argmax [n, block] of an artifact's logits over token blocks (past = 0), one batch's logits in memory at a
+    time: what evaluate_onnx takes as reference_top1."""
+    _, _, lm = _load(artifact_dir, threads)
+    return np.concatenate([x.argmax(-1) for x in lm.prefill_batches(blocks, batch_size)])
 
 
 def _golden_pairs(golden) -> list[tuple[list[int], list[int]]]:
@@ -92,15 +151,23 @@ def evaluate_onnx(
     eval_blocks = np.asarray(eval_blocks, dtype=np.int64)
     if eval_blocks.ndim != 2 or len(eval_blocks) == 0 or eval_blocks.shape[1] < 2:
         raise EvaluateError(f"eval_blocks must be a non-empty [n, block_size >= 2] array, got shape {eval_blocks.shape}")
+    ref_iter, spool = None, None
+    if reference_artifact is not None:
+        rman = read_manifest(reference_artifact, verify=False)
+        man0 = read_manifest(artifact_dir, verify=False)
+        if int(rman["vocab_size"]) != int(man0["vocab_size"]):
+            raise EvaluateError(f"reference {reference_artifact} has vocab {rman['vocab_size']}, candidate {man0['vocab_size']}: not comparable")
+        if _onnx_bytes(reference_artifact) + _onnx_bytes(artifact_dir) > SEQUENTIAL_BYTES:
+            # Two large sessions side by side (a 3B model's fp32 baseline is 12 GB on its own): run the reference
+            # first, its logits to disk batch by batch, and only then load the candidate. Same numbers.
+            spool = tempfile.TemporaryDirectory(prefix="eval_ref_")
+            ref_iter = _spooled(reference_artifact, eval_blocks, batch_size, threads, Path(spool.name))
+        else:
+            _, _, ref_lm = _load(reference_artifact, threads)
+            ref_iter = ref_lm.prefill_batches(eval_blocks, batch_size)
     t0 = time.perf_counter()
     path, man, lm = _load(artifact_dir, threads)
     load_s = time.perf_counter() - t0
-    ref_iter = None
-    if reference_artifact is not None:
-        _, rman, ref_lm = _load(reference_artifact, threads)
-        if int(rman["vocab_size"]) != int(man["vocab_size"]):
-            raise EvaluateError(f"reference {reference_artifact} has vocab {rman['vocab_size']}, candidate {man['vocab_size']}: not comparable")
-        ref_iter = ref_lm.prefill_batches(eval_blocks, batch_size)
     nll, count, agree, kl = 0.0, 0, 0, 0.0
     t0 = time.perf_counter()
     if reference_top1 is not None and np.shape(reference_top1) != eval_blocks.shape:
@@ -115,12 +182,11 @@ def evaluate_onnx(
         if ref_iter is not None:
             ref = next(ref_iter)[:, :-1]  # the scored positions only, as for perplexity
             agree += int((ref.argmax(-1) == am).sum())
-            lp = logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)
-            lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
-            lr = ref - ref.max(-1, keepdims=True)
-            lr = lr - np.log(np.exp(lr).sum(-1, keepdims=True))
-            kl += float((np.exp(lr) * (lr - lp)).sum())
+            kl += _kl_sum(ref, logits[:, :-1])
+            del ref
     prefill_s = time.perf_counter() - t0
+    if spool is not None:
+        spool.cleanup()
     out: dict[str, float] = {
         "perplexity": math.exp(nll / max(count, 1)),
         "nll": nll / max(count, 1),

@@ -24,6 +24,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from serve.onnx_external import tensor_array
+
 MS_DOMAIN = "com.microsoft"
 _LINEAR_OPS = ("MatMul", "MatMulNBits")
 
@@ -139,7 +141,7 @@ def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
         new_name = _packed_name([nm.removesuffix("_Q8") for nm in names]) + ("_Q8" if op == "MatMulNBits" else "")
         out = new_name.removesuffix("_Q8").rsplit("/", 1)[0] + "/MatMul_output_0"
         if op == "MatMul":
-            ws = [numpy_helper.to_array(inits[n.input[1]]) for n in group]
+            ws = [tensor_array(inits[n.input[1]]) for n in group]
             sizes = [w.shape[1] for w in ws]
             w_name = group[0].input[1].replace("q_proj", "qkv_proj").replace("gate_proj", "gate_up_proj")
             if w_name == group[0].input[1]:
@@ -153,8 +155,8 @@ def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
                 e.value = p.value.replace("q_proj", "qkv_proj").replace("gate_proj", "gate_up_proj")
             drop_inits.update(n.input[1] for n in group)
         else:
-            bs = [numpy_helper.to_array(inits[n.input[1]]) for n in group]
-            ss = [numpy_helper.to_array(inits[n.input[2]]) for n in group]
+            bs = [tensor_array(inits[n.input[1]]) for n in group]
+            ss = [tensor_array(inits[n.input[2]]) for n in group]
             sizes = [b.shape[0] for b in bs]
             kb = bs[0].shape[1]
             b_name, s_name = new_name + "_B", new_name + "_scales"

@@ -19,6 +19,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from serve.onnx_external import tensor_array
+
 _QKV_INPUTS = (0, 1, 2)
 _ROTARY_INPUTS = (7, 8)  # cos_cache, sin_cache
 _KV_PREFIXES = ("past_key_values.", "present.")
@@ -65,7 +67,7 @@ def kv_to_fp16(model: onnx.ModelProto) -> int:
                                        f"stored; this graph cannot be rewritten (set export.kv_dtype to float32)")
                 t = inits[name]
                 if t.data_type != TensorProto.FLOAT16:
-                    t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float16), name))
+                    t.CopyFrom(numpy_helper.from_array(tensor_array(t).astype(np.float16), name))
                 done_tables.add(name)
         out32 = n.output[0]
         n.output[0] = f"{out32}/fp16"

@@ -15,7 +15,6 @@ which linears, and with which activation ranges, is the caller's choice (compres
 
 from __future__ import annotations
 
-import logging
 import tempfile
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from compress.calibration import Linear
+from serve.onnx_external import save_external, tensor_array
 
 _MS_DOMAIN = "com.microsoft"
 
@@ -84,7 +84,7 @@ def insert_qdq(model: onnx.ModelProto, linears: list[Linear], ranges: dict[str, 
                 new_nodes.append(helper.make_node("DequantizeLinear", [f"{a}_quantized", s_name, z_name], [f"{a}_dequantized"], name=f"{a}_DequantizeLinear"))
                 act_done[a] = f"{a}_dequantized"
             w_name = n.input[1]
-            w = numpy_helper.to_array(inits[w_name])
+            w = tensor_array(inits[w_name])
             q, scale = _weight_qdq(w, per_channel, reduce_range)
             q_name, s_name, z_name = f"{w_name}_quantized", f"{w_name}_scale", f"{w_name}_zero_point"
             g.initializer.extend([
@@ -140,7 +140,7 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
             continue
         a = n.input[0]
         w_name = n.input[1]
-        w = numpy_helper.to_array(inits[w_name])
+        w = tensor_array(inits[w_name])
         K, N = w.shape
         if a not in done:
             p = f"{a}_ptq"
@@ -204,7 +204,7 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
         if not all(u.op_type == "MatMul" and u.input[1] == t.output[0] for u in users):
             return False
         lm_heads += users
-    E = numpy_helper.to_array(inits[e_name]).astype(np.float32)
+    E = tensor_array(inits[e_name]).astype(np.float32)
     kb = K // block_size
     Eb = E.reshape(V, kb, block_size)
     scale = (np.abs(Eb).max(-1) / 127.0).astype(np.float32)
@@ -248,24 +248,48 @@ def _ensure_ms_opset(model: onnx.ModelProto) -> None:
 
 
 def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, accuracy_level: int) -> onnx.ModelProto:
-    """A copy with `linears` as 8-bit block-wise MatMulNBits (ORT's MatMulNBitsQuantizer), float activations."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    """In place (and returned): `linears` as 8-bit block-wise symmetric MatMulNBits, float activations.
 
-    if block_size & (block_size - 1):
+    The same tensors and node ORT's MatMulNBitsQuantizer writes (its C++ block quantizer does the arithmetic),
+    but one weight at a time: each float weight is read (from the proto or, for a lazily loaded graph, from its
+    file), quantized and dropped before the next, so a model never has an fp32 copy and an int8 copy of all its
+    linears at once. ORT's quantizer holds the whole model in memory; on a 1B model that was most of the
+    quantize stage's memory.
+    """
+    from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
+                                                                 DefaultWeightOnlyQuantizer)
+
+    if block_size & (block_size - 1) or block_size < 16:
         raise QuantizeError(f"quantize.block_size must be a power of two >= 16 for weight_only, got {block_size}")
-    chosen = {l.node for l in linears}
-    # The quantizer takes every MatMul of the listed op types; exclude the rest by name.
-    exclude = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in chosen]
-    q = MatMulNBitsQuantizer(model, bits=8, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
-                             nodes_to_exclude=exclude, op_types_to_quantize=("MatMul",))
-    qlog = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = qlog.level
-    qlog.setLevel(logging.WARNING)  # it logs one INFO line per graph node
-    try:
-        q.process()
-    finally:
-        qlog.setLevel(level)
-    return q.model.model
+    quantizer = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
+        block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level, bits=8))
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    todo = {l.node for l in linears}
+    new_nodes, drop, added = [], set(), []
+    for n in g.node:
+        w = inits.get(n.input[1]) if n.name in todo and n.op_type == "MatMul" and len(n.input) == 2 else None
+        if w is None or len(w.dims) != 2:
+            new_nodes.append(n)
+            continue
+        arr = tensor_array(w).astype(np.float32, copy=False)
+        K, N = arr.shape
+        packed, scales, _ = quantizer.qbits_block_quant(arr)
+        del arr
+        added += [numpy_helper.from_array(packed, f"{w.name}_Q8"), numpy_helper.from_array(scales, f"{w.name}_scales")]
+        kw = {"accuracy_level": accuracy_level} if accuracy_level else {}
+        new_nodes.append(helper.make_node("MatMulNBits", [n.input[0], f"{w.name}_Q8", f"{w.name}_scales"],
+                                          list(n.output), name=f"{n.name}_Q8" if n.name else "", domain=_MS_DOMAIN,
+                                          K=K, N=N, bits=8, block_size=block_size, **kw))
+        drop.add(w.name)
+    still = {i for n in new_nodes for i in n.input}
+    keep = [t for t in g.initializer if t.name not in drop or t.name in still]
+    g.ClearField("initializer")
+    g.initializer.extend(keep + added)
+    g.ClearField("node")
+    g.node.extend(new_nodes)
+    _ensure_ms_opset(model)
+    return model
 
 
 def dynamic_per_tensor(model: onnx.ModelProto, linears: list[Linear], per_channel: bool, reduce_range: bool) -> onnx.ModelProto:
@@ -282,11 +306,9 @@ def dynamic_per_tensor(model: onnx.ModelProto, linears: list[Linear], per_channe
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # protobuf cannot serialize 2 GB; bigger models keep their weights in model.onnx.data
-    external = model.ByteSize() > 1_800_000_000
-    onnx.save_model(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
-                    location=path.name + ".data" if external else None)
+    """protobuf cannot serialize 2 GB: bigger models, and lazily loaded ones, keep their weights in
+    model.onnx.data, written tensor by tensor (serve/onnx_external.py)."""
+    save_external(model, path)
 
 
 def pow2_block(n: int) -> int:

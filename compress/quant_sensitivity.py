@@ -14,9 +14,9 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
-from onnx import numpy_helper
 
 from compress.calibration import Linear
+from serve.onnx_external import tensor_array
 
 if TYPE_CHECKING:
     from compress.quantize import Quantizer
@@ -56,7 +56,7 @@ def candidate_ranking(q: Quantizer) -> list[str]:
             score[g] = 0.0
         elif st.sample is not None and cfg.method != "weight_only":
             x = st.sample * inv if inv is not None else st.sample
-            ws = [numpy_helper.to_array(inits[l.weight]) for l in ls]
+            ws = [tensor_array(inits[l.weight]) for l in ls]
             score[g] = heldout_w8a8_error(x.astype(np.float32), ws, None, q.reduce_range, per_token=per_token)
         else:
             am = st.absmax * (inv if inv is not None else 1.0)

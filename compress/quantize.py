@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -37,8 +38,11 @@ from compress.quant_graph import (QuantizeError, dynamic_per_tensor, insert_dyna
                                   quantize_tied_embedding, save_model, weight_only)
 from compress.quant_prepare import calibrate_and_smooth
 from compress.quant_sensitivity import sensitivity_scan
+from serve.onnx_external import inline_bytes, load_lazy, spill
 
 MODEL_FILE = "model.onnx"
+# Smoothed weights held in memory beyond this go to a scratch file (Quantizer.prepare).
+SPILL_BYTES = 256 << 20
 
 # ---------------------------------------------------------------- CPU capability
 
@@ -140,7 +144,10 @@ class Quantizer:
         self.on_event = on_event or (lambda name, data: None)
         self.manifest = read_manifest(self.src, verify=True)
         self.onnx_path = self.src / self.manifest.get("onnx_file", MODEL_FILE)
-        self.model = onnx.load(str(self.onnx_path))
+        # The graph without its weights: every rewrite reads one weight at a time from the artifact's files
+        # (serve/onnx_external.py), so a 1B model is never in memory as a whole fp32 proto, let alone twice.
+        self.model = load_lazy(self.onnx_path)
+        self._scratch = None  # a temporary folder for SmoothQuant's rewritten weights (prepare)
         self.linears = find_linears(self.model)
         if not self.linears:
             raise QuantizeError(f"{self.onnx_path}: no MatMul with a constant 2-D weight; nothing to quantize")
@@ -181,6 +188,10 @@ class Quantizer:
             self.stats, self.inv_scales, self.ranges, self.linears = c.stats, c.inv_scales, c.ranges, c.linears
             self.smooth_report, self.smoothed = c.smooth_report, len(c.smooth_report)
             self.calib_seconds, self.calib_sha256, self.calib_fed = c.seconds, c.sha256, c.blocks
+            if inline_bytes(self.model) > SPILL_BYTES:
+                # SmoothQuant rewrote the weights in memory; to disk with them, or every variant's copy holds them too
+                self._scratch = tempfile.TemporaryDirectory(prefix="quant_smoothed_")
+                self.model = spill(self.model, self._scratch.name)
         self.prepare_seconds = time.perf_counter() - t_prepare  # calibration + smoothing (+ alpha search)
         self._prepared = True
 

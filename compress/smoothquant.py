@@ -24,6 +24,7 @@ import onnx
 from onnx import numpy_helper
 
 from compress.calibration import ActStats, Linear
+from serve.onnx_external import tensor_array
 
 
 ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -186,7 +187,7 @@ def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict
                     break
         if fold is None:
             continue
-        ws = [numpy_helper.to_array(inits[by_node[l.node].input[1]]) for l in group]
+        ws = [tensor_array(inits[by_node[l.node].input[1]]) for l in group]
         err = None
         if alpha == "auto":
             if st.sample is None:
@@ -207,12 +208,12 @@ def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict
         s = smoothing_scales(st.absmax, ws, a_used)
         kind = fold[0]
         if kind == "norm":
-            gamma = numpy_helper.to_array(inits[fold[2]])
+            gamma = tensor_array(inits[fold[2]])
             _replace_init(model, inits, fold[2], f"{tensor}_smooth_gamma", gamma / s, prod, fold[1])
         else:
             up: Linear = fold[2]
             up_node = by_node[up.node]
-            w_up = numpy_helper.to_array(inits[up_node.input[1]])
+            w_up = tensor_array(inits[up_node.input[1]])
             _replace_init(model, inits, up_node.input[1], f"{up_node.input[1]}_smooth_cols", w_up / s[None, :], up_node, 1)
         for l, w in zip(group, ws):
             node = by_node[l.node]

@@ -37,7 +37,8 @@ def make_session(model, providers: Sequence[str] = (CPU,), threads: int | None =
     """An InferenceSession on the first requested provider that actually works, else CPU.
 
     model: a path, the serialized bytes, or an in-memory ``onnx.ModelProto`` (anything with
-    ``SerializeToString``; handing ORT the bytes once is how compress/ runs graphs it has not saved).
+    ``SerializeToString``; handing ORT the bytes once is how compress/ runs graphs it has not saved; a graph
+    whose weights are on disk or over 1.5 GB goes through a temporary file instead, serve/onnx_external.py).
     providers: e.g. ``(CUDA, CPU)`` for the server; the default, CPU only, is what compress/ measures on.
     threads: intra-op threads (0 or None: onnxruntime's default). optimize: ORT_ENABLE_ALL, else
     ORT_DISABLE_ALL. log_severity: the session's log level (3 = errors only), None = onnxruntime's default.
@@ -64,6 +65,13 @@ def make_session(model, providers: Sequence[str] = (CPU,), threads: int | None =
     elif spinning == "during_runs":
         opts.add_session_config_entry("session.force_spinning_stop", "1")
     if hasattr(model, "SerializeToString"):
+        from serve.onnx_external import needs_file, session_path
+
+        if needs_file(model):
+            # Weights on disk (a lazily loaded graph) or more than protobuf can serialize (2 GB): through a
+            # file written beside the data, never one string of the whole model (serve/onnx_external.py).
+            with session_path(model) as path:
+                return make_session(str(path), providers, threads, optimize, log_severity, spinning)
         src = model.SerializeToString()
     elif isinstance(model, (bytes, bytearray)):
         src = bytes(model)
