@@ -49,10 +49,13 @@ from compress.gqa_families import GqaBuildError
 from compress.graph_fusion import fuse_decoder
 from compress.kv_fp16 import kv_to_fp16
 from compress.models import model_info
+from serve.onnx_external import ALIGN, BASE_KEY, save_external
 
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
+# Above this many bytes of fp32 weights the graph is built straight into external data (protobuf's limit is 2 GB).
+STREAM_BYTES = 1_500_000_000
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
 SUPPORTED_FAMILIES = tuple(fams.FAMILIES)  # what differs per family: compress/gqa_families.py
@@ -143,16 +146,49 @@ def rope_tables(model, max_positions: int, head_dim: int, layer_type: str | None
 
 
 class _Graph:
-    def __init__(self, float_dtype=np.float32):
+    """Nodes and initializers of the graph being written.
+
+    data_path: write every initializer of 1 KiB or more straight into this external-data file as it is made
+    (the proto keeps only its offset), so building a large model holds one weight at a time in fp32, never
+    the whole graph. pack_qkv: write each layer's q/k/v as one packed MatMul (what graph_fusion.pack_siblings
+    would make of them afterwards, without first writing the three apart).
+    """
+
+    def __init__(self, float_dtype=np.float32, data_path: Path | None = None, pack_qkv: bool = False):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.float_dtype = float_dtype  # weights and activations (fp16 for the paged graph)
+        self.data_path = data_path
+        self.pack_qkv = pack_qkv
+        self._data = open(data_path, "wb") if data_path is not None else None
 
     def init(self, name: str, arr: np.ndarray) -> str:
         if arr.dtype.kind == "f":
-            arr = arr.astype(self.float_dtype)
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+            arr = arr.astype(self.float_dtype, copy=False)
+        arr = np.ascontiguousarray(arr)
+        if self._data is None or arr.nbytes < 1024:
+            self.inits.append(numpy_helper.from_array(arr, name))
+            return name
+        t = onnx.TensorProto()
+        t.name = name
+        t.dims.extend(arr.shape)
+        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        pos = self._data.seek(0, 2)
+        pad = (-pos) % ALIGN
+        self._data.write(b"\0" * pad)
+        self._data.write(arr.tobytes())
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.data_path.name), ("offset", str(pos + pad)), ("length", str(arr.nbytes)),
+                     (BASE_KEY, str(self.data_path.resolve().parent))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        self.inits.append(t)
         return name
+
+    def close(self) -> None:
+        if self._data is not None:
+            self._data.close()
+            self._data = None
 
     def node(self, op: str, inputs: list[str], outputs: list[str], name: str, module: str | None = None,
              domain: str = "", **attrs) -> list[str]:
@@ -167,7 +203,16 @@ class _Graph:
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
+    # One tensor at a time to fp32: the model itself may stay in bf16 (a large model is loaded as stored).
     return t.detach().to(torch.float32).cpu().numpy()
+
+
+def _packed_qkv(g: _Graph, x: str, lins, module: str) -> str:
+    """q/k/v as one MatMul(x, [Wq^T | Wk^T | Wv^T]), named and tagged as graph_fusion.pack_siblings names it."""
+    w = g.init(f"{module}.qkv_proj.weight_t", np.concatenate([_np(lin.weight).T for lin in lins], axis=1))
+    path = "/" + f"{module}.qkv_proj".replace(".", "/")
+    (y,) = g.node("MatMul", [x, w], [f"{path}/MatMul_output_0"], f"{path}/MatMul", module=f"{module}.qkv_proj")
+    return y
 
 
 def _linear(g: _Graph, x: str, lin, module: str) -> str:
@@ -216,13 +261,17 @@ def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "
         a = layer.self_attn
         h = _rmsnorm(g, x, layer.input_layernorm, f"{pre}.input_layernorm", eps, off)
         qp, kp, vp = fams.attn_linears(fam, layer, H, KV, D)
-        q = _linear(g, h, qp, f"{pre}.self_attn.q_proj")
-        k = _linear(g, h, kp, f"{pre}.self_attn.k_proj")
-        v = _linear(g, h, vp, f"{pre}.self_attn.v_proj")
-        if fam.qk_norm:  # per head, before the rotary GQA applies
-            q = _head_norm(g, q, a.q_norm, f"{pre}.self_attn.q_norm", eps, off, D)
-            k = _head_norm(g, k, a.k_norm, f"{pre}.self_attn.k_norm", eps, off, D)
-        attn = attention(g, i, q, k, v)
+        if g.pack_qkv and not fam.qk_norm and all(getattr(p, "bias", None) is None for p in (qp, kp, vp)):
+            # GQA splits a packed QKV itself: key and value inputs left empty
+            attn = attention(g, i, _packed_qkv(g, h, (qp, kp, vp), f"{pre}.self_attn"), "", "")
+        else:
+            q = _linear(g, h, qp, f"{pre}.self_attn.q_proj")
+            k = _linear(g, h, kp, f"{pre}.self_attn.k_proj")
+            v = _linear(g, h, vp, f"{pre}.self_attn.v_proj")
+            if fam.qk_norm:  # per head, before the rotary GQA applies
+                q = _head_norm(g, q, a.q_norm, f"{pre}.self_attn.q_norm", eps, off, D)
+                k = _head_norm(g, k, a.k_norm, f"{pre}.self_attn.k_norm", eps, off, D)
+            attn = attention(g, i, q, k, v)
         o = _linear(g, attn, a.o_proj, f"{pre}.self_attn.o_proj")
         if fam.sandwich_norms:
             o = _rmsnorm(g, o, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps, off)
@@ -325,19 +374,22 @@ def _layer_attention(model, g: _Graph, max_positions: int, head_dim: int) -> lis
     return out
 
 
-def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True) -> onnx.ModelProto:
-    """The decoder as an in-memory ONNX model (weights fp32 inside).
+def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True,
+                    data_path: Path | None = None) -> onnx.ModelProto:
+    """The decoder as an ONNX model with fp32 weights (the torch model may be bf16: converted tensor by tensor).
 
     fuse: residual Add + RMSNorm as SkipSimplifiedLayerNormalization and q/k/v as one packed MatMul into
     GroupQueryAttention (compress/graph_fusion.py; the same logits, fewer and larger kernels per step).
+    data_path: weights go straight into this external-data file as they are made; the returned proto holds
+    only their offsets (save it with serve.onnx_external.save_external, into the same folder).
     """
     check_supported(model)
-    model = model.float().eval()
+    model.eval()
     info = model_info(model)
     L, H, KV, D = info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]
     vocab = info["vocab_size"]
     max_positions = int(max_positions or info["max_positions"])
-    g = _Graph()
+    g = _Graph(data_path=data_path, pack_qkv=fuse)
     names = gqa_io_names(L)
     attrs = _layer_attention(model, g, max_positions, D)
 
@@ -363,7 +415,10 @@ def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True) 
                       "/model/last_positions")
         return x
 
-    _decoder(model, g, attention, last_positions)
+    try:
+        _decoder(model, g, attention, last_positions)
+    finally:
+        g.close()
     f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
               helper.make_tensor_value_info("seqlens_k", i32, ["batch"]),
@@ -406,7 +461,7 @@ def build_paged_model(model, num_blocks_dim: str = "num_blocks", block_size: int
                             "and qwen2 only (per-layer windows, soft-capping and QK-norm are written for gqa)")
     if dtype not in ("float16",):
         raise GqaBuildError(f"paged dtype {dtype!r}: only float16 is built (PagedAttention takes fp16/bf16)")
-    model = model.float().eval()
+    model.eval()
     info = model_info(model)
     L, H, KV, D = info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]
     vocab = info["vocab_size"]
@@ -459,11 +514,12 @@ class GqaBuildResult:
 
 
 def save_model(m: onnx.ModelProto, path: Path, external_data_threshold_mb: int = 1800) -> None:
-    size = sum(t.ByteSize() for t in m.graph.initializer)
-    if size > external_data_threshold_mb * 2**20:
-        onnx.save(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data")
-    else:
-        onnx.save(m, str(path))
+    """One file, or ``path.data`` beside it when the weights are large or already written there (streamed)."""
+    save_external(m, path, inline_limit=external_data_threshold_mb * 2**20)
+
+
+def _fp32_bytes(model) -> int:
+    return 4 * sum(p.numel() for p in model.parameters())
 
 
 def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int | None = None,
@@ -487,9 +543,11 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     t0 = time.perf_counter()
+    # A model whose fp32 weights pass protobuf's limit is written straight into model.onnx.data, tensor by tensor.
+    stream = layout == "gqa" and _fp32_bytes(model) > STREAM_BYTES
     with torch.no_grad():
-        m = build_gqa_model(model, max_positions) if layout == "gqa" else \
-            build_paged_model(model, block_size=block_size, max_positions=max_positions)
+        m = build_gqa_model(model, max_positions, data_path=out_dir / (MODEL_FILE + ".data") if stream else None) \
+            if layout == "gqa" else build_paged_model(model, block_size=block_size, max_positions=max_positions)
     if layout == "gqa" and kv_dtype == "float16":
         kv_to_fp16(m)
     path = out_dir / MODEL_FILE

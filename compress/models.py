@@ -168,6 +168,13 @@ def resolve_source(source: str, gguf_file: str | None, cache_dir: str | Path) ->
         cache_root = project_root() / cache_root
     if source.startswith("tiny"):
         return str(_tiny_folder(source, cache_root))
+    if source.startswith("shape:"):
+        from compress.shapes import ShapeError, shape_folder
+
+        try:
+            return str(shape_folder(source, cache_root))
+        except ShapeError as e:
+            raise ModelError(str(e)) from None
     if source == "embedded":
         return str(_convert_gguf(embedded_gguf_path(), cache_root))
     path = Path(source).expanduser()
@@ -191,21 +198,26 @@ _LOAD_LOCK = threading.RLock()
 
 
 def load_teacher(source: str = "embedded", gguf_file: str | None = None, cache_dir: str | Path = ".cache/models",
-                 revision: str | None = None, trust_remote_code: bool = False):
-    """Return (model in eval mode, fp32, on CPU; tokenizer). Thread-safe: loads in one process take turns."""
+                 revision: str | None = None, trust_remote_code: bool = False, dtype: torch.dtype | str = torch.float32):
+    """Return (model in eval mode on CPU; tokenizer). Thread-safe: loads in one process take turns.
+
+    dtype: torch.float32 (default: what golden, pruning and distillation compute in), or "auto" for the
+    checkpoint's own dtype (bf16 for most published models: half the memory of fp32; the stages that only read
+    the weights, such as the gqa export, convert one tensor at a time).
+    """
     with _LOAD_LOCK:
-        return _load_teacher(source, gguf_file, cache_dir, revision, trust_remote_code)
+        return _load_teacher(source, gguf_file, cache_dir, revision, trust_remote_code, dtype)
 
 
 def _load_teacher(source: str, gguf_file: str | None, cache_dir: str | Path, revision: str | None,
-                  trust_remote_code: bool):
+                  trust_remote_code: bool, dtype: torch.dtype | str = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved = resolve_source(source, gguf_file, cache_dir)
     try:
         tok = AutoTokenizer.from_pretrained(resolved, revision=revision, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            resolved, revision=revision, dtype=torch.float32, trust_remote_code=trust_remote_code
+            resolved, revision=revision, dtype=dtype, trust_remote_code=trust_remote_code
         )
     except OSError as e:
         raise ModelError(

@@ -18,7 +18,8 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
     if done is not None:
         return done
     with child_run(parent_run_id, stage) as run:
-        model, tok = load_model(model_dir, cfg)
+        # As stored (bf16 for most checkpoints): the gqa builder reads one weight at a time in fp32
+        model, tok = load_model(model_dir, cfg, dtype="auto")
         art = folder / "artifact"
         extra = {"source_model": model_dir, "config_hash": cfg.section_hash()}
         exporter, why = choose_exporter(model, cfg.export.exporter)
@@ -26,6 +27,8 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         if exporter != "gqa" and cfg.export.kv_dtype != "float32":
             raise ValueError(f"export.kv_dtype {cfg.export.kv_dtype}: this model is exported with {exporter} ({why}), "
                              f"whose caches are float32; set export.kv_dtype to float32")
+        if exporter != "gqa":
+            model = model.float()  # the traced exporters write the graph in the model's dtype
         if exporter == "gqa":
             result, manifest = build_gqa_artifact(model, tok, art, extra=extra, kv_dtype=cfg.export.kv_dtype)
         else:

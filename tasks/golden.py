@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from prefect import task
 
 from compress.config import PipelineConfig
@@ -25,10 +27,14 @@ def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         g = cfg.golden
         golden = record_golden(model, tok, g.prompts, g.top_k, g.new_tokens)
         golden.save(folder)
-        report = compare_from_config(artifact, golden, g, pad_id=tok.pad_token_id or 0)
+        pad_id = tok.pad_token_id or 0
+        # The fp32 torch model and the fp32 ONNX session are each the size of the weights: never both at once
+        del model
+        gc.collect()
+        report = compare_from_config(artifact, golden, g, pad_id=pad_id)
         metrics = report.metrics()
         if reference_golden:
-            drift = compare_from_config(artifact, GoldenSet.load(reference_golden), g, pad_id=tok.pad_token_id or 0)
+            drift = compare_from_config(artifact, GoldenSet.load(reference_golden), g, pad_id=pad_id)
             metrics.update(drift.metrics(prefix="drift_vs_teacher_"))
         log_params({"golden": {k: v for k, v in g.model_dump().items() if k != "prompts"}})
         log_metrics(metrics)

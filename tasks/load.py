@@ -19,8 +19,12 @@ def load_splits(path: str) -> DataSplits:
     return DataSplits.load(path)
 
 
-def load_model(model_dir: str, cfg: PipelineConfig):
-    return load_teacher(model_dir, None, cfg.model.cache_dir, cfg.model.revision, cfg.model.trust_remote_code)
+def load_model(model_dir: str, cfg: PipelineConfig, dtype="float32"):
+    """The teacher in fp32 (what torch stages compute in), or dtype="auto": as stored (bf16 for most checkpoints)."""
+    import torch
+
+    return load_teacher(model_dir, None, cfg.model.cache_dir, cfg.model.revision, cfg.model.trust_remote_code,
+                        dtype=torch.float32 if dtype == "float32" else dtype)
 
 
 @task(name="load", cache_key_fn=cache_key_fn, persist_result=True, retries=1, retry_delay_seconds=5)
@@ -30,7 +34,7 @@ def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | No
         return done
     with child_run(parent_run_id, stage):
         model_dir = resolve_source(cfg.model.source, cfg.model.gguf_file, cfg.model.cache_dir)
-        model, tok = load_model(model_dir, cfg)
+        model, tok = load_model(model_dir, cfg, dtype="auto")  # only its shape is read here
         splits = splits_from_config(tok, cfg.data)
         path, heldout = folder / "splits.npz", folder / "heldout.npz"
         splits.save(path)
