@@ -369,8 +369,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             blocked = bench["promotion_blocked"] if bench else None
             figures = {**(model_figures(verdict) if verdict else {}),
                        **({f"bench_{k}": v for k, v in {**bench["candidate"], **bench["ratios"]}.items()} if bench else {})}
-            if status == "accepted" and cfg.registry.promote and not blocked:
+            if verdict and verdict.get("candidate"):  # which is better on what, shown for every judged candidate
                 champion_vs = compare_with_champion(cfg, figures)
+            if status == "accepted" and cfg.registry.promote and not blocked:
                 if champion_vs and champion_vs["worse_on_use"] and not cfg.registry.promote_when_worse:
                     u = champion_vs["use"]
                     blocked = (f"worse than champion v{champion_vs['version']} on the chat set: perplexity ratio "

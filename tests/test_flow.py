@@ -156,3 +156,30 @@ def test_impossible_throughput_floor_blocks_promotion(tiny_flow_run, mlflow_stor
     assert blocked.tags["promotion_blocked"] == reason and blocked.aliases == []
     assert registry.version_for_alias("tiny-llama", "candidate").version == cand_before
     assert registry.version_for_alias("tiny-llama", "champion").version == champ_before
+
+
+def test_candidate_worse_than_the_champion_on_chat_is_not_promoted(tiny_flow_run, mlflow_store):
+    """Accepted against the teacher (loose limits), but worse than the champion on the chat set: blocked, and the
+    run says which version is better on what."""
+    from flows.pipeline import compress_flow
+
+    champ_before = registry.version_for_alias("tiny-llama", "champion").version
+    champ_chat = registry.figures("tiny-llama", champ_before)["chat_perplexity_ratio"]
+    overrides = tiny_flow_run["overrides"] + ["prune.mlp_ratio=0.75", "benchmark.enabled=false",
+                                              "accept.max_perplexity_ratio=100", "accept.min_top1_agreement=0",
+                                              "accept.max_chat_perplexity_ratio=100", "accept.min_chat_top1_agreement=0",
+                                              "accept.max_chat_judged_ratio=100", "accept.relax_trials=0"]
+    state = compress_flow(config="configs/tiny.yaml", overrides=overrides, return_state=True)
+    out = state.result(raise_on_failure=False).outcome
+    assert out["verdict"]["accepted"]
+    cand_chat = out["verdict"]["candidate"]["chat_perplexity_ratio"]
+    assert cand_chat > champ_chat * 1.001, (cand_chat, champ_chat)
+    assert state.is_failed() and state.name == "Blocked"
+    assert f"worse than champion v{champ_before} on the chat set" in state.message
+    assert "registry.promote_when_worse" in out["promotion_blocked"]
+    vs = out["versus_champion"]
+    assert vs["version"] == champ_before and vs["worse_on_use"]
+    assert vs["use"]["candidate"] == pytest.approx(cand_chat) and vs["use"]["champion"] == pytest.approx(champ_chat)
+    blocked = registry.get_version("tiny-llama", out["registered"][-1]["version"])
+    assert blocked.tags["promotion_blocked"] == out["promotion_blocked"] and blocked.aliases == []
+    assert registry.version_for_alias("tiny-llama", "champion").version == champ_before
