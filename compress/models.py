@@ -214,10 +214,13 @@ def _load_teacher(source: str, gguf_file: str | None, cache_dir: str | Path, rev
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved = resolve_source(source, gguf_file, cache_dir)
+    # A large checkpoint wanted in fp32 is read as stored and widened tensor by tensor (_upcast_releasing): read
+    # straight into fp32, the stored copy's pages stay mapped until the load ends, 6 bytes per parameter at peak.
+    upcast = dtype == torch.float32 and _stored_bytes(resolved) > LARGE_BYTES
     try:
         tok = AutoTokenizer.from_pretrained(resolved, revision=revision, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            resolved, revision=revision, dtype=dtype, trust_remote_code=trust_remote_code
+            resolved, revision=revision, dtype="auto" if upcast else dtype, trust_remote_code=trust_remote_code
         )
     except OSError as e:
         raise ModelError(
@@ -227,8 +230,64 @@ def _load_teacher(source: str, gguf_file: str | None, cache_dir: str | Path, rev
         ) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if upcast and model.dtype != torch.float32:
+        _upcast_releasing(model)
     model.eval()
     return model, tok
+
+
+# Checkpoints above this (bytes on disk) are loaded as stored and widened to fp32 in place (_load_teacher).
+LARGE_BYTES = 1 << 30
+
+
+def _stored_bytes(folder: str) -> int:
+    path = Path(folder)
+    return sum(p.stat().st_size for p in path.glob("*.safetensors")) if path.is_dir() else 0
+
+
+@torch.no_grad()
+def _upcast_releasing(model) -> None:
+    """Widen every floating parameter and buffer to fp32 in place, handing each stored tensor's pages back.
+
+    transformers maps a safetensors checkpoint privately and leaves the parameters as views on it: reading one
+    to widen it makes its pages resident, and they stay so until the whole file is unmapped. Each tensor's own
+    pages (the whole ones inside it: its neighbours' are not touched) are dropped with madvise(MADV_DONTNEED) once
+    its fp32 copy exists; they are clean pages of a read-only use of the file, so nothing is lost. Peak: the
+    fp32 model plus one stored tensor, not plus the whole checkpoint.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    mapped = _file_mappings()
+    for p in model.parameters():
+        if not p.is_floating_point() or p.dtype == torch.float32:
+            continue
+        addr, size = p.data_ptr(), p.numel() * p.element_size()
+        p.data = p.data.to(torch.float32)
+        start, end = -(-addr // page) * page, (addr + size) // page * page
+        if end > start and any(a <= start and end <= b for a, b in mapped):
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+    model.float()  # buffers (and anything left)
+    for mod in model.modules():
+        # Gemma 3 keeps sqrt(hidden) as a buffer made in the load dtype; fp32 loading makes it exact
+        if hasattr(mod, "scalar_embed_scale") and isinstance(getattr(mod, "embed_scale", None), torch.Tensor):
+            mod.embed_scale = torch.tensor(float(mod.scalar_embed_scale), dtype=torch.float32)
+    model.config.dtype = torch.float32
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process's file-backed mappings of .safetensors files (Linux; empty elsewhere)."""
+    out = []
+    try:
+        for line in open("/proc/self/maps"):
+            parts = line.split()
+            if len(parts) >= 6 and parts[-1].endswith(".safetensors"):
+                a, b = parts[0].split("-")
+                out.append((int(a, 16), int(b, 16)))
+    except OSError:
+        pass
+    return out
 
 
 def model_info(model) -> dict:

@@ -6,9 +6,10 @@ from prefect import task
 from safetensors.torch import load_file
 
 from compress.config import PipelineConfig
-from compress.distill import distill
+from compress.distill import distill, resolve_device
 from compress.distill_data import training_splits
 from compress.distill_launch import DistillJob, launch_distill
+from compress.memory import check_distill_memory, shape_of_folder
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model, load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
@@ -24,6 +25,11 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
         return done
     with child_run(parent_run_id, stage) as run:
         log_params({"distill": cfg.distill.model_dump()})
+        # before loading anything: CPU training too large for this machine is refused with the numbers
+        device = resolve_device(cfg.distill.device).type if cfg.distill.device != "cuda" else "cuda"
+        check_distill_memory(shape_of_folder(teacher_dir, cfg.model.trust_remote_code),
+                             shape_of_folder(student_dir, cfg.model.trust_remote_code), device,
+                             cfg.distill.batch_size, cfg.data.block_size)
         out = folder / "model"
         teacher = tok = None
         data = load_splits(splits)

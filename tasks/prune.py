@@ -7,6 +7,7 @@ from prefect import task
 from safetensors.torch import save_file
 
 from compress.config import PipelineConfig
+from compress.memory import check_prune_memory, shape_of_folder
 from compress.prune import prune_model
 from compress.sensitivity import sensitivity_scan
 from compress.torch_eval import perplexity
@@ -24,6 +25,9 @@ def prune_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | N
     data = load_splits(splits)
     with child_run(parent_run_id, stage) as run:
         log_params({"prune": cfg.prune.model_dump()})
+        # before loading anything: a model too large for this machine is refused with the numbers
+        check_prune_memory(shape_of_folder(model_dir, cfg.model.trust_remote_code), cfg.prune.sensitivity_blocks,
+                           cfg.data.block_size)
         teacher, tok = load_model(model_dir, cfg)
         sens = sensitivity_scan(teacher, data.calib, cfg.prune) if cfg.prune.sensitivity else None
         student, report = prune_model(teacher, data.calib, cfg.prune, sens)

@@ -1,0 +1,140 @@
+"""How much memory each stage needs for a model of a given shape, and the refusal when a stage cannot fit.
+
+The formulas (docs/models.md#large-models states them and checks them against measured runs), for P parameters,
+an embedding of V x h and a process overhead O (Python, torch, onnxruntime, tokenizer; about 1 GiB):
+
+* load: the checkpoint as stored, bf16: 2P;
+* export (gqa builder): the bf16 model plus one fp32 tensor and its transpose at a time: 2P + 8Vh;
+* golden: the fp32 torch model, then (not at the same time) the fp32 ONNX session: 4P;
+* quantize and accept: one fp32 ONNX session at a time (calibration, the baseline's evaluation; the candidate
+  is scored after the baseline's logits went to disk, compress/evaluate.py): 4P, plus a batch of logits;
+* pruning: teacher and student in fp32 side by side: 8P, plus calibration activations;
+* distillation: the fp32 teacher (4P) and a trained fp32 student with its gradient and Adam's two moments
+  (16P): 20P, plus activations.
+
+Every stage adds the logits of a batch (batch x block x V x 4 bytes, a few of them alive at once) and O.
+``check_fits`` turns an estimate above the memory this machine has into a ``MemoryBudgetError`` that gives the
+numbers and the way out (a GPU for distillation, a smaller model or a larger machine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+OVERHEAD = 1.0 * GIB  # interpreter, torch, onnxruntime and the tokenizer, measured at about 0.8-1 GiB
+LOGIT_COPIES = 3  # logits of one batch: the session's output, the reference's, one row's float64 temporaries
+
+
+class MemoryBudgetError(RuntimeError):
+    """A stage that would need more memory than the machine has, with the numbers and what to do instead."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    params: int
+    vocab: int
+    hidden: int
+    tied: bool = True
+
+    @classmethod
+    def of_config(cls, config) -> "Shape":
+        """From a transformers config (the parameter count is computed, not read)."""
+        h, inter, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        d = getattr(config, "head_dim", None) or h // heads
+        attn = h * heads * d * 2 + h * kv * d * 2
+        mlp = 3 * h * inter
+        if config.model_type == "qwen2":  # q/k/v biases
+            attn += heads * d + 2 * kv * d
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        emb = config.vocab_size * h * (1 if tied else 2)
+        return cls(L * (attn + mlp + 2 * h) + emb + h, config.vocab_size, h, tied)
+
+    @classmethod
+    def of_model(cls, model) -> "Shape":
+        c = model.config
+        return cls(sum(p.numel() for p in model.parameters()), c.vocab_size, c.hidden_size,
+                   bool(getattr(c, "tie_word_embeddings", False)))
+
+
+def stage_bytes(shape: Shape, batch: int = 4, block: int = 128) -> dict[str, float]:
+    """Estimated peak resident bytes of each stage's process (formulas in the module docstring)."""
+    P, Vh = shape.params, shape.vocab * shape.hidden
+    logits = LOGIT_COPIES * batch * block * shape.vocab * 4
+    return {
+        "build": 2 * P + 4 * Vh + OVERHEAD,
+        "load": 2 * P + OVERHEAD,
+        "export": 2 * P + 8 * Vh + OVERHEAD,
+        "golden": 4 * P + OVERHEAD,
+        "quantize": 4 * P + logits + OVERHEAD,
+        "accept": 4 * P + logits + OVERHEAD,
+        "prune": 8 * P + logits + OVERHEAD,
+        "distill": 20 * P + logits + OVERHEAD,
+    }
+
+
+def estimate_for_shape(name: str) -> dict:
+    """Estimates (GiB) for one of compress/shapes.py's SHAPES, with the weights' sizes."""
+    from compress.shapes import shape_config
+
+    s = Shape.of_config(shape_config(name))
+    est = stage_bytes(s)
+    pipeline = max(v for k, v in est.items() if k not in ("prune", "distill", "build"))
+    return {"params": s.params, "fp32_gib": round(4 * s.params / GIB, 2), "bf16_gib": round(2 * s.params / GIB, 2),
+            "stages": {k: round(v / GIB, 1) for k, v in est.items()}, "pipeline_gib": round(pipeline / GIB, 1)}
+
+
+def available_bytes() -> int:
+    """MemAvailable of this machine (Linux), else the total."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(stage: str, need: float, fix: str, available: int | None = None) -> None:
+    """Raise MemoryBudgetError when ``need`` bytes are more than the machine has free now."""
+    have = available_bytes() if available is None else available
+    if need > have:
+        raise MemoryBudgetError(
+            f"{stage} on the CPU needs about {need / GIB:.1f} GiB of memory for this model and {have / GIB:.1f} GiB "
+            f"are free ({fix})")
+
+
+def shape_of_folder(model_dir: str, trust_remote_code: bool = False) -> Shape:
+    """The shape of a saved model from its config.json alone (no weights read)."""
+    from transformers import AutoConfig
+
+    return Shape.of_config(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code))
+
+
+def check_prune_memory(shape: Shape, calib_blocks: int = 8, block: int = 128, available: int | None = None) -> float:
+    """Raise MemoryBudgetError when structured pruning of ``shape`` cannot fit here; returns the estimate (bytes)."""
+    need = stage_bytes(shape, min(calib_blocks, 4), block)["prune"]
+    check_fits("pruning", need,
+               f"8 bytes per parameter: the fp32 teacher and the fp32 student side by side, {shape.params / 1e9:.2f}B "
+               f"parameters. Run it on a machine with {need / GIB:.0f} GiB free, or set prune.enabled=false and "
+               f"quantize only", available)
+    return need
+
+
+def check_distill_memory(teacher: Shape, student: Shape, device: str, batch: int = 4, block: int = 128,
+                         available: int | None = None) -> float:
+    """Raise MemoryBudgetError when CPU distillation cannot fit here (a GPU holds the training instead); returns
+    the estimate (bytes) of host memory."""
+    logits = LOGIT_COPIES * batch * block * teacher.vocab * 4
+    need = 4 * teacher.params + 16 * student.params + logits + OVERHEAD
+    if device == "cuda":
+        return need  # the GPU's memory is CUDA's to refuse; the host holds the checkpoints
+    check_fits("distillation", need,
+               f"the fp32 teacher at 4 bytes per parameter ({teacher.params / 1e9:.2f}B) and the trained student at 16 "
+               f"(weights, gradients, Adam's two moments; {student.params / 1e9:.2f}B). Set --set distill.device=cuda to "
+               f"train on a GPU, or distill a smaller student", available)
+    return need
