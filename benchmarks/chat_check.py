@@ -3,6 +3,10 @@
     python -m benchmarks.chat_check --teacher artifacts/export/<key>/artifact \
         --candidate int8=artifacts/quantize/<key>/artifact --candidate chain=... [--json out.json]
 
+A candidate may also be a Hugging Face model folder (a pruned or distilled student before export, e.g.
+artifacts/prune/<key>/model or artifacts/distill/<key>/model): it is built into a gqa artifact first, so the
+pruning damage and what distillation recovered are measured on the same chat sets.
+
 The gate's set is compress/chatsets/use.jsonl (single-turn prompts). The second set,
 benchmarks/data/chat_second.jsonl, is another style (system personas, multi-turn conversations, opinions, creative
 and how-to requests), written apart from the first and read by no stage of the pipeline, no config and no test
@@ -25,6 +29,20 @@ SHOWN = ("chat_perplexity_ratio", "chat_top1_agreement", "chat_judged_ratio", "c
          "chat_median_divergence", "chat_tokens")
 
 
+def as_artifact(item: str) -> str:
+    """NAME=FOLDER with FOLDER an artifact (manifest.json) as it is, or an HF model folder built into one."""
+    name, _, path = item.partition("=")
+    if (Path(path) / "manifest.json").is_file():
+        return item
+    from compress.gqa_builder import build_gqa_artifact
+    from compress.models import load_teacher
+
+    model, tok = load_teacher(path)[:2]
+    out = Path(tempfile.mkdtemp(prefix=f"chat_{name}_")) / "artifact"
+    build_gqa_artifact(model, tok, out)
+    return f"{name}={out}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--teacher", required=True)
@@ -35,6 +53,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     cache = a.cache or tempfile.mkdtemp(prefix="chat_targets_")
+    a.candidate = [as_artifact(c) for c in a.candidate]
     sets = {"use (gate)": "builtin", "second (never tuned on)": str(SECOND_SET)}
     out: dict = {}
     for set_name, spec in sets.items():

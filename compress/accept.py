@@ -133,17 +133,17 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
             check("kl", kl, cfg.max_kl, kl <= cfg.max_kl,
                   f"KL to the baseline {kl:.4f} nats/token > max_kl {cfg.max_kl}"
                   + (" (not measured: evaluate with reference_artifact)" if math.isnan(kl) else ""))
-    else:
-        if cfg.max_heldout_perplexity_ratio is not None:
-            hc, hb = candidate.get("heldout_perplexity"), baseline.get("heldout_perplexity")
-            hr = float(hc) / float(hb) if hc is not None and hb else float("nan")
-            m["gate_heldout_perplexity_ratio"] = hr
-            check("heldout_perplexity_ratio", hr, cfg.max_heldout_perplexity_ratio,
-                  hr <= cfg.max_heldout_perplexity_ratio,
-                  f"held-out source perplexity is {hr:.4f}x the baseline's > max_heldout_perplexity_ratio "
-                  f"{cfg.max_heldout_perplexity_ratio}" + (" (not measured: data.heldout_source is none; set one or "
-                                                           "accept.max_heldout_perplexity_ratio=null)"
-                                                           if math.isnan(hr) else ""))
+    if cfg.max_heldout_perplexity_ratio is not None:  # another genre: both criteria, when a limit is set
+        hc, hb = candidate.get("heldout_perplexity"), baseline.get("heldout_perplexity")
+        hr = float(hc) / float(hb) if hc is not None and hb else float("nan")
+        m["gate_heldout_perplexity_ratio"] = hr
+        check("heldout_perplexity_ratio", hr, cfg.max_heldout_perplexity_ratio,
+              hr <= cfg.max_heldout_perplexity_ratio,
+              f"held-out source perplexity is {hr:.4f}x the baseline's > max_heldout_perplexity_ratio "
+              f"{cfg.max_heldout_perplexity_ratio}" + (" (not measured: data.heldout_source is none; set one or "
+                                                       "accept.max_heldout_perplexity_ratio=null)"
+                                                       if math.isnan(hr) else ""))
+    if criteria == "quality":
         if cfg.max_downstream_drop is not None:
             dc = float(candidate.get("downstream_accuracy", float("nan")))
             db = float(baseline.get("downstream_accuracy", float("nan")))
@@ -285,12 +285,14 @@ def quantize_with_acceptance(
         # figures on (agreement of the baseline with itself would only cost a second pass over eval_blocks).
         baseline = evaluate_onnx(src, eval_blocks, **{k: v for k, v in ekw.items() if k != "reference_top1"})
     q = Quantizer(src, calib_blocks, qcfg, threads=threads)
+    # The loop gates on the selection split alone: the other genres are the verdict's (tasks/accept.py).
+    loop_cfg = acfg.model_copy(update={"max_heldout_perplexity_ratio": None})
     extra: list[str] = []
     trials: list[dict] = []
     for i in range(acfg.relax_trials + 1):
         report = q.write(out_dir, extra)
         metrics = evaluate_onnx(out_dir, eval_blocks, **ref, **ekw)
-        verdict = accept(metrics, baseline, acfg, criteria="fidelity")  # quantization: stay the source
+        verdict = accept(metrics, baseline, loop_cfg, criteria="fidelity")  # quantization: stay the source
         rec = {"trial": i, "float_groups": list(report.float_linears), "extra_float_groups": list(extra),
                "metrics": {**metrics, **report.metrics(), **verdict.metrics}, "accepted": verdict.accepted, "reasons": list(verdict.reasons)}
         trials.append(rec)

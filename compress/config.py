@@ -282,7 +282,7 @@ class AcceptConfig(Section):
     min_top1_agreement: float = Field(0.90, ge=0, le=1)
     # fidelity: mean KL(baseline || candidate) per scored token, nats; null = not checked.
     max_kl: float | None = Field(None, gt=0)
-    # quality: perplexity ratio on data.heldout_source (another genre); null = logged, not checked.
+    # Perplexity ratio on data.heldout_source (another genre), under both criteria; null = logged, not checked.
     max_heldout_perplexity_ratio: float | None = Field(None, ge=1.0)
     # quality: multiple-choice continuation accuracy (compress/downstream.py) may fall at most this much below
     # the baseline's (absolute, 0.05 = 5 points); items from downstream_items blocks of the test split and as
