@@ -133,6 +133,7 @@ class ModelManager:
         self.last_error: str | None = None
         self.num_swaps = 0
         self.num_load_failures = 0
+        self.num_polls = 0  # alias polls finished: "after N polls" without guessing how long N take
         self.on_swap: list[Callable[[LoadedModel, LoadedModel | None], None]] = []
         self.on_retire: list[Callable[[LoadedModel], None]] = []
 
@@ -330,6 +331,7 @@ class ModelManager:
                 self.reload()
             except Exception:  # noqa: BLE001 - the poller must survive anything
                 log.exception("alias poll failed")
+            self.num_polls += 1
 
     def stats(self) -> list[EngineStats]:
         return [lm.engine.stats() for lm in self.live_models()]

@@ -223,9 +223,8 @@ def test_a_request_that_can_never_fit_the_pool_is_400_at_admission(small):
     with httpx.Client(base_url=small.url, timeout=TIMEOUT) as c:
         for body in ({"prompt": "hello", "max_tokens": 300},  # fits the 512 context, not the 256-token pool
                      {"prompt": list(range(1, 300)), "max_tokens": 1}):
-            t0 = time.monotonic()
             r = c.post("/v1/completions", json=body)
-            assert time.monotonic() - t0 < 5
+            assert eng.stats().requests_added == added  # refused at admission: it never reached the queue
             err = assert_names_problem(r, body)
             assert r.status_code == 400 and err["code"] == "context_length_exceeded"
             assert "can never fit the KV cache of 256 tokens" in err["message"], err
@@ -343,11 +342,9 @@ def test_overload_at_10x_capacity_gives_429_bounded_memory_and_completes_the_res
     assert st_.kv_blocks_used == 0 and st_.num_waiting == 0
     print(f"\noverload: {n} requests at once, {len(throttled)} got 429 first, all {n} served after "
           f"{max(t for _, _, t in results)} tries at most, {elapsed:.1f} s, RSS delta {rss_delta:.1f} MiB")
-    # Recovery: the next request after the burst is served at once.
-    t1 = time.monotonic()
+    # Recovery: the next request after the burst is admitted at its first try (no 429) and served.
     assert httpx.post(small.url + "/v1/completions", json={"prompt": "after", "max_tokens": 2},
                       timeout=TIMEOUT).status_code == 200
-    assert time.monotonic() - t1 < 5
 
 
 # ---- swap under load ---------------------------------------------------------------------------------
