@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         report = finish(report, rss.samples, kv_check_http(args.url.rstrip("/")))
     else:
         from compress.config import load_config
-        from serve.__main__ import BackgroundServer
+        from serve.background import BackgroundServer
         from serve.api import create_app
 
         base = ["serve.providers=[CPUExecutionProvider]", "serve.kv_memory_mb=16", "serve.max_batch_size=8",

@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from serve.__main__ import BackgroundServer, main
+from serve.__main__ import main
+from serve.background import BackgroundServer
 from serve.api import create_app
 from serve.config import ServeConfig
 from serve.engine import Engine

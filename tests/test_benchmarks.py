@@ -153,7 +153,7 @@ def _check_sane(res, workload):
 
 def test_loadgen_against_in_process_server(tiny_artifact):
     from loadtest.loadgen import run_workload
-    from serve.__main__ import BackgroundServer
+    from serve.background import BackgroundServer
     from serve.api import create_app
     from serve.config import ServeConfig
 

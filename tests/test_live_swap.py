@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from serve.__main__ import BackgroundServer
+from serve.background import BackgroundServer
 from serve.api import create_app
 from serve.config import ServeConfig
 from serve.engine import Engine

@@ -14,7 +14,7 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from serve.__main__ import BackgroundServer  # noqa: E402
+from serve.background import BackgroundServer  # noqa: E402
 from serve.api import create_app  # noqa: E402
 from serve.config import ServeConfig  # noqa: E402
 from serve.runner import CPU  # noqa: E402

@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-from serve.__main__ import BackgroundServer
+from serve.background import BackgroundServer
 from serve.api import create_app
 from serve.config import ServeConfig
 from serve.runner import CPU

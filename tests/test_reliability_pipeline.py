@@ -200,7 +200,7 @@ def test_a_version_damaged_in_the_store_is_not_promoted_by_the_deploy_flow(prefe
     import mlflow
 
     from flows.deploy import deploy_flow
-    from serve.__main__ import BackgroundServer
+    from serve.background import BackgroundServer
     from serve.api import create_app
 
     registry.configure(mlflow_store)

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loadtest.soak import soak_server
-from serve.__main__ import BackgroundServer
+from serve.background import BackgroundServer
 from serve.api import create_app
 from serve.config import ServeConfig
 from serve.runner import CPU

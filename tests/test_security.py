@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from compress.config import ModelConfig, PipelineConfig, ServeConfig, load_config, project_root
-from serve.__main__ import BackgroundServer, build_parser
+from serve.__main__ import build_parser
+from serve.background import BackgroundServer
 from serve.api import create_app
 from serve.runner import CPU
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from serve.__main__ import BackgroundServer
+from serve.background import BackgroundServer
 from serve.api import create_app
 from serve.config import ServeConfig
 from serve.runner import CPU
