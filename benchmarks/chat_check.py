@@ -50,11 +50,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--divergence-tokens", type=int, default=16)
     ap.add_argument("--cache", default=None, help="teacher-answer cache folder (default: a temporary one)")
+    ap.add_argument("--sets", nargs="+", choices=("gate", "second"), default=["gate", "second"])
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     cache = a.cache or tempfile.mkdtemp(prefix="chat_targets_")
     a.candidate = [as_artifact(c) for c in a.candidate]
-    sets = {"use (gate)": "builtin", "second (never tuned on)": str(SECOND_SET)}
+    sets = {name: spec for key, name, spec in (("gate", "use (gate)", "builtin"),
+                                               ("second", "second (never tuned on)", str(SECOND_SET)))
+            if key in a.sets}
     out: dict = {}
     for set_name, spec in sets.items():
         prompts = chat_eval.render(a.teacher, chat_eval.load_sets([spec]))
@@ -72,9 +75,10 @@ def main() -> None:
         for name, r in res.items():
             if isinstance(r, dict):
                 print(f"| {set_name} | {name} | " + " | ".join(f"{r[k]:.4g}" for k in SHOWN) + f" | {r['seconds']:.0f} |")
-    for name in (c.partition("=")[0] for c in a.candidate):
-        a_, b_ = (out[s][name]["chat_perplexity_ratio"] for s in sets)
-        print(f"{name}: second-set ratio - gate-set ratio = {b_ - a_:+.4f}")
+    if len(sets) == 2:
+        for name in (c.partition("=")[0] for c in a.candidate):
+            a_, b_ = (out[s][name]["chat_perplexity_ratio"] for s in sets)
+            print(f"{name}: second-set ratio - gate-set ratio = {b_ - a_:+.4f}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
 

@@ -154,13 +154,14 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
                   f"{cfg.max_downstream_drop}" + (" (not measured)" if math.isnan(db - dc) else ""))
     if "chat_perplexity_ratio" in candidate:  # measured: the model has a chat template and accept.chat_sets is set
         _chat_checks(candidate, cfg, criteria, m, check)
-    if cfg.min_throughput_ratio is not None:
+    if cfg.min_decode_speed_ratio is not None:
         c_tps = _num(candidate, "decode_tokens_per_s", "candidate")
         b_tps = _num(baseline, "decode_tokens_per_s", "baseline")
         tr = c_tps / b_tps if b_tps > 0 else 0.0
         m["gate_throughput_ratio"] = tr
-        check("throughput_ratio", tr, cfg.min_throughput_ratio, tr >= cfg.min_throughput_ratio,
-              f"decode throughput {c_tps:.1f} tok/s is {tr:.3f}x the baseline {b_tps:.1f} < min_throughput_ratio {cfg.min_throughput_ratio}")
+        check("throughput_ratio", tr, cfg.min_decode_speed_ratio, tr >= cfg.min_decode_speed_ratio,
+              f"decode throughput {c_tps:.1f} tok/s is {tr:.3f}x the baseline {b_tps:.1f} < min_decode_speed_ratio "
+              f"{cfg.min_decode_speed_ratio}")
     if cfg.max_size_ratio is not None:
         sr = _num(candidate, "size_bytes", "candidate") / _num(baseline, "size_bytes", "baseline")
         m["gate_size_ratio"] = sr

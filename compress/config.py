@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -268,6 +269,18 @@ class QuantizeConfig(Section):
     calib_batch_size: int = Field(4, ge=1)
 
 
+def renamed_key(data, section: str, old: str, new: str):
+    """A key renamed for what it measures: the old name still works, with a deprecation message naming the new."""
+    if isinstance(data, dict) and old in data:
+        if new in data:
+            raise ValueError(f"{section}.{old} is the old name of {section}.{new}; give only {new}")
+        warnings.warn(f"{section}.{old} is deprecated: it is now {section}.{new} (same meaning); rename it in "
+                      f"your config", FutureWarning, stacklevel=2)
+        data = {**data, new: data[old]}
+        del data[old]
+    return data
+
+
 class AcceptConfig(Section):
     enabled: bool = False
     # What the gate checks (docs/quantization.md#criteria-that-fit-each-compression). fidelity: the candidate
@@ -305,13 +318,18 @@ class AcceptConfig(Section):
     # Share of answers that agree with the teacher's for at least chat_divergence_tokens tokens; null = logged only.
     min_chat_late_divergence_share: float | None = Field(None, ge=0, le=1)
     chat_divergence_tokens: int = Field(16, ge=1)
-    # candidate tokens/s over baseline tokens/s (batch-1 decode); null = no floor.
-    min_throughput_ratio: float | None = Field(None, gt=0)
+    # candidate tokens/s over baseline tokens/s at batch-1 decode; null = no floor (formerly min_throughput_ratio).
+    min_decode_speed_ratio: float | None = Field(None, gt=0)
     max_size_ratio: float | None = Field(None, gt=0)
 
     # Accuracy-aware loop: on rejection move this many more groups (most sensitive first) to float and retry.
     relax_trials: int = Field(2, ge=0)
     relax_groups_per_trial: int = Field(4, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        return renamed_key(data, "accept", "min_throughput_ratio", "min_decode_speed_ratio")
 
     @field_validator("chat_sets")
     @classmethod
@@ -332,7 +350,7 @@ class AcceptConfig(Section):
 
 
 class BenchmarkConfig(Section):
-    """Serving benchmark of the candidate and the fp32 baseline, in the same run (benchmarks/serve_bench.py)."""
+    """Serving benchmark of the candidate and the fp32 baseline, in the same run (loadtest/serve_bench.py)."""
 
     enabled: bool = False
     requests: int = Field(16, ge=1)
@@ -340,8 +358,14 @@ class BenchmarkConfig(Section):
     seed: int = 0
     prompt_words: tuple[int, int] = (16, 96)
     max_tokens: tuple[int, int] = (8, 32)
-    # Promotion also needs candidate/baseline server output tokens/s >= this (None = no speed floor).
-    min_throughput_ratio: float | None = Field(None, gt=0)
+    # Promotion also needs candidate/baseline server output tokens/s >= this (None = no speed floor; formerly
+    # min_throughput_ratio).
+    min_server_throughput_ratio: float | None = Field(None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        return renamed_key(data, "benchmark", "min_throughput_ratio", "min_server_throughput_ratio")
     # ServeConfig fields for the benchmarked servers, e.g. {max_batch_size: 8}.
     serve_overrides: dict = Field(default_factory=dict)
     # A folder written by onnxruntime-genai's model builder from the same HF model (docs/benchmarks.md, run 6,

@@ -54,10 +54,10 @@ def benchmark_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str
         log_metrics(metrics)
         log_json({"candidate": cand, "baseline": base, "ratios": rat, **({"genai": genai} if genai else {})},
                  "benchmark.json")
-    floor = b.min_throughput_ratio
+    floor = b.min_server_throughput_ratio
     tput = rat.get("output_tokens_per_s_ratio", float("nan"))
     blocked = None
     if floor is not None and not tput >= floor:
-        blocked = f"server throughput {tput:.3f}x the baseline < benchmark.min_throughput_ratio {floor}"
+        blocked = f"server throughput {tput:.3f}x the baseline < benchmark.min_server_throughput_ratio {floor}"
     return mark_done(folder, {"metrics": metrics, "candidate": cand, "baseline": base, "ratios": rat,
                               "promotion_blocked": blocked, "genai": genai})

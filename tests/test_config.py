@@ -67,3 +67,18 @@ def test_heldout_source_must_be_another_text():
     with pytest.raises(ConfigError, match=r"data\.test_blocks"):
         load_config(None, ["data.test_blocks=0"])
     assert load_config(None, ["data.heldout_source=none"]).data.heldout_source == "none"
+
+
+def test_renamed_speed_floors_keep_their_old_name_with_a_warning():
+    """min_throughput_ratio meant batch-1 decode speed in accept and server tokens/s in benchmark: renamed for
+    what each measures, the old name still read (with a FutureWarning, which users see by default)."""
+    from compress.config import load_config
+
+    with pytest.warns(FutureWarning, match="accept.min_throughput_ratio is deprecated.*min_decode_speed_ratio"):
+        cfg = load_config("configs/tiny.yaml", ["accept.min_throughput_ratio=0.5"])
+    assert cfg.accept.min_decode_speed_ratio == 0.5
+    with pytest.warns(FutureWarning, match="benchmark.min_server_throughput_ratio"):
+        cfg = load_config("configs/tiny.yaml", ["benchmark.min_throughput_ratio=0.7"])
+    assert cfg.benchmark.min_server_throughput_ratio == 0.7
+    with pytest.raises(Exception, match="give only min_decode_speed_ratio"):
+        load_config("configs/tiny.yaml", ["accept.min_throughput_ratio=0.5", "accept.min_decode_speed_ratio=0.6"])

@@ -45,7 +45,7 @@ def test_golden_prefix_match(tiny_model, tiny_tokenizer, tiny_artifact, tiny_spl
 
 
 def test_accept_within_tolerance():
-    cfg = AcceptConfig(max_perplexity_ratio=1.05, min_top1_agreement=0.9, min_throughput_ratio=1.2, max_size_ratio=0.5)
+    cfg = AcceptConfig(max_perplexity_ratio=1.05, min_top1_agreement=0.9, min_decode_speed_ratio=1.2, max_size_ratio=0.5)
     v = accept({"perplexity": 20.5, "top1_agreement": 0.93, "decode_tokens_per_s": 60.0, "size_bytes": 200e6}, BASE, cfg)
     assert isinstance(v, Verdict) and v.accepted and v.reasons == []
     assert v.metrics["gate_perplexity_ratio"] == pytest.approx(1.025)
@@ -53,12 +53,12 @@ def test_accept_within_tolerance():
 
 
 def test_accept_rejects_naming_each_failed_tolerance():
-    cfg = AcceptConfig(max_perplexity_ratio=1.05, max_perplexity_delta=0.5, min_top1_agreement=0.9, min_throughput_ratio=1.2, max_size_ratio=0.3)
+    cfg = AcceptConfig(max_perplexity_ratio=1.05, max_perplexity_delta=0.5, min_top1_agreement=0.9, min_decode_speed_ratio=1.2, max_size_ratio=0.3)
     v = accept({"perplexity": 22.0, "top1_agreement": 0.85, "decode_tokens_per_s": 44.0, "size_bytes": 200e6}, BASE, cfg)
     assert not v.accepted and len(v.reasons) == 5
     text = "\n".join(v.reasons)
     for needle in ["max_perplexity_ratio 1.05", "1.1000x", "max_perplexity_delta 0.5", "+2", "min_top1_agreement 0.9", "0.8500",
-                   "min_throughput_ratio 1.2", "1.100x", "max_size_ratio 0.3", "0.400x"]:
+                   "min_decode_speed_ratio 1.2", "1.100x", "max_size_ratio 0.3", "0.400x"]:
         assert needle in text, needle
     # only the failing one is named
     v2 = accept({"perplexity": 20.1, "top1_agreement": 0.5}, BASE, AcceptConfig())

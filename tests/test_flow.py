@@ -141,15 +141,15 @@ def test_impossible_throughput_floor_blocks_promotion(tiny_flow_run, mlflow_stor
     # The same rerun of the benchmark stage also names a genai model folder that holds none: the batch-1
     # comparison is skipped with the reason, and the stage goes on.
     state = compress_flow(config="configs/tiny.yaml", return_state=True,
-                          overrides=tiny_flow_run["overrides"] + ["benchmark.min_throughput_ratio=1000",
+                          overrides=tiny_flow_run["overrides"] + ["benchmark.min_server_throughput_ratio=1000",
                                                                   f"benchmark.genai_model={tmp_path}"])
-    assert state.is_failed() and state.name == "Blocked" and "min_throughput_ratio 1000" in state.message
+    assert state.is_failed() and state.name == "Blocked" and "min_server_throughput_ratio 1000" in state.message
     out = state.result(raise_on_failure=False)
     assert isinstance(out, RunNotAccepted)
     out = out.outcome
     assert out["verdict"]["accepted"]  # accurate enough, but too slow for this floor
     reason = out["benchmark"]["promotion_blocked"]
-    assert "min_throughput_ratio 1000" in reason
+    assert "min_server_throughput_ratio 1000" in reason
     assert "genai_config.json" in out["benchmark"]["genai"]["skipped"]
     assert not any(k.startswith("genai_batch1_") for k in out["benchmark"]["metrics"])
     blocked = registry.get_version("tiny-llama", out["registered"][-1]["version"])
