@@ -1,0 +1,281 @@
+"""Peak memory and wall time of every CPU stage on models of the published sizes (docs/models.md#large-models).
+
+    python -m benchmarks.large_models --shape llama-3.2-1b              # each stage in its own process
+    python -m benchmarks.large_models --shape llama-3.2-1b --stages --pipeline  # the documented `compressor run`
+    python -m benchmarks.large_models --shape llama-3.2-1b --serve      # + the INT8 artifact served at c1 / c8
+
+The model is ``model.source: shape:<name>`` (compress/shapes.py: the published config, random seeded weights,
+bf16). Each stage runs as ``python -m benchmarks.large_models --stage <stage> ...`` in a child process, so its
+peak is its own: the parent samples the resident memory of the child's whole process tree (itself and every
+descendant, /proc) every 50 ms and also reads the child's own ``ru_maxrss``; the table shows the larger.
+Stages hand their outputs on through a work folder (``--workdir``, default ``artifacts/large/<shape>``), as the
+pipeline's tasks do. Prints a table and writes ``benchmarks/results/large_<shape>.json``; the estimate columns
+come from compress/memory.py, the formulas docs/models.md states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("build", "load", "export", "golden", "quantize", "accept")
+SERVE_KV_MB = 2048  # configs/large.yaml's serve.kv_memory_mb (docs/models.md: what the default 256 holds)
+
+
+# ---------------------------------------------------------------- measuring a process tree
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants now."""
+    total, stack, seen = 0, [pid], set()
+    while stack:
+        p = stack.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            continue
+        stack += _children(p)
+    return total
+
+
+def run_measured(cmd: list[str], log_path: Path | None = None, env: dict | None = None) -> dict:
+    """Run ``cmd``; its return code, wall seconds and peak resident bytes of its process tree."""
+    t0 = time.perf_counter()
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    peak = [0]
+    series: list[tuple[float, int]] = []  # (unix time, tree RSS) every 0.5 s, for the per-task peaks of a flow
+    done = threading.Event()
+
+    def sample():
+        last = 0.0
+        while not done.is_set():
+            now, rss = time.time(), tree_rss(proc.pid)
+            peak[0] = max(peak[0], rss)
+            if now - last >= 0.5:
+                series.append((now, rss))
+                last = now
+            else:
+                series[-1] = (series[-1][0], max(series[-1][1], rss))
+            done.wait(0.05)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    done.set()
+    th.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if log_path:
+        log.close()
+    out = {"rc": proc.returncode, "seconds": round(time.perf_counter() - t0, 1),
+           "peak_rss_gib": round(max(peak[0], usage.ru_maxrss * 1024) / 2**30, 2),
+           "sampled_tree_peak_gib": round(peak[0] / 2**30, 2), "ru_maxrss_gib": round(usage.ru_maxrss / 2**20, 2)}
+    if log_path:
+        out["tasks"] = task_peaks(log_path, series, time.time() - (time.perf_counter() - t0))
+    return out
+
+
+_TASK_END = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d+) \| \w+ +\| Task run '([\w-]+?)-\w{3}' - Finished in state (\w+)")
+
+
+def task_peaks(log_path: Path, series: list[tuple[float, int]], started: float) -> list[dict]:
+    """Per Prefect task of a flow run: seconds and peak tree RSS, from the log's 'Finished' lines (UTC times,
+    as Prefect prints them) and the RSS samples; a task starts where the previous one finished."""
+    import calendar
+
+    day = time.gmtime(started)
+    rows, prev = [], started
+    for line in log_path.read_text(errors="replace").splitlines():
+        m = _TASK_END.match(line.strip())
+        if not m:
+            continue
+        hh, mm, ss, frac, name, state = m.groups()
+        end = calendar.timegm((day.tm_year, day.tm_mon, day.tm_mday, int(hh), int(mm), int(ss))) + float("0." + frac)
+        if end < prev - 43200:  # past midnight
+            end += 86400
+        window = [r for t, r in series if prev - 0.5 <= t <= end + 0.5]
+        rows.append({"task": name, "state": state, "seconds": round(end - prev, 1),
+                     "peak_rss_gib": round(max(window, default=0) / 2**30, 2)})
+        prev = end
+    return rows
+
+
+# ---------------------------------------------------------------- the stages (each in its own process)
+
+def _cfg(shape: str, workdir: Path, sets: list[str]):
+    from compress.config import load_config
+
+    return load_config(ROOT / "configs" / "large.yaml", [f"model.source=shape:{shape}", f"workdir={workdir}", *sets])
+
+
+def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
+    """One stage as the pipeline's task runs it (the plain compress/ functions), outputs under workdir."""
+    cfg = _cfg(shape, workdir, sets)
+    workdir.mkdir(parents=True, exist_ok=True)
+    state_file = workdir / "state.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    out: dict = {}
+    if name == "build":
+        from compress.models import resolve_source
+
+        state["model_dir"] = resolve_source(cfg.model.source, None, cfg.model.cache_dir)
+    elif name == "load":
+        import torch
+
+        from compress.data import splits_from_config
+        from compress.models import load_teacher, model_info
+
+        model, tok = load_teacher(state["model_dir"], dtype="auto")
+        splits = splits_from_config(tok, cfg.data)
+        splits.save(workdir / "splits.npz")
+        splits.save_heldout(workdir / "heldout.npz")
+        out["info"] = state["info"] = model_info(model)
+        out["dtype"] = str(model.dtype).replace("torch.", "")
+        del model, torch
+    elif name == "export":
+        from compress.gqa_builder import build_gqa_artifact
+        from compress.models import load_teacher
+
+        model, tok = load_teacher(state["model_dir"], dtype="auto")
+        res, _ = build_gqa_artifact(model, tok, workdir / "fp32")
+        out["onnx_gib"] = round(res.onnx_bytes / 2**30, 2)
+        state["fp32"] = str(workdir / "fp32")
+    elif name == "golden":
+        import gc
+
+        from compress.golden import compare_from_config, record_golden
+        from compress.models import load_teacher
+
+        model, tok = load_teacher(state["model_dir"])
+        g = cfg.golden
+        golden = record_golden(model, tok, g.prompts, g.top_k, g.new_tokens)
+        del model
+        gc.collect()
+        report = compare_from_config(state["fp32"], golden, g, pad_id=tok.pad_token_id or 0)
+        out.update(report.metrics())
+        report.raise_if_failed()
+    elif name == "quantize":
+        from compress.data import DataSplits
+        from compress.quant_choice import choose_quant_form
+
+        splits = DataSplits.load(workdir / "splits.npz")
+        choice = choose_quant_form(state["fp32"], workdir / "int8", splits.calib, splits.eval, cfg.quantize, cfg.accept)
+        out.update({"chosen": choice.chosen, "forms": {k: {"accepted": v["accepted"], "reasons": v["reasons"],
+                                                            "decode_ms_per_step": v.get("decode_ms_per_step")}
+                                                        for k, v in choice.forms.items()},
+                    "int8_gib": round(choice.result.report.bytes_after / 2**30, 2)})
+        state["int8"] = str(workdir / "int8")
+    elif name == "accept":
+        from compress.accept import accept
+        from compress.data import load_heldout
+        from compress.evaluate import evaluate_onnx
+
+        test = load_heldout(workdir / "heldout.npz").test
+        base = evaluate_onnx(state["fp32"], test)
+        cand = evaluate_onnx(state["int8"], test, reference_artifact=state["fp32"])
+        verdict = accept(cand, base, cfg.accept, criteria="fidelity")
+        out.update({"accepted": verdict.accepted, "reasons": list(verdict.reasons),
+                    "perplexity_ratio": cand["perplexity"] / base["perplexity"],
+                    "top1_agreement": cand["top1_agreement"],
+                    "decode_ms_fp32": base.get("decode_ms_per_token"), "decode_ms_int8": cand.get("decode_ms_per_token")})
+    elif name == "serve":
+        from loadtest.serve_bench import benchmark_artifact
+        from loadtest.workloads import make_workload
+
+        # the INT8 artifact behind the real HTTP server (a subprocess: its RSS is the server's own)
+        for c in (1, 8):
+            res = benchmark_artifact(Path(state["int8"]), make_workload(8, seed=0, max_tokens=(16, 48)), concurrency=c,
+                                     serve_overrides={"kv_memory_mb": SERVE_KV_MB})
+            m = res.metrics()
+            out[f"c{c}"] = {k: m.get(k) for k in ("requests_ok", "requests_failed", "output_tokens_per_s",
+                                                  "ttft_p50_s", "itl_p50_s", "e2e_p50_s", "peak_rss_mb")}
+    state_file.write_text(json.dumps(state, indent=1))
+    return out
+
+
+# ---------------------------------------------------------------- the driver
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", required=True)
+    ap.add_argument("--stage", choices=(*STAGES, "serve"), help="(internal) run one stage in this process")
+    ap.add_argument("--stages", nargs="*", default=list(STAGES))
+    ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--pipeline", action="store_true", help="also time `compressor run --config configs/large.yaml`")
+    ap.add_argument("--serve", action="store_true", help="also serve the INT8 artifact at concurrency 1 and 8")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="config overrides, as compressor run takes")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (default: deleted at the end)")
+    a = ap.parse_args(argv)
+    workdir = a.workdir or ROOT / "artifacts" / "large" / a.shape
+    if a.stage:
+        out = stage(a.stage, a.shape, workdir, a.sets)
+        (workdir / f"{a.stage}.json").write_text(json.dumps(out, indent=1, default=str))
+        return 0
+    from compress.memory import estimate_for_shape
+
+    est = estimate_for_shape(a.shape)
+    rows = []
+    logs = workdir.parent / f"{a.shape}-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for s in [*a.stages, *(["serve"] if a.serve else [])]:
+        cmd = [sys.executable, "-m", "benchmarks.large_models", "--shape", a.shape, "--stage", s,
+               "--workdir", str(workdir), *sum((["--set", x] for x in a.sets), [])]
+        r = run_measured(cmd, logs / f"{s}.log")
+        detail = workdir / f"{s}.json"
+        r["stage"] = s
+        r["estimate_gib"] = est["stages"].get(s)
+        r["detail"] = json.loads(detail.read_text()) if detail.is_file() else None
+        rows.append(r)
+        print(f"{s:9s} rc={r['rc']} {r['seconds']:8.1f} s  peak {r['peak_rss_gib']:6.2f} GiB  "
+              f"(estimate {r['estimate_gib']})", flush=True)
+        if r["rc"]:
+            print(f"  failed: see {logs / (s + '.log')}", flush=True)
+            break
+    pipeline = None
+    if a.pipeline:
+        cmd = [str(ROOT / ".venv" / "bin" / "compressor"), "run", "--config", "configs/large.yaml",
+               "--set", f"model.source=shape:{a.shape}", "--set", f"registry.model_name={a.shape}-shape",
+               *sum((["--set", x] for x in a.sets), [])]
+        pipeline = run_measured(cmd, logs / "pipeline.log")
+        pipeline["command"] = " ".join(cmd[1:])
+        for t in pipeline.get("tasks", []):
+            print(f"  {t['task']:18s} {t['state']:10s} {t['seconds']:8.1f} s  peak {t['peak_rss_gib']:6.2f} GiB", flush=True)
+        print(f"pipeline  rc={pipeline['rc']} {pipeline['seconds']:8.1f} s  peak {pipeline['peak_rss_gib']:6.2f} GiB",
+              flush=True)
+    result = {"shape": a.shape, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(),
+              "load_average": os.getloadavg(), "estimate": est, "stages": rows, "pipeline": pipeline, "sets": a.sets}
+    # the per-stage run and the pipeline run of a shape keep their own files
+    out = ROOT / "benchmarks" / "results" / f"large_{a.shape}{'' if rows else '_pipeline'}.json"
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out}")
+    if not a.keep:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if all(r["rc"] == 0 for r in rows) and (pipeline is None or pipeline["rc"] == 0) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
