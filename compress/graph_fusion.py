@@ -194,9 +194,12 @@ def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
             n.input[2] = ""
         nodes.append(n)
     still = {i for n in nodes for i in n.input}
-    keep = [t for t in g.initializer if t.name not in drop_inits or t.name in still]
-    g.ClearField("initializer")
-    g.initializer.extend(keep + new_inits)
+    # in place: rebuilding the list would copy every other tensor (and protobuf keeps the cleared ones' memory)
+    for i in reversed(range(len(g.initializer))):
+        if g.initializer[i].name in drop_inits and g.initializer[i].name not in still:
+            del g.initializer[i]
+    for t in new_inits:
+        g.initializer.append(t)
     g.ClearField("node")
     g.node.extend(nodes)
     return len(replace)

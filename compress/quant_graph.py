@@ -32,12 +32,19 @@ class QuantizeError(ValueError):
     """A quantization request that cannot be carried out, phrased for the user."""
 
 
+def drop_initializers(g, names: set[str]) -> None:
+    """Remove the initializers named in `names`, in place. Rebuilding the list instead (ClearField + extend) copies
+    every other tensor, and protobuf keeps the memory of the cleared ones until the model is freed: on a 3B model's
+    INT8 graph that was 3 GB a rewrite."""
+    for i in reversed(range(len(g.initializer))):
+        if g.initializer[i].name in names:
+            del g.initializer[i]
+
+
 def _replace_nodes(g, new_nodes: list, dropped: set[str]) -> None:
     """Swap the graph's nodes for `new_nodes`; drop the initializers in `dropped` that no new node reads."""
     still = {i for n in new_nodes for i in n.input}
-    keep = [t for t in g.initializer if t.name not in dropped or t.name in still]
-    g.ClearField("initializer")
-    g.initializer.extend(keep)
+    drop_initializers(g, {t for t in dropped if t not in still})
     g.ClearField("node")
     g.node.extend(new_nodes)
 
@@ -235,9 +242,7 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
             new_nodes.append(n)
     g.ClearField("node")
     g.node.extend(new_nodes)
-    keep = [t for t in g.initializer if t.name != e_name]
-    g.ClearField("initializer")
-    g.initializer.extend(keep)
+    drop_initializers(g, {e_name})
     _ensure_ms_opset(model)
     return True
 
@@ -266,7 +271,7 @@ def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, 
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     todo = {l.node for l in linears}
-    new_nodes, drop, added = [], set(), []
+    new_nodes, drop = [], set()
     for n in g.node:
         w = inits.get(n.input[1]) if n.name in todo and n.op_type == "MatMul" and len(n.input) == 2 else None
         if w is None or len(w.dims) != 2:
@@ -276,18 +281,15 @@ def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, 
         K, N = arr.shape
         packed, scales, _ = quantizer.qbits_block_quant(arr)
         del arr
-        added += [numpy_helper.from_array(packed, f"{w.name}_Q8"), numpy_helper.from_array(scales, f"{w.name}_scales")]
+        g.initializer.append(numpy_helper.from_array(packed, f"{w.name}_Q8"))
+        g.initializer.append(numpy_helper.from_array(scales, f"{w.name}_scales"))
+        del packed, scales
         kw = {"accuracy_level": accuracy_level} if accuracy_level else {}
         new_nodes.append(helper.make_node("MatMulNBits", [n.input[0], f"{w.name}_Q8", f"{w.name}_scales"],
                                           list(n.output), name=f"{n.name}_Q8" if n.name else "", domain=_MS_DOMAIN,
                                           K=K, N=N, bits=8, block_size=block_size, **kw))
         drop.add(w.name)
-    still = {i for n in new_nodes for i in n.input}
-    keep = [t for t in g.initializer if t.name not in drop or t.name in still]
-    g.ClearField("initializer")
-    g.initializer.extend(keep + added)
-    g.ClearField("node")
-    g.node.extend(new_nodes)
+    _replace_nodes(g, new_nodes, drop)
     _ensure_ms_opset(model)
     return model
 
