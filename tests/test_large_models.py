@@ -218,26 +218,28 @@ def test_distillation_of_a_3b_on_this_cpu_is_refused_with_the_numbers():
     with pytest.raises(MemoryBudgetError) as e:
         check_distill_memory(s, s, "cpu", available=24 * GIB)
     msg = str(e.value)
-    # 4 bytes/param teacher + 16 bytes/param student = 20 x 3.21B = 59.8 GiB, plus a batch of logits and 1 GiB
-    assert "distillation on the CPU needs about 61.6 GiB" in msg and "24.0 GiB are free" in msg
+    # 4 bytes/param teacher + 16 bytes/param student = 20 x 3.21B = 59.8 GiB, plus a batch of logits and 1.5 GiB
+    assert "distillation on the CPU needs about 62.1 GiB" in msg and "24.0 GiB are free" in msg
     assert "--set distill.device=cuda" in msg and "3.21B" in msg
     assert check_distill_memory(s, s, "cuda", available=24 * GIB) > 60 * GIB  # a GPU run is not refused here
 
 
 def test_pruning_refusal_and_what_fits():
     s3 = Shape.of_config(shape_config("llama-3.2-3b"))
-    with pytest.raises(MemoryBudgetError, match=r"pruning on the CPU needs about 25\.\d GiB.*prune.enabled=false"):
+    with pytest.raises(MemoryBudgetError, match=r"pruning on the CPU needs about 26\.2 GiB.*prune.enabled=false"):
         check_prune_memory(s3, available=16 * GIB)
     s1 = Shape.of_config(shape_config("llama-3.2-1b"))
-    assert check_prune_memory(s1, available=16 * GIB) / GIB == pytest.approx(10.9, abs=0.1)
+    assert check_prune_memory(s1, available=16 * GIB) / GIB == pytest.approx(11.4, abs=0.1)
 
 
 def test_estimates_for_the_published_shapes():
     e1, e3 = estimate_for_shape("llama-3.2-1b"), estimate_for_shape("llama-3.2-3b")
     assert e1["fp32_gib"] == 4.6 and e3["fp32_gib"] == 11.97
-    # the pipeline (load -> export -> golden -> INT8 -> accept) within 2x the fp32 weights, and the 3B within 16 GB
-    assert e1["pipeline_gib"] <= 2 * e1["fp32_gib"] and e3["pipeline_gib"] * GIB <= 16e9
-    assert estimate_for_shape("llama-3.1-8b")["pipeline_gib"] > 24  # an 8B needs a 32 GB workstation
+    # the pipeline (load -> export -> golden -> INT8 -> accept) within 2x the fp32 weights, the 3B within 16 GiB
+    # (measured: 6.84 and 15.09 GiB; the estimate is an upper bound: 7.4 and 15.8)
+    assert (e1["pipeline_gib"], e3["pipeline_gib"]) == (7.4, 15.8)
+    assert e1["pipeline_gib"] <= 2 * e1["fp32_gib"] and e3["pipeline_gib"] <= 16
+    assert estimate_for_shape("llama-3.1-8b")["pipeline_gib"] > 32  # an 8B's fp32 reference does not fit 32 GB
 
 
 # ---------------------------------------------------------------- the real 1B shape (pytest -m large)
