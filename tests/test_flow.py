@@ -158,14 +158,15 @@ def test_impossible_throughput_floor_blocks_promotion(tiny_flow_run, mlflow_stor
     assert registry.version_for_alias("tiny-llama", "champion").version == champ_before
 
 
-def test_candidate_worse_than_the_champion_on_chat_is_not_promoted(tiny_flow_run, mlflow_store):
+def test_candidate_worse_than_the_champion_on_chat_is_not_promoted(tiny_flow_run, mlflow_store, tmp_path):
     """Accepted against the teacher (loose limits), but worse than the champion on the chat set: blocked, and the
-    run says which version is better on what."""
+    run says which version is better on what. Its own workdir: the session's holds one distillation only
+    (tests/test_resume.py counts them)."""
     from flows.pipeline import compress_flow
 
     champ_before = registry.version_for_alias("tiny-llama", "champion").version
     champ_chat = registry.figures("tiny-llama", champ_before)["chat_perplexity_ratio"]
-    overrides = tiny_flow_run["overrides"] + ["prune.mlp_ratio=0.75", "benchmark.enabled=false",
+    overrides = [f"workdir={tmp_path / 'work'}", "prune.mlp_ratio=0.75", "benchmark.enabled=false",
                                               "accept.max_perplexity_ratio=100", "accept.min_top1_agreement=0",
                                               "accept.max_chat_perplexity_ratio=100", "accept.min_chat_top1_agreement=0",
                                               "accept.max_chat_judged_ratio=100", "accept.relax_trials=0"]
