@@ -277,7 +277,10 @@ del model
 compare_from_config("{tmp_path}/fp32", golden, g, pad_id=0).raise_if_failed()
 quantize_artifact("{tmp_path}/fp32", "{tmp_path}/int8", None, QuantizeConfig(method="weight_only", smoothquant_alpha=None))
 a = load_lm("{tmp_path}/fp32").logits([0, 5, 9, 33]); b = load_lm("{tmp_path}/int8").logits([0, 5, 9, 33])
-assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.75, (a.argmax(-1), b.argmax(-1))
+# random weights' logits are flat (argmaxes flip, docs/models.md); the INT8 logits must still be the fp32 ones
+r = np.corrcoef(a.ravel(), b.ravel())[0, 1]
+assert r > 0.995, r
+print("logit correlation", r)
 """
     peak = _child_peak_gib(code)
     assert peak <= 2 * fp32_gib, f"peak {peak:.2f} GiB > 2 x {fp32_gib:.2f}"
