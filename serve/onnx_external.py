@@ -237,19 +237,7 @@ def session_path(model) -> Iterator[Path]:
                     info = _ext(t)
                     _set_external(nt, info["location"], int(info.get("offset", 0)), tensor_nbytes(t))
                 elif is_external(t) or (spill and tensor_nbytes(t) >= 1024):
-                    nt.name = t.name
-                    nt.dims.extend(t.dims)
-                    nt.data_type = t.data_type
-                    pos = f.seek(0, os.SEEK_END)
-                    pad = (-pos) % ALIGN
-                    f.write(b"\0" * pad)
-                    pos += pad
-                    if is_external(t):
-                        info = _ext(t)
-                        _copy_range(external_file(t), int(info.get("offset", 0)), tensor_nbytes(t), f)
-                    else:
-                        f.write(t.raw_data if t.HasField("raw_data") else tensor_array(t).tobytes())
-                    _set_external(nt, extra.name, pos, tensor_nbytes(t))
+                    _append_aligned(f, t, nt, extra.name)
                 else:
                     nt.CopyFrom(t)
         import onnx
@@ -265,6 +253,24 @@ def session_path(model) -> Iterator[Path]:
             import shutil
 
             shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _append_aligned(f, t, nt, location: str) -> None:
+    """``t``'s name, shape and type onto ``nt``, its bytes (from its external file or from memory) at the next
+    ALIGN-ed offset of the open file ``f``, and ``nt`` pointed there as ``location``."""
+    nt.name = t.name
+    nt.dims.extend(t.dims)
+    nt.data_type = t.data_type
+    pos = f.seek(0, os.SEEK_END)
+    pad = (-pos) % ALIGN
+    f.write(b"\0" * pad)
+    pos += pad
+    if is_external(t):
+        info = _ext(t)
+        _copy_range(external_file(t), int(info.get("offset", 0)), tensor_nbytes(t), f)
+    else:
+        f.write(t.raw_data if t.HasField("raw_data") else tensor_array(t).tobytes())
+    _set_external(nt, location, pos, tensor_nbytes(t))
 
 
 def needs_file(model) -> bool:
@@ -289,15 +295,7 @@ def spill(model, folder: str | Path, min_bytes: int = 1024):
             if is_external(t) or tensor_nbytes(t) < min_bytes:
                 nt.CopyFrom(t)
                 continue
-            nt.name = t.name
-            nt.dims.extend(t.dims)
-            nt.data_type = t.data_type
-            pos = f.seek(0, os.SEEK_END)
-            pad = (-pos) % ALIGN
-            f.write(b"\0" * pad)
-            pos += pad
-            f.write(t.raw_data if t.HasField("raw_data") else tensor_array(t).tobytes())
-            _set_external(nt, data.name, pos, tensor_nbytes(t))
+            _append_aligned(f, t, nt, data.name)
             e = nt.external_data.add()
             e.key, e.value = BASE_KEY, str(folder.resolve())
     return out
