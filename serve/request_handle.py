@@ -19,12 +19,21 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from serve.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from serve.engine import Engine
+
+class StepDriver(Protocol):
+    """What a handle needs of its engine (``serve.engine.Engine`` is one); named here so that this module
+    does not import the engine, which imports it (tests/test_layout.py: no import cycles)."""
+
+    @property
+    def running(self) -> bool: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def _drive_until(self, done: threading.Event) -> None: ...
 
 
 @dataclass
@@ -66,7 +75,7 @@ class RequestHandle:
     a cancelled task, a ``break``) cancels the request, so its blocks go back at once.
     """
 
-    def __init__(self, engine: Engine, request_id: str, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, engine: StepDriver, request_id: str, prompt_ids: list[int], params: SamplingParams):
         self._engine = engine
         self.request_id = request_id
         self.prompt_ids = prompt_ids
