@@ -34,8 +34,8 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[li
 
 
 def sequential(artifact: Path, prompts, max_tokens: int, threads: int) -> dict:
-    """The batch-1 loop: the layout's offline driver (compress/lm_driver.py), one request after another."""
-    from compress.lm_driver import load_lm
+    """The batch-1 loop: the layout's offline driver (compress/drivers/), one request after another."""
+    from compress.drivers import load_lm
 
     lm = load_lm(artifact, threads or None, verify=False)
     t0, c0 = time.perf_counter(), time.process_time()

@@ -41,7 +41,7 @@ def standard_step(sess, man, B: int, past: int):
 
 
 def gqa_step(sess, man, B: int, past: int):
-    from compress.gqa_lm import bind_step
+    from compress.drivers.gqa import bind_step
 
     L, H, D, V = man["num_layers"], man["num_kv_heads"], man["head_dim"], man["vocab_size"]
     rng = np.random.default_rng(0)

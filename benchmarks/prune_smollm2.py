@@ -159,7 +159,7 @@ def export_check(student, tok, splits, folder):
     import torch
 
     from compress.export import build_artifact
-    from compress.onnx_lm import OnnxLM
+    from compress.drivers.standard import OnnxLM
 
     result, _ = build_artifact(student, tok, folder)
     lm = OnnxLM(folder)

@@ -69,7 +69,7 @@ def _driver(folder: Path, profile: bool):
     import onnxruntime as ort
 
     from compress.artifact import read_manifest
-    from compress.lm_driver import load_lm
+    from compress.drivers import load_lm
 
     lm = load_lm(folder, threads=2, verify=False)
     if profile:
@@ -87,7 +87,7 @@ def _driver(folder: Path, profile: bool):
 def decode_cpu_ms(folder: Path, prompt: list[int], steps: int, rounds: int) -> list[float]:
     """CPU ms per decode step on one intra-op thread: what the step costs, whatever else the cores run
     (wall time on a shared 2-core machine mostly measures the neighbours)."""
-    from compress.lm_driver import load_lm
+    from compress.drivers import load_lm
 
     lm = load_lm(folder, threads=1, verify=False)
     out: list[float] = []

@@ -130,7 +130,7 @@ def latency_interleaved(rounds: int = 4, steps: int = 16) -> None:
     hits all variants alike; stored as decode_ms_interleaved in each result."""
     import numpy as np
 
-    from compress.lm_driver import load_lm
+    from compress.drivers import load_lm
 
     rows = load_rows()
     arts = {n: (FP32 if n == "fp32" else BENCH / n) for n in rows if (FP32 if n == "fp32" else BENCH / n).is_dir()}

@@ -7,7 +7,7 @@ Systems, for each precision given (int8, fp32):
 
 - ``engine``: the server's engine in-process (serve.engine.Engine, manual stepping: scheduler, runner,
   ORT call, sampling, detokenization; no HTTP), prefix and result caches off, batch 1;
-- ``graph``: the same artifact's graph alone through the offline driver (compress.lm_driver greedy),
+- ``graph``: the same artifact's graph alone through the offline driver (compress.drivers greedy),
   which splits the engine's own per-token cost from the graph's;
 - ``genai``: onnxruntime-genai's generator in its own venv (.cache/genai-venv, loadtest/genai_worker.py:
   its onnxruntime conflicts with this venv's onnxruntime-gpu), batch 1; skipped with the reason when it
@@ -43,7 +43,7 @@ class GraphSystem:
     def __init__(self, artifact: str, threads: int, spinning: str):
         from tokenizers import Tokenizer
 
-        from compress.lm_driver import load_lm
+        from compress.drivers import load_lm
         from serve.onnx_session import artifact_session
 
         self.lm = load_lm(artifact, threads=threads or None)

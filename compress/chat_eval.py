@@ -32,7 +32,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from compress.artifact import read_manifest
-from compress.lm_driver import LanguageModelDriver, load_lm
+from compress.drivers import LanguageModelDriver, load_lm
 
 CHAT_FORMAT = 1  # bump when the cached teacher targets change meaning
 BUILTIN = "builtin"

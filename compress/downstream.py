@@ -10,7 +10,7 @@ the answer's position among the choices is drawn from a seeded generator.
 
 Items come only from the blocks handed in: the accept stage gives the test split and the
 held-out source (neither seen by any stage before it), so the score is of text the compression
-never trained or selected on. The model runs as the exported ONNX artifact (compress/lm_driver.py).
+never trained or selected on. The model runs as the exported ONNX artifact (compress/drivers/).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def choice_loglik(logits: np.ndarray, seqs: np.ndarray, context: int) -> np.ndar
 
 def mc_accuracy(artifact_dir: str | Path, items: Items, batch_size: int = 8, threads: int | None = None) -> float:
     """Share of items whose true continuation the artifact scores highest (ties count as wrong)."""
-    from compress.lm_driver import load_lm
+    from compress.drivers import load_lm
 
     if len(items) == 0:
         raise ValueError("mc_accuracy: no items")

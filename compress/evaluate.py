@@ -2,7 +2,7 @@
 
 perplexity and top-1 agreement come from batched prefill over the eval blocks
 (past = 0), the same positions torch_eval.perplexity scores; latency is batch-1
-greedy decode through the artifact layout's driver (compress/lm_driver.py): the KV cache fed
+greedy decode through the artifact layout's driver (compress/drivers/): the KV cache fed
 back (``standard``) or kept in place (``gqa``), the way the server runs it.
 
 Scored positions, the same for every model: in each eval block of s tokens, the logits at positions
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from compress.artifact import read_manifest
-from compress.lm_driver import LanguageModelDriver, load_lm
+from compress.drivers import LanguageModelDriver, load_lm
 
 
 class EvaluateError(ValueError):

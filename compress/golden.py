@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compress.lm_driver import LanguageModelDriver, load_lm
+from compress.drivers import LanguageModelDriver, load_lm
 
 
 class GoldenMismatch(AssertionError):

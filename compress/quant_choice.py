@@ -53,7 +53,7 @@ class FormChoice:
 def decode_step_ms(artifacts: dict[str, Path], steps: int = 32, prompt_len: int = 32, rounds: int = 2,
                    threads: int | None = None, prompt: list[int] | None = None) -> dict[str, float]:
     """Median batch-1 decode step (ms) of each artifact, steps interleaved across artifacts."""
-    from compress.lm_driver import load_lm
+    from compress.drivers import load_lm
 
     lms = {n: load_lm(p, threads=threads, verify=False) for n, p in artifacts.items()}
     prompt = list(prompt or range(3, 3 + prompt_len))

@@ -66,7 +66,7 @@ def candidate_ranking(q: Quantizer) -> list[str]:
 
 def sensitivity_scan(q: Quantizer, trials: int | None = None, blocks: int | None = None) -> list[tuple[str, float]]:
     """Quantize one group at a time; score = mean KL(float || group-quantized) on calib blocks. Most sensitive first."""
-    from compress.lm_driver import lm_for_model
+    from compress.drivers import lm_for_model
 
     q.prepare()
     trials = q.cfg.sensitivity_trials if trials is None else trials

@@ -1,7 +1,7 @@
 """The one place an onnxruntime InferenceSession is made, and the decoder graph's I/O names.
 
 Used by the server's runners (serve/runner*.py), by compress/ (the offline language-model drivers in
-compress/lm_driver.py, evaluation, calibration, quantization sensitivity) and by loadtest's baselines.
+compress/drivers/, evaluation, calibration, quantization sensitivity) and by loadtest's baselines.
 Torch-free and compress-free, as everything in serve/ (docs/architecture.md).
 """
 

@@ -11,7 +11,7 @@ from onnx import numpy_helper
 from compress.artifact import ArtifactError, read_manifest
 from compress.config import GoldenConfig
 from compress.golden import GoldenMismatch, GoldenSet, compare_onnx, record_golden
-from compress.onnx_lm import OnnxLM
+from compress.drivers.standard import OnnxLM
 
 PROMPTS = GoldenConfig().prompts
 

@@ -9,7 +9,7 @@ import torch
 
 from compress.config import QuantizeConfig, ServeConfig
 from compress.gqa_builder import GqaBuildError, build_gqa_artifact, build_gqa_model
-from compress.gqa_lm import GqaCache, GqaLM
+from compress.drivers.gqa import GqaCache, GqaLM
 from serve.engine import Engine
 from serve.runner import CPU
 from serve.runner_gqa import GqaRunner
@@ -179,7 +179,7 @@ def test_quantize_gqa_artifact(tiny_artifact, gqa_artifact, tiny_splits, tmp_pat
     dynamic_token also covers the opset: the gqa graph is opset 17, where ReduceMax takes axes as an attribute.
     """
     from compress.artifact import read_manifest
-    from compress.lm_driver import load_lm
+    from compress.drivers import load_lm
     from compress.quantize import quantize_artifact
 
     kind = {"method": "dynamic", "activation_granularity": "token"} if method == "dynamic_token" else {"method": method}

@@ -11,7 +11,7 @@ import pytest
 
 from compress.artifact import read_manifest
 from compress.gqa_builder import build_gqa_artifact, build_gqa_model
-from compress.gqa_lm import GqaLM
+from compress.drivers.gqa import GqaLM
 
 
 def _ops(m) -> collections.Counter:

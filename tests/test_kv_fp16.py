@@ -11,7 +11,7 @@ from onnx import TensorProto
 
 from compress.config import ExportConfig, QuantizeConfig, ServeConfig
 from compress.gqa_builder import build_gqa_artifact
-from compress.gqa_lm import GqaLM
+from compress.drivers.gqa import GqaLM
 from compress.kv_fp16 import KvDtypeError, kv_to_fp16
 from serve.engine import Engine
 from serve.runner import CPU
@@ -97,7 +97,7 @@ def test_engine_serves_it_and_the_budget_holds_twice_the_tokens(kv_artifacts):
 
 def test_int8_on_top_keeps_fp16_kv(kv_artifacts, tmp_path):
     from compress.artifact import read_manifest
-    from compress.lm_driver import load_lm
+    from compress.drivers import load_lm
     from compress.quantize import quantize_artifact
 
     rep = quantize_artifact(kv_artifacts[1], tmp_path / "wo8", None,

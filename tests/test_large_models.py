@@ -19,7 +19,7 @@ import torch
 
 from compress.config import QuantizeConfig
 from compress.gqa_builder import build_gqa_artifact, build_gqa_model
-from compress.lm_driver import load_lm
+from compress.drivers import load_lm
 from compress.memory import (GIB, MemoryBudgetError, Shape, check_distill_memory, check_prune_memory,
                              estimate_for_shape)
 from compress.models import ModelError, resolve_source
@@ -265,7 +265,7 @@ from compress.gqa_builder import build_gqa_artifact
 from compress.golden import compare_from_config, record_golden
 from compress.models import load_teacher, resolve_source
 from compress.quantize import quantize_artifact
-from compress.lm_driver import load_lm
+from compress.drivers import load_lm
 src = resolve_source("shape:llama-3.2-1b", None, ".cache/models")
 model, tok = load_teacher(src, dtype="auto")
 build_gqa_artifact(model, tok, "{tmp_path}/fp32")

@@ -151,7 +151,7 @@ def test_perplexity_scores_the_same_positions(tiny_artifact, tiny_splits, bos_to
 
 def test_generation_stops_on_any_eos(tiny_model, tiny_tokenizer, bos_artifact):
     from compress.golden import record_golden
-    from compress.onnx_lm import OnnxLM
+    from compress.drivers.standard import OnnxLM
 
     lm = OnnxLM(bos_artifact)
     prompt = special_tokens(tiny_tokenizer).encode(tiny_tokenizer, PROMPTS[0])

@@ -1,4 +1,4 @@
-"""The language-model driver for layout ``standard`` (compress/lm_driver.py): past K/V in, present K/V out.
+"""The language-model driver for layout ``standard`` (compress/drivers/): past K/V in, present K/V out.
 
 Used offline by golden validation and evaluation; the server has its own batched runner in serve/runner.py.
 """
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from compress.lm_driver import LanguageModelDriver, Past
+from compress.drivers.base import LanguageModelDriver, Past
 
 
 class OnnxLM(LanguageModelDriver):

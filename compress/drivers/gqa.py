@@ -1,6 +1,6 @@
-"""The language-model driver for layout ``gqa`` (compress/lm_driver.py): a GroupQueryAttention decoder graph.
+"""The language-model driver for layout ``gqa`` (compress/drivers/): a GroupQueryAttention decoder graph.
 
-Same interface as compress.onnx_lm.OnnxLM (compress.lm_driver.LanguageModelDriver), so golden
+Same interface as compress.drivers.standard.OnnxLM (compress.drivers.LanguageModelDriver), so golden
 validation and evaluation can run either layout. The KV cache is one preallocated buffer per
 layer [batch, kv_heads, max_len, head_dim] bound through IOBinding as both past and present:
 ORT writes the new K/V in place at seqlens_k and nothing is copied between steps.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from compress.lm_driver import LanguageModelDriver, Past
+from compress.drivers.base import LanguageModelDriver, Past
 
 
 class GqaCache:

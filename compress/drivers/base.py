@@ -9,8 +9,8 @@ perplexity, agreement, golden prefix, decode latency), quantization sensitivity 
 * ``logits_left_padded(seqs)``: one batch of ragged prompts (the golden batched check);
 * ``logits(ids)``, ``prefill_batches(blocks)`` and ``greedy(...)`` are written once, here, on top.
 
-The drivers: ``compress.onnx_lm.OnnxLM`` (layout ``standard``: past in, present out) and
-``compress.gqa_lm.GqaLM`` (layout ``gqa``: one in-place buffer per layer). ``load_lm(folder)`` picks the one
+The drivers: ``compress.drivers.standard.OnnxLM`` (layout ``standard``: past in, present out) and
+``compress.drivers.gqa.GqaLM`` (layout ``gqa``: one in-place buffer per layer). ``load_lm(folder)`` picks the one
 the manifest's ``attention_layout`` names; ``lm_for_model(model, manifest)`` runs an in-memory graph.
 Sessions come from serve.onnx_session.make_session (CPU EP, errors-only log), as the server's do.
 The server's batched runners (serve/runner*.py) manage their own KV and do not use these.
@@ -70,7 +70,7 @@ class LanguageModelDriver:
         layout = manifest.get("attention_layout", "standard")
         if layout != cls.layout:
             raise ValueError(f"{where}: attention_layout is {layout!r}; {cls.__name__} drives {cls.layout!r} "
-                             "artifacts (compress.lm_driver.load_lm picks the driver)")
+                             "artifacts (compress.drivers.load_lm picks the driver)")
 
     def _setup(self, manifest: dict, session) -> None:
         self.manifest = manifest
@@ -130,24 +130,3 @@ class LanguageModelDriver:
             if step_seconds is not None:
                 step_seconds.append(time.perf_counter() - t0)
         return out
-
-
-def _driver_class(manifest: dict, where) -> type[LanguageModelDriver]:
-    from compress.gqa_lm import GqaLM
-    from compress.onnx_lm import OnnxLM
-
-    layout = manifest.get("attention_layout", "standard")
-    drivers = {OnnxLM.layout: OnnxLM, GqaLM.layout: GqaLM}
-    if layout not in drivers:
-        raise ValueError(f"{where}: attention_layout {layout!r} has no offline driver (have {', '.join(map(repr, drivers))})")
-    return drivers[layout]
-
-
-def load_lm(artifact_dir: str | Path, threads: int | None = None, verify: bool = True) -> LanguageModelDriver:
-    """The driver matching the artifact's attention layout (OnnxLM for 'standard', GqaLM for 'gqa')."""
-    return _driver_class(read_manifest(artifact_dir, verify=False), artifact_dir)(artifact_dir, threads, verify)
-
-
-def lm_for_model(model, manifest: dict, threads: int | None = None) -> LanguageModelDriver:
-    """The driver for an in-memory graph laid out as ``manifest`` says."""
-    return _driver_class(manifest, "model").from_model(model, manifest, threads)
