@@ -36,8 +36,8 @@ def size_overrides(family: str, size: str) -> dict:
 
 def build(family: str, root: Path, size: str = "tiny") -> tuple[Path, Path | None, str]:
     """(standard folder, gqa folder or None, why) for the family's seed-0 model of that size, built once."""
-    from compress.export import build_artifact
-    from compress.gqa_builder import GqaBuildError, build_gqa_artifact, check_supported
+    from compress.export.standard import build_artifact
+    from compress.export.gqa import GqaBuildError, build_gqa_artifact, check_supported
     from compress.tiny import build_tiny
 
     model, tok = build_tiny(family, seed=0, **size_overrides(family, size))

@@ -3,7 +3,7 @@
     python -m benchmarks.batch1_forms --out .cache/bench/forms [--before artifacts/quantize/<key>/artifact]
 
 Builds, from the embedded SmolLM2 with the default config's data splits:
-  fp32   the fused gqa graph (compress.gqa_builder, fuse=True)
+  fp32   the fused gqa graph (compress.export.gqa, fuse=True)
   w8a8   W8A8 dynamic per-token + SmoothQuant auto (the demo's W8A8 candidate), on the fused graph
   wo8    weight-only INT8 (MatMulNBits 8-bit, block 32, accuracy_level 4) + 8-bit tied embedding, fused
 and scores each (and ``--before``, an artifact made before the fusions) with compress.evaluate.evaluate_onnx
@@ -11,7 +11,7 @@ on the held-out test split and the held-out source (stdlib code), fp32 as the re
 steps of all of them interleaved (benchmarks.graph_profile). Prints a table and writes ``forms.json``.
 
 ``--kv16`` adds ``fp32_kv16`` and ``wo8_kv16``: the same two built with ``export.kv_dtype: float16``
-(compress/kv_fp16.py), scored against the fp32-KV fp32 graph.
+(compress/export/kv_fp16.py), scored against the fp32-KV fp32 graph.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from compress.config import load_config
     from compress.data import splits_from_config
     from compress.evaluate import evaluate_onnx
-    from compress.gqa_builder import build_gqa_artifact
+    from compress.export.gqa import build_gqa_artifact
     from compress.models import load_teacher
     from compress.quantize import quantize_artifact
 

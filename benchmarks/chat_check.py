@@ -34,7 +34,7 @@ def as_artifact(item: str) -> str:
     name, _, path = item.partition("=")
     if (Path(path) / "manifest.json").is_file():
         return item
-    from compress.gqa_builder import build_gqa_artifact
+    from compress.export.gqa import build_gqa_artifact
     from compress.models import load_teacher
 
     model, tok = load_teacher(path)[:2]

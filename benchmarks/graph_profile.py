@@ -6,7 +6,7 @@
 Both graphs run under this venv's onnxruntime (same kernels), batch 1, greedy, with the KV buffers
 bound as past and present (in place), as serve/runner_gqa.py and genai (past_present_share_buffer)
 run them. Two graph contracts are recognised by their inputs: ours (``seqlens_k`` +
-``total_sequence_length``, compress/gqa_builder.py) and genai's builder (``attention_mask``).
+``total_sequence_length``, compress/export/gqa.py) and genai's builder (``attention_mask``).
 
 For each graph: the op-type histogram of the file and of ORT's optimized graph, the median ms per
 decode step (steps interleaved between graphs so load hits both alike), and ORT's profiler summed

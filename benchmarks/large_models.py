@@ -155,7 +155,7 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
         out["dtype"] = str(model.dtype).replace("torch.", "")
         del model, torch
     elif name == "export":
-        from compress.gqa_builder import build_gqa_artifact
+        from compress.export.gqa import build_gqa_artifact
         from compress.models import load_teacher
 
         model, tok = load_teacher(state["model_dir"], dtype="auto")

@@ -158,7 +158,7 @@ def export_check(student, tok, splits, folder):
     import numpy as np
     import torch
 
-    from compress.export import build_artifact
+    from compress.export.standard import build_artifact
     from compress.drivers.standard import OnnxLM
 
     result, _ = build_artifact(student, tok, folder)

@@ -47,7 +47,7 @@ def role(name: str) -> str:
 
 def build(name: str, model, tok, splits, quant: list[str]) -> dict[str, Path]:
     from compress.config import QuantizeConfig
-    from compress.gqa_builder import build_gqa_artifact
+    from compress.export.gqa import build_gqa_artifact
     from compress.quantize import Quantizer
 
     out = {}

@@ -58,7 +58,7 @@ def ensure_fp32():
 
     model, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
     if not (FP32 / "manifest.json").is_file():
-        from compress.export import build_artifact
+        from compress.export.standard import build_artifact
 
         tmp = FP32.with_name(FP32.name + ".tmp")
         build_artifact(model, tok, tmp)

@@ -31,7 +31,7 @@ HIST_BINS = 2048
 _ROLE_GROUP = {
     "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
     "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down",
-    # packed by compress/graph_fusion.py (the gqa graph's q/k/v is one MatMul)
+    # packed by compress/export/graph_fusion.py (the gqa graph's q/k/v is one MatMul)
     "qkv_proj": "qkv", "gate_up_proj": "gate_up",
 }
 
@@ -172,7 +172,7 @@ def prefill_feed(ids: np.ndarray, names: list[str], num_kv_heads: int, head_dim:
             feed[n] = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()
         elif n.startswith("past_key_values."):
             feed[n] = np.zeros((b, num_kv_heads, 0, head_dim), np.float32)
-        elif n == "seqlens_k":  # attention layout 'gqa' (compress/gqa_builder.py): every row s tokens long
+        elif n == "seqlens_k":  # attention layout 'gqa' (compress/export/gqa.py): every row s tokens long
             feed[n] = np.full(b, s - 1, np.int32)
         elif n == "total_sequence_length":
             feed[n] = np.array(s, np.int32)

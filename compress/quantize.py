@@ -33,7 +33,7 @@ import onnx
 from compress.artifact import read_manifest, write_manifest
 from compress.calibration import ActStats, Linear, find_linears
 from compress.config import QuantizeConfig
-from compress.graph_fusion import pack_siblings
+from compress.export.graph_fusion import pack_siblings
 from compress.quant_graph import (QuantizeError, dynamic_per_tensor, insert_dynamic_per_token, insert_qdq, pow2_block,
                                   quantize_tied_embedding, save_model, weight_only)
 from compress.quant_prepare import calibrate_and_smooth
@@ -228,7 +228,7 @@ class Quantizer:
         if cfg.quantize_embedding if embedding is None else embedding:
             quantize_tied_embedding(model, pow2_block(cfg.block_size), cfg.accuracy_level)
         # gate/up (and q/k/v where the export did not) as one MatMulNBits / MatMul each: fewer, larger
-        # kernels per step; done here, after SmoothQuant no longer needs up_proj apart (compress/graph_fusion.py)
+        # kernels per step; done here, after SmoothQuant no longer needs up_proj apart (compress/export/graph_fusion.py)
         pack_siblings(model)
         return model
 

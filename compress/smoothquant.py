@@ -164,7 +164,7 @@ def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict
         prod = producer.get(tensor)
         # Mul: the standard graph's decomposed RMSNorm (x * rsqrt * gamma) or the MLP's act * up;
         # SimplifiedLayerNormalization: the gqa graph's fused RMSNorm, gamma on input 1; its
-        # SkipSimplifiedLayerNormalization (residual add + RMSNorm, compress/graph_fusion.py), gamma on input 2.
+        # SkipSimplifiedLayerNormalization (residual add + RMSNorm, compress/export/graph_fusion.py), gamma on input 2.
         if st is None or prod is None or prod.op_type not in ("Mul", "SimplifiedLayerNormalization",
                                                               "SkipSimplifiedLayerNormalization"):
             continue

@@ -5,8 +5,7 @@ from __future__ import annotations
 from prefect import task
 
 from compress.config import PipelineConfig
-from compress.export import build_artifact
-from compress.gqa_builder import build_gqa_artifact, choose_exporter
+from compress.export import build_artifact, build_gqa_artifact, choose_exporter
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_logger
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params

@@ -85,7 +85,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_artifact(tiny, tmp_path_factory):
     """Artifact folder (model.onnx, tokenizer, manifest.json) of the tiny model. Read-only."""
-    from compress.export import build_artifact
+    from compress.export.standard import build_artifact
 
     model, tok = tiny
     out = tmp_path_factory.mktemp("tiny_artifact") / "fp32"

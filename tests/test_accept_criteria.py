@@ -89,7 +89,7 @@ def test_accept_stage_judges_a_pruned_student_on_quality(tiny, tiny_artifact, ti
     import mlflow
 
     from compress.config import PruneConfig
-    from compress.gqa_builder import build_gqa_artifact
+    from compress.export.gqa import build_gqa_artifact
     from compress.prune import prune_model
     from tasks.accept import accept_task
 

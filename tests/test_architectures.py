@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from compress.config import DistillConfig, PruneConfig, QuantizeConfig, ServeConfig
-from compress.export import build_artifact
+from compress.export.standard import build_artifact
 from compress.golden import compare_onnx, record_golden
-from compress.gqa_builder import build_gqa_artifact, choose_exporter
+from compress.export.gqa import build_gqa_artifact, choose_exporter
 from compress.tiny import FAMILIES, SLIDING_WINDOW, build_tiny
 
 # Families the gqa builder refuses (none of the tiny ones; test_auto_falls_back_with_the_reason covers the path).

@@ -19,7 +19,7 @@ from compress import chat_eval
 from compress.accept import accept, genre_table, versus_champion
 from compress.config import AcceptConfig
 from compress.evaluate import evaluate_onnx
-from compress.gqa_builder import build_gqa_artifact
+from compress.export.gqa import build_gqa_artifact
 
 NEW = 16
 

@@ -117,7 +117,7 @@ def test_truncated_file_is_caught_by_manifest(tiny_artifact, tmp_path):
 
 
 def test_torchscript_exporter_also_matches(tiny, golden, tmp_path):
-    from compress.export import build_artifact
+    from compress.export.standard import build_artifact
 
     model, tok = tiny
     build_artifact(model, tok, tmp_path / "ts", exporter="torchscript")

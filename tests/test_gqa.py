@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compress.config import QuantizeConfig, ServeConfig
-from compress.gqa_builder import GqaBuildError, build_gqa_artifact, build_gqa_model
+from compress.export.gqa import GqaBuildError, build_gqa_artifact, build_gqa_model
 from compress.drivers.gqa import GqaCache, GqaLM
 from serve.engine import Engine
 from serve.runner import CPU
@@ -113,7 +113,7 @@ def test_rope_scaling_checked(tiny):
 
     model, _ = build_tiny_llama(0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    from compress.gqa_builder import _rope_type
+    from compress.export.gqa import _rope_type
 
     assert _rope_type(model.config) == "llama3"  # the scaling really reached the config
     sess_model = build_gqa_model(model)
@@ -188,7 +188,7 @@ def test_quantize_gqa_artifact(tiny_artifact, gqa_artifact, tiny_splits, tmp_pat
     drift = {}
     for name, art in (("standard", tiny_artifact), ("gqa", gqa_artifact)):
         rep = quantize_artifact(art, tmp_path / name, calib, cfg)
-        # 2 layers x 7 linears; the gqa graph packs q/k/v into one MatMul (compress/graph_fusion.py)
+        # 2 layers x 7 linears; the gqa graph packs q/k/v into one MatMul (compress/export/graph_fusion.py)
         assert rep.metrics()["quant_linears_int8"] == {"standard": 14, "gqa": 10}[name]
         assert read_manifest(tmp_path / name)["attention_layout"] == name
         fp, q = load_lm(art), load_lm(tmp_path / name)
@@ -218,7 +218,7 @@ def test_paged_graph_builds_and_cpu_refuses_it(tiny, tmp_path):
     import onnxruntime as ort
     import pytest as _pytest
 
-    from compress.gqa_builder import build_paged_model
+    from compress.export.gqa import build_paged_model
     from serve.runner import RunnerError
 
     model, tok = tiny
@@ -244,7 +244,7 @@ def test_paged_graph_builds_and_cpu_refuses_it(tiny, tmp_path):
 def test_auto_exporter_picks_gqa_where_the_model_allows(tiny):
     import copy
 
-    from compress.gqa_builder import choose_exporter
+    from compress.export.gqa import choose_exporter
 
     assert choose_exporter(tiny[0], "auto")[0] == "gqa"
     biased = copy.deepcopy(tiny[0])
@@ -258,7 +258,7 @@ def test_pruned_student_builds_and_passes_golden(tiny, tiny_splits, tmp_path):
     """`auto` sends pruned students to the gqa builder too: fewer heads, KV groups, neurons and layers."""
     from compress.config import GoldenConfig, PruneConfig
     from compress.golden import compare_onnx, record_golden
-    from compress.gqa_builder import build_gqa_artifact, choose_exporter
+    from compress.export.gqa import build_gqa_artifact, choose_exporter
     from compress.prune import prune_model
 
     model, tok = tiny

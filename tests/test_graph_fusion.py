@@ -1,4 +1,4 @@
-"""compress/graph_fusion.py: the fused gqa graph (SkipSimplifiedLayerNormalization, packed q/k/v into GQA)
+"""compress/export/graph_fusion.py: the fused gqa graph (SkipSimplifiedLayerNormalization, packed q/k/v into GQA)
 and the packed MatMulNBits after weight-only INT8 give the logits and greedy tokens of the unfused graphs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from compress.artifact import read_manifest
-from compress.gqa_builder import build_gqa_artifact, build_gqa_model
+from compress.export.gqa import build_gqa_artifact, build_gqa_model
 from compress.drivers.gqa import GqaLM
 
 
@@ -62,7 +62,7 @@ def test_packed_matmulnbits_equals_unpacked(fused_artifact):
     import onnx
 
     from compress.calibration import find_linears
-    from compress.graph_fusion import pack_siblings
+    from compress.export.graph_fusion import pack_siblings
     from compress.quant_graph import weight_only
 
     manifest = read_manifest(fused_artifact)

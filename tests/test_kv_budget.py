@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compress.gqa_builder import build_gqa_artifact
+from compress.export.gqa import build_gqa_artifact
 from serve.config import ConfigError, ServeConfig
 from serve.engine import Engine
 from serve.runner import CPU

@@ -1,4 +1,4 @@
-"""export.kv_dtype float16: the gqa graph keeps its K/V in fp16 (compress/kv_fp16.py). Logits against torch,
+"""export.kv_dtype float16: the gqa graph keeps its K/V in fp16 (compress/export/kv_fp16.py). Logits against torch,
 greedy against HF generate, golden, the engine against the fp32-KV artifact, the budget's tokens, INT8 on top."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from onnx import TensorProto
 
 from compress.config import ExportConfig, QuantizeConfig, ServeConfig
-from compress.gqa_builder import build_gqa_artifact
+from compress.export.gqa import build_gqa_artifact
 from compress.drivers.gqa import GqaLM
-from compress.kv_fp16 import KvDtypeError, kv_to_fp16
+from compress.export.kv_fp16 import KvDtypeError, kv_to_fp16
 from serve.engine import Engine
 from serve.runner import CPU
 from serve.sampling import SamplingParams

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from compress.config import QuantizeConfig
-from compress.gqa_builder import build_gqa_artifact, build_gqa_model
+from compress.export.gqa import build_gqa_artifact, build_gqa_model
 from compress.drivers import load_lm
 from compress.memory import (GIB, MemoryBudgetError, Shape, check_distill_memory, check_prune_memory,
                              estimate_for_shape)
@@ -261,7 +261,7 @@ def test_llama_3_2_1b_shape_exports_checks_and_quantizes_within_twice_its_fp32_b
     code = f"""
 import numpy as np
 from compress.config import GoldenConfig, QuantizeConfig
-from compress.gqa_builder import build_gqa_artifact
+from compress.export.gqa import build_gqa_artifact
 from compress.golden import compare_from_config, record_golden
 from compress.models import load_teacher, resolve_source
 from compress.quantize import quantize_artifact

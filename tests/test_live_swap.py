@@ -75,7 +75,7 @@ def alias_polls(mgr, poller_only: bool = True):
 @pytest.fixture(scope="module")
 def seed1_artifact(tmp_path_factory):
     """A second, different model (seed 1). TorchScript export: ~1 s instead of ~20 s for dynamo."""
-    from compress.export import build_artifact
+    from compress.export.standard import build_artifact
     from compress.tiny import build_tiny_llama
 
     model, tok = build_tiny_llama(seed=1)

@@ -213,7 +213,7 @@ def _ort_logits(folder, ids: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def structured_artifact(tiny4, tiny, tiny_splits, tmp_path_factory):
-    from compress.export import build_artifact
+    from compress.export.standard import build_artifact
 
     student, _ = prune_model(tiny4, tiny_splits.calib, _cfg(mlp_ratio=0.25, head_ratio=0.5, layer_ratio=0.25))
     out = tmp_path_factory.mktemp("pruned") / "structured"
@@ -333,7 +333,7 @@ def test_zeros_survive_onnx_export(tiny_model, tiny_tokenizer, tiny_splits, tmp_
     import onnx
     from onnx import numpy_helper
 
-    from compress.export import build_artifact
+    from compress.export.standard import build_artifact
 
     student, rep = prune_model(tiny_model, tiny_splits.calib, _cfg(method="unstructured", sparsity=0.5))
     build_artifact(student, tiny_tokenizer, tmp_path / "sparse")

@@ -146,7 +146,7 @@ def test_weight_only_uses_matmulnbits_and_shrinks(tiny_artifact, tiny_splits, fp
     m = onnx.load(str(tmp_path / "wo" / "model.onnx"))
     nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
     assert rep.quantized_linears == 14
-    assert len(nbits) == 8  # per layer: q/k/v and gate/up packed after quantization (compress/graph_fusion.py)
+    assert len(nbits) == 8  # per layer: q/k/v and gate/up packed after quantization (compress/export/graph_fusion.py)
     attrs = {a.name: a.i for a in nbits[0].attribute}
     assert attrs["bits"] == 8 and attrs["accuracy_level"] == 4 and attrs["block_size"] == 32
     assert rep.bytes_after < 0.75 * rep.bytes_before

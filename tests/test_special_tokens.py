@@ -105,7 +105,7 @@ def test_bos_model_blocks_start_with_bos(bos_tok, stream, tmp_path):
 @pytest.fixture(scope="module")
 def bos_artifact(tiny_model, bos_tok, tmp_path_factory):
     """The tiny model exported with the BOS tokenizer and a generation config that lists two EOS ids."""
-    from compress.export import build_artifact
+    from compress.export.standard import build_artifact
 
     model = copy.deepcopy(tiny_model)
     model.generation_config.eos_token_id = [2, 100]

@@ -43,11 +43,11 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from compress import gqa_families as fams
+from compress.export import gqa_families as fams
 from compress.artifact import write_manifest
-from compress.gqa_families import GqaBuildError
-from compress.graph_fusion import fuse_decoder
-from compress.kv_fp16 import kv_to_fp16
+from compress.export.gqa_families import GqaBuildError
+from compress.export.graph_fusion import fuse_decoder
+from compress.export.kv_fp16 import kv_to_fp16
 from compress.models import model_info
 from serve.onnx_external import ALIGN, BASE_KEY, save_external
 
@@ -58,7 +58,7 @@ MODEL_FILE = "model.onnx"
 STREAM_BYTES = 1_500_000_000
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
-SUPPORTED_FAMILIES = tuple(fams.FAMILIES)  # what differs per family: compress/gqa_families.py
+SUPPORTED_FAMILIES = tuple(fams.FAMILIES)  # what differs per family: compress/export/gqa_families.py
 # Rope types whose frequencies do not depend on the sequence length, so one cos/sin table is exact.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -87,7 +87,7 @@ def check_supported(model) -> None:
         raise GqaBuildError(f"rope type {rope!r} (config.rope_scaling / rope_parameters): the GQA builder supports "
                             f"{', '.join(STATIC_ROPE_TYPES)}; dynamic or length-dependent scalings need the standard export")
     if c.model_type == "gpt_neox":  # its own decoder and checks
-        from compress.gqa_neox import check_neox
+        from compress.export.gqa_neox import check_neox
 
         return check_neox(model)
     prf = getattr(c, "partial_rotary_factor", None) or (getattr(c, "rope_parameters", None) or {}).get(
@@ -242,7 +242,7 @@ def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "
     """
     c = model.config
     if c.model_type == "gpt_neox":
-        from compress.gqa_neox import neox_decoder
+        from compress.export.gqa_neox import neox_decoder
 
         return neox_decoder(model, g, attention, select_positions, logits_name, _linear)
     fam = fams.family_of(model)
@@ -348,7 +348,7 @@ def _softcap(g: _Graph, x: str, cap: float, out: str) -> str:
 def _model(g: _Graph, inputs, outputs, name: str) -> onnx.ModelProto:
     graph = helper.make_graph(g.nodes, name, inputs, outputs, g.inits)
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-                          producer_name="compress.gqa_builder")
+                          producer_name="compress.export.gqa")
     m.ir_version = 8
     return m
 
@@ -379,7 +379,7 @@ def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True,
     """The decoder as an ONNX model with fp32 weights (the torch model may be bf16: converted tensor by tensor).
 
     fuse: residual Add + RMSNorm as SkipSimplifiedLayerNormalization and q/k/v as one packed MatMul into
-    GroupQueryAttention (compress/graph_fusion.py; the same logits, fewer and larger kernels per step).
+    GroupQueryAttention (compress/export/graph_fusion.py; the same logits, fewer and larger kernels per step).
     data_path: weights go straight into this external-data file as they are made; the returned proto holds
     only their offsets (save it with serve.onnx_external.save_external, into the same folder).
     """
@@ -529,9 +529,9 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
 
     layout 'gqa' (default; CPU and CUDA) or 'paged' (PagedAttention, fp16, CUDA only, unverified; the
     graph's block size is fixed and recorded in the manifest).
-    kv_dtype: the gqa layout's cache type, float32 or float16 (compress/kv_fp16.py).
+    kv_dtype: the gqa layout's cache type, float32 or float16 (compress/export/kv_fp16.py).
     """
-    from compress.export import _eos_ids
+    from compress.export.standard import _eos_ids
     from compress.special_tokens import special_tokens
 
     if layout not in ("gqa", "paged"):

@@ -1,4 +1,4 @@
-"""What differs between the decoder families the gqa builder writes (compress/gqa_builder.py).
+"""What differs between the decoder families the gqa builder writes (compress/export/gqa.py).
 
 The builder writes one Llama-shaped decoder; a ``Family`` says how a model_type departs from it:
 where the q/k/v and gate/up weights are (Phi-3 fuses them: we slice the fused rows, so the graph keeps
@@ -40,7 +40,7 @@ FAMILIES = {
     "gemma2": Family("gemma2", norm_offset=1.0, embed_scale=True, sandwich_norms=True),
     "gemma3_text": Family("gemma3_text", norm_offset=1.0, embed_scale=True, sandwich_norms=True, qk_norm=True),
     "phi3": Family("phi3", fused_qkv=True, fused_gate_up=True),
-    # Written by its own decoder (compress/gqa_neox.py): LayerNorm, parallel residual, partial rotary.
+    # Written by its own decoder (compress/export/gqa_neox.py): LayerNorm, parallel residual, partial rotary.
     "gpt_neox": Family("gpt_neox"),
 }
 # Why the others are refused (the standard export serves them).

@@ -1,6 +1,6 @@
 """The GPT-NeoX (Pythia) decoder for the gqa graph: MHA written as GroupQueryAttention with kv_num_heads = heads.
 
-What differs from the Llama-shaped decoder in compress/gqa_builder.py: LayerNorm with biases
+What differs from the Llama-shaped decoder in compress/export/gqa.py: LayerNorm with biases
 (``LayerNormalization``), a fused ``query_key_value`` whose rows are per head ``[q | k | v]`` (sliced into
 q_proj/k_proj/v_proj MatMuls so quantization selects them by name), partial rotary (GQA rotates the first
 ``2 * cos_cache.shape[1]`` dims of each head; ORT wants that half to be a multiple of 8), a plain GELU MLP
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from compress.gqa_families import GqaBuildError, Lin
+from compress.export.gqa_families import GqaBuildError, Lin
 
 
 def check_neox(model) -> None:

@@ -1,0 +1,19 @@
+"""The export stage: a torch causal LM -> an ONNX decoder artifact folder (model, tokenizer, manifest).
+
+Entry points (lazy: importing this package imports no torch):
+
+* ``build_artifact`` / ``export_onnx`` (standard.py): the torch exporters (dynamo, torchscript), layout
+  ``standard`` (past K/V in, present out); ``EXPORT_FORMAT`` is the export stage's cache-key version;
+* ``build_gqa_artifact`` / ``build_gqa_model`` / ``choose_exporter`` (gqa.py): the graph written from the weights
+  around GroupQueryAttention (layout ``gqa``), and which exporter ``export.exporter: auto`` picks.
+
+Beside them: gqa_families.py / gqa_neox.py (what differs per family in the gqa graph), graph_fusion.py (the
+fusions, also run after quantization) and kv_fp16.py (``export.kv_dtype: float16``).
+"""
+
+from compress._lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "standard": ["EXPORT_FORMAT", "ExportError", "ExportResult", "build_artifact", "export_onnx"],
+    "gqa": ["GqaBuildResult", "build_gqa_artifact", "build_gqa_model", "choose_exporter"],
+})
