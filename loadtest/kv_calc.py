@@ -23,12 +23,11 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from serve.kv_cache import DTYPE_BYTES  # the one KV dtype table, shared with the server
-from serve.kv_cache import ROW_COPIES  # the server's dense row copies per layout
-from serve.kv_cache import dtype_bytes as _table_bytes
+from serve.kv_budget import DTYPE_BYTES, ROW_COPIES, KVCacheSpec, split_budget  # the server's table and split
+from serve.kv_budget import dtype_bytes as _table_bytes
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -47,21 +46,8 @@ def dtype_bytes(dtype: str | float) -> float:
         raise ValueError(f"{e} or a number of bytes") from None
 
 
-@dataclass(frozen=True)
-class KVShape:
-    """What a model's KV cache depends on. ``dtype`` is the KV cache's, not the weights'."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str = "float16"
-    name: str = ""
-
-    def __post_init__(self):
-        for f in ("layers", "kv_heads", "head_dim"):
-            if int(getattr(self, f)) < 1:
-                raise ValueError(f"{f} must be >= 1 (got {getattr(self, f)})")
-        dtype_bytes(self.dtype)
+# The one KV shape type, shared with the server (serve/kv_budget.py); the calculator's old name stays.
+KVShape = KVCacheSpec
 
 
 # Public configs (config.json of each model): layers, KV heads (GQA/MQA), head dim.
@@ -97,7 +83,7 @@ def kv_memory_bytes(shape: KVShape, context: int, concurrency: int = 1, block_si
     """KV bytes for ``concurrency`` sequences of ``context`` tokens each (whole blocks if ``block_size``)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1 (got {concurrency})")
-    per_tok = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
+    per_tok = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
     return per_tok * _tokens_per_seq(context, block_size) * concurrency
 
 
@@ -108,7 +94,7 @@ def max_concurrency(shape: KVShape, budget_bytes: float, context: int, block_siz
 
 def max_context(shape: KVShape, budget_bytes: float, concurrency: int = 1, block_size: int | None = None) -> int:
     """The longest context each of ``concurrency`` sequences can hold in ``budget_bytes``."""
-    per_tok = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
+    per_tok = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
     tokens = int(budget_bytes // (per_tok * concurrency))
     return (tokens // block_size) * block_size if block_size else tokens
 
@@ -165,9 +151,7 @@ def server_split(shape: KVShape, budget_bytes: float, layout: str, rows_share: f
         raise ValueError(f"--layout {layout!r}: one of {', '.join(sorted(ROW_COPIES))} (or leave it out: one pool)")
     if not 0 < rows_share < 1:
         raise ValueError(f"--rows-share must be in (0, 1) (got {rows_share})")
-    per_tok = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
-    rows = budget_bytes * rows_share
-    return budget_bytes - rows, int(rows // (per_tok * copies))
+    return split_budget(budget_bytes, shape, layout, rows_share)  # the server's own split
 
 
 def report(shape: KVShape, context: int, concurrency: int | None = None, budget_bytes: float | None = None,
@@ -175,7 +159,7 @@ def report(shape: KVShape, context: int, concurrency: int | None = None, budget_
     """The figures the CLI prints: per token, per sequence, for ``concurrency`` sequences, and what
     ``budget_bytes`` holds (max concurrency at ``context``; max context at ``concurrency``); with ``layout``
     as this server splits the budget (``server_split``)."""
-    per_tok = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
+    per_tok = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
     out = {"shape": asdict(shape), "context": context, "block_size": block_size, "bytes_per_token": per_tok,
            "bytes_per_sequence": kv_memory_bytes(shape, context, 1, block_size)}
     if concurrency is not None:
@@ -197,7 +181,7 @@ def report(shape: KVShape, context: int, concurrency: int | None = None, budget_
 
 def _print(r: dict) -> None:
     s = r["shape"]
-    print(f"{s['name'] or 'model'}: {s['layers']} layers x {s['kv_heads']} KV heads x {s['head_dim']} head dim, "
+    print(f"{s['name'] or 'model'}: {s['num_layers']} layers x {s['num_kv_heads']} KV heads x {s['head_dim']} head dim, "
           f"KV dtype {s['dtype']}" + (f", blocks of {r['block_size']}" if r["block_size"] else ""))
     print(f"  per token     {r['bytes_per_token']:>14,.0f} B  ({_fmt_bytes(r['bytes_per_token'])})")
     print(f"  per sequence  {r['bytes_per_sequence']:>14,.0f} B  ({_fmt_bytes(r['bytes_per_sequence'])}) "
@@ -255,7 +239,7 @@ def shape_from_args(args: argparse.Namespace) -> KVShape:
         raise ValueError("give a source: --manifest, --hf-config, --preset, or all of --layers --kv-heads --head-dim")
     if any(v is not None for v in manual):
         raise ValueError("--layers/--kv-heads/--head-dim cannot be combined with --manifest/--hf-config/--preset")
-    return KVShape(shape.layers, shape.kv_heads, shape.head_dim, args.dtype or shape.dtype, shape.name)
+    return KVShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, args.dtype or shape.dtype, shape.name)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,13 +43,14 @@ from pathlib import Path
 import numpy as np
 
 from serve.artifact import read_manifest
-from serve.config import ConfigError, ServeConfig
+from serve.config import ServeConfig
 from serve.engine_stats import EngineCounters, EngineStats, FinishedRequestSample
 from serve.heap import release_free_memory
 from serve.in_flight import InFlightRequest
-from serve.kv_cache import ROW_COPIES, BlockManager, KVCacheSpec, num_blocks_for_budget
+from serve.kv_budget import KVCacheSpec, context_length, kv_layout
+from serve.kv_cache import BlockManager
 from serve.request_handle import RequestHandle, RequestOutput, TokenEvent
-from serve.runner import Runner, RunRow
+from serve.runner import ModelRunner, Runner, RunRow
 from serve.sampling import SamplingError, SamplingParams, sample_token, token_logprobs
 from serve.scheduler import AdmissionError, Scheduler, SchedulerOutput, SeqStatus, SequenceState
 from serve.thread_priority import call_in_lowered_thread, lower_this_thread
@@ -58,69 +59,6 @@ from serve.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenize
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineStats", "RequestHandle", "RequestOutput", "TokenEvent"]
-
-
-def kv_layout(config: ServeConfig, spec: KVCacheSpec, layout: str) -> tuple[int, int | None]:
-    """(pool blocks, dense row positions or None) from the one KV budget (docs/serving.md, "One KV budget").
-
-    Layouts ``gqa`` and ``standard`` keep K/V twice: in the block pool and in dense rows (gqa's in-place
-    rows; standard's per-step past buffers and ORT's present outputs). ``kv_rows_share`` of
-    ``serve.kv_memory_mb`` goes to the rows, the rest to the pool. With ``serve.num_blocks`` set the pool
-    is that size and the rows get the matching share.
-    """
-    bs = config.block_size
-    copies = ROW_COPIES.get(layout)
-    share = config.kv_rows_share if copies else 0.0
-    if config.num_blocks:
-        num_blocks = config.num_blocks
-        rows = int(num_blocks * bs * share / (1 - share)) // copies if share else None
-    else:
-        budget = config.kv_memory_mb * 2**20
-        row_bytes = int(budget * share)
-        num_blocks = num_blocks_for_budget(budget - row_bytes, spec, bs)
-        rows = row_bytes // (spec.bytes_per_token * copies) if share else None
-    if rows is not None and rows < 1:
-        raise ConfigError(f"serve.kv_memory_mb {config.kv_memory_mb} x kv_rows_share {share} leaves the KV rows no "
-                          f"position ({spec.bytes_per_token} bytes each); raise serve.kv_memory_mb")
-    return num_blocks, rows
-
-
-def context_length(config: ServeConfig, spec: KVCacheSpec, manifest: dict, num_blocks: int,
-                   row_tokens: int | None, layout: str = "gqa") -> int:
-    """The context length served: serve.max_model_len (else the manifest's max positions), within what the KV
-    budget holds for one sequence. An explicit serve.max_model_len the budget cannot hold is a ConfigError."""
-    bs = config.block_size
-    max_pos = int(manifest.get("max_positions") or 2048)
-    pool_tokens = num_blocks * bs
-    holds = min(pool_tokens, row_tokens) if row_tokens is not None else pool_tokens
-    want = min(config.max_model_len or max_pos, max_pos)
-    if want <= holds:
-        return want
-    bpt = spec.bytes_per_token
-    parts = f"the block pool {pool_tokens} tokens ({num_blocks} blocks of {bs})"
-    if row_tokens is not None:
-        share = config.kv_rows_share
-        copies = ROW_COPIES.get(layout, 1)
-        what = "gqa KV rows" if layout == "gqa" else f"{layout} layout's past buffers"
-        parts += f" and the {what} {row_tokens} positions (kv_rows_share {share})"
-        need_mb = max(-(-want // bs) * bs * bpt / (1 - share), want * bpt * copies / share) / 2**20
-    else:
-        need_mb = -(-want // bs) * bs * bpt / 2**20
-    if config.num_blocks:
-        share = config.kv_rows_share if row_tokens is not None else 0.5
-        copies = ROW_COPIES.get(layout, 1) if row_tokens is not None else 1
-        need_blocks = max(-(-want // bs), -(-int(want * copies * (1 - share) / share) // bs))
-        budget, key, need = f"serve.num_blocks {config.num_blocks}", "serve.num_blocks", f"{need_blocks}"
-    else:
-        budget, key = f"serve.kv_memory_mb {config.kv_memory_mb} MiB", "serve.kv_memory_mb"
-        need = f"{int(-(-need_mb // 1))} MiB"
-    msg = (f"{budget} holds one sequence of at most {holds} tokens ({parts}, {bpt} bytes per token); "
-           f"a context of {want} tokens needs {key} >= {need}")
-    if config.max_model_len:
-        raise ConfigError(f"serve.max_model_len {config.max_model_len} does not fit the KV budget: {msg}; "
-                          f"raise {key} or lower serve.max_model_len")
-    log.warning("context length lowered from the model's %d to %d tokens: %s", want, holds, msg)
-    return holds
 
 
 class Engine:
@@ -158,11 +96,11 @@ class Engine:
                                   intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
                                   row_tokens=row_tokens)
         # onnxruntime's intra-op threads, started in the session's constructor, inherit the lowered priority.
-        self.runner = call_in_lowered_thread(make_runner, config.model_thread_nice)
+        self.runner: ModelRunner = call_in_lowered_thread(make_runner, config.model_thread_nice)
         release_free_memory()  # the loader's freed temporaries, ~100 MiB for SmolLM2 (serve/heap.py)
-        self._pool_bytes = num_blocks * spec.bytes_per_block(bs)
+        pool_bytes = num_blocks * spec.bytes_per_block(bs)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)%s; context %d; provider %s",
-                 num_blocks, bs, num_blocks * bs, self._pool_bytes / 2**20, spec.bytes_per_token,
+                 num_blocks, bs, num_blocks * bs, pool_bytes / 2**20, spec.bytes_per_token,
                  f"; KV rows up to {row_tokens} positions, {row_tokens * spec.bytes_per_token / 2**20:.1f} MiB"
                  if row_tokens else "", self.max_model_len, self.runner.provider)
 
@@ -354,20 +292,17 @@ class Engine:
     # ---- KV memory -------------------------------------------------------------------------
     def kv_bytes(self) -> int:
         """Bytes held for K/V now, whatever the layout keeps (block pool, in-place rows, past buffers)."""
-        fn = getattr(self.runner, "kv_bytes", None)
-        return int(fn()) if fn else self._pool_bytes
+        return int(self.runner.kv_bytes())
 
     def kv_budget_bytes(self) -> int:
-        """The most ``kv_bytes`` reaches by design (the standard runner's past buffers are not bounded yet)."""
-        fn = getattr(self.runner, "kv_budget_bytes", None)
-        return int(fn()) if fn else self._pool_bytes
+        """The most ``kv_bytes`` reaches by design (docs/serving.md, "One KV budget")."""
+        return int(self.runner.kv_budget_bytes())
 
     def _trim_kv(self) -> None:
         """Let the runner give back KV memory beyond what the running sequences need (lock held, not executing)."""
-        trim = getattr(self.runner, "trim", None)
         running = self.scheduler.running
-        if trim is not None and (running or not self.scheduler.waiting):  # keep the rows for queued requests
-            trim(max((len(s.token_ids) for s in running), default=0))
+        if running or not self.scheduler.waiting:  # keep the rows for queued requests
+            self.runner.trim(max((len(s.token_ids) for s in running), default=0))
 
     # ---- internals (called with the lock held) ---------------------------------------------
     def _apply_aborts(self) -> list:

@@ -28,89 +28,23 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
-# The one KV dtype table (loadtest/kv_calc.py sizes with it too): bytes per element by ONNX/numpy dtype
-# name, with the usual short aliases. The runners' numpy pools hold SERVED_KV_DTYPES only.
-DTYPE_BYTES: dict[str, float] = {
-    "float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
-    "float8": 1, "fp8": 1, "int8": 1, "uint8": 1, "int4": 0.5,
-}
-SERVED_KV_DTYPES = ("float32", "float16")
-
-
-def dtype_bytes(dtype: str) -> float:
-    """Bytes per element of a KV dtype name (case-insensitive); ValueError naming the known ones."""
-    try:
-        return float(DTYPE_BYTES[str(dtype).lower()])
-    except KeyError:
-        raise ValueError(f"unknown KV dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
-
-
-def served_kv_dtype(manifest: dict) -> str:
-    """The manifest's kv_dtype (default float32) if the runners' numpy pools can hold it, else ValueError."""
-    kv_dtype = manifest.get("kv_dtype", "float32")
-    if kv_dtype not in SERVED_KV_DTYPES:
-        raise ValueError(f"kv_dtype {kv_dtype!r} not supported (have {sorted(SERVED_KV_DTYPES)})")
-    return kv_dtype
-
+# The KV shape, dtype table and budget arithmetic live in serve/kv_budget.py; importable from here as before.
+from serve.kv_budget import (  # noqa: F401
+    DTYPE_BYTES,
+    ROW_COPIES,
+    SERVED_KV_DTYPES,
+    KVCacheSpec,
+    dtype_bytes,
+    num_blocks_for_budget,
+    served_kv_dtype,
+)
 
 ROOT_HASH = b""
 
 
 class KVCacheError(RuntimeError):
     """Misuse of the block manager (unknown sequence, double free): a bug, not a user error."""
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """The shape of one token's K/V across the whole model."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str = "float32"
-
-    @property
-    def dtype_bytes(self) -> int:
-        try:
-            b = dtype_bytes(self.dtype)
-        except ValueError:
-            raise ValueError(f"kv dtype {self.dtype!r}: supported are {sorted(DTYPE_BYTES)}") from None
-        if b != int(b):
-            raise ValueError(f"kv dtype {self.dtype!r}: {b} bytes per element; the block pool holds whole bytes")
-        return int(b)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    def bytes_per_block(self, block_size: int) -> int:
-        return self.bytes_per_token * block_size
-
-    @classmethod
-    def from_manifest(cls, manifest: dict) -> KVCacheSpec:
-        return cls(int(manifest["num_layers"]), int(manifest["num_kv_heads"]), int(manifest["head_dim"]),
-                   str(manifest.get("kv_dtype", "float32")))
-
-
-# Dense copies of a row's K/V per position kept beside the block pool, by attention layout: gqa's in-place rows
-# (1); standard's past buffers plus ORT's present outputs of the same size while a call runs (2). The paged
-# layout attends over the pool itself. ``serve.kv_rows_share`` of the budget pays for them (docs/serving.md).
-ROW_COPIES: dict[str, int] = {"gqa": 1, "standard": 2}
-
-
-def num_blocks_for_budget(budget_bytes: int, spec: KVCacheSpec, block_size: int) -> int:
-    """How many blocks of ``block_size`` tokens fit in ``budget_bytes``."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1 (got {block_size})")
-    n = budget_bytes // spec.bytes_per_block(block_size)
-    if n < 1:
-        raise ValueError(
-            f"a KV memory budget of {budget_bytes} bytes holds no block: one block of {block_size} tokens needs "
-            f"{spec.bytes_per_block(block_size)} bytes ({spec.bytes_per_token} per token); raise serve.kv_memory_mb"
-        )
-    return int(n)
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:

@@ -39,21 +39,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from serve.kv_cache import served_kv_dtype
+from serve.kv_budget import served_kv_dtype
 from serve.kv_memory import kv_zeros
 # CPU, CUDA, choose_providers and make_session stay importable from here (engine, tests, benchmarks).
 from serve.onnx_session import CPU, CUDA, artifact_session, choose_providers, kv_io_names, make_session  # noqa: F401
+# The runner interface and the row type stay importable from here (runners, engine, tests).
+from serve.runner_protocol import ModelRunner, RunnerBase, RunnerError, RunRow  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-
-class RunnerError(RuntimeError):
-    pass
 
 
 def kv_spec(manifest: dict) -> tuple[type, list[str], list[str]]:
@@ -62,19 +59,6 @@ def kv_spec(manifest: dict) -> tuple[type, list[str], list[str]]:
         return getattr(np, served_kv_dtype(manifest)), *kv_io_names(manifest)
     except ValueError as e:
         raise RunnerError(str(e)) from None
-
-
-@dataclass
-class RunRow:
-    """One sequence's share of a step."""
-
-    key: Hashable  # identifies the sequence's K/V content (request id + admission epoch)
-    block_table: Sequence[int]
-    start: int  # tokens already in the cache = first new position
-    token_ids: Sequence[int]  # the new tokens, positions start .. start+n-1
-    want_logits: bool = True
-    # every new position's logits ([n, vocab]) instead of the last one's (prompt log-probs); only rows that ask pay
-    all_logits: bool = False
 
 
 class _PastBuffer:
@@ -173,7 +157,7 @@ class _PastBuffer:
         return slots, P  # type: ignore[return-value]
 
 
-class Runner:
+class Runner(RunnerBase):
     """Owns the ORT session and the KV pool; ``execute`` runs one scheduled step."""
 
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
@@ -183,15 +167,7 @@ class Runner:
         if layout != "standard":
             raise RunnerError(f"attention layout {layout!r} is not supported by this runner (only 'standard')")
         self.dtype, self.past_names, self.present_names = kv_spec(manifest)
-        self.num_layers = int(manifest["num_layers"])
-        self.kv_heads = int(manifest["num_kv_heads"])
-        self.head_dim = int(manifest["head_dim"])
-        self.vocab_size = int(manifest["vocab_size"])
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads,
-                                            spinning=ort_spinning)
-        self.provider = self.session.get_providers()[0]
+        super().__init__(artifact_dir, manifest, num_blocks, block_size, providers, intra_op_threads, ort_spinning)
         self.output_names = ["logits", *self.present_names]
         n_kv = 2 * self.num_layers
         self.pool = kv_zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), self.dtype)
@@ -202,15 +178,6 @@ class Runner:
         self._prefill_buf = _PastBuffer(n_kv, self.kv_heads, self.head_dim, block_size, self.dtype, row_tokens)
         self._decode_buf.peer, self._prefill_buf.peer = self._prefill_buf, self._decode_buf
         self.bytes_per_token = n_kv * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
-        self.calls = 0
-        self.run_seconds = 0.0  # inside session.run
-        self.step_seconds = 0.0  # whole execute (gather + run + scatter)
-
-    def k_cache(self, layer: int) -> np.ndarray:
-        return self.pool[2 * layer]
-
-    def v_cache(self, layer: int) -> np.ndarray:
-        return self.pool[2 * layer + 1]
 
     def kv_bytes(self) -> int:
         """Bytes held for K/V now: the pool plus the per-step past buffers."""

@@ -1,7 +1,6 @@
 """Runner backend for attention layout ``gqa``: in-place KV rows for ``com.microsoft.GroupQueryAttention``.
 
-Same interface as serve.runner.Runner (``execute(rows)`` -> last-position logits per row,
-``pool``, ``provider``, ``run_seconds``/``step_seconds``/``calls``), so the engine, scheduler
+Implements serve/runner_protocol.ModelRunner, as serve.runner.Runner does, so the engine, scheduler
 and block manager do not change.
 
 Storage
@@ -45,14 +44,14 @@ from pathlib import Path
 import numpy as np
 
 from serve.kv_memory import kv_zeros
-from serve.runner import CPU, CUDA, RunnerError, RunRow, artifact_session, kv_spec
+from serve.runner import CPU, CUDA, RunnerBase, RunnerError, RunRow, kv_spec
 
 log = logging.getLogger(__name__)
 
 CAP_STEP = 256
 
 
-class GqaRunner:
+class GqaRunner(RunnerBase):
     """Owns the ORT session, the block pool and the per-sequence KV rows; ``execute`` runs one step."""
 
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
@@ -62,16 +61,8 @@ class GqaRunner:
         if layout != "gqa":
             raise RunnerError(f"attention layout {layout!r}: GqaRunner runs 'gqa' artifacts (serve.runner.Runner runs 'standard')")
         self.dtype, self.past_names, self.present_names = kv_spec(manifest)
-        self.num_layers = int(manifest["num_layers"])
-        self.kv_heads = int(manifest["num_kv_heads"])
-        self.head_dim = int(manifest["head_dim"])
-        self.vocab_size = int(manifest["vocab_size"])
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+        super().__init__(artifact_dir, manifest, num_blocks, block_size, providers, intra_op_threads, ort_spinning)
         self.max_len = int(max_model_len or manifest.get("max_positions") or 2048)
-        self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads,
-                                            spinning=ort_spinning)
-        self.provider = self.session.get_providers()[0]
         if self.provider != CPU:
             # The buffers below are host numpy arrays bound by pointer; a device EP would need OrtValues on
             # the device (and PagedAttention over the pool instead). Not built: say so rather than run slowly.
@@ -102,17 +93,8 @@ class GqaRunner:
         self._decode_binding = None
         self._decode_inputs: dict[str, np.ndarray] = {}
         self._tick = 0
-        self.calls = 0
-        self.run_seconds = 0.0  # inside session.run
-        self.step_seconds = 0.0  # whole execute (placement + run + write-back)
         self.gathered_tokens = 0  # positions copied from the pool into rows (prefix hits, refills)
         self.moved_tokens = 0  # positions copied between rows (a decode row moving below B)
-
-    def k_cache(self, layer: int) -> np.ndarray:
-        return self.pool[2 * layer]
-
-    def v_cache(self, layer: int) -> np.ndarray:
-        return self.pool[2 * layer + 1]
 
     # ---- memory ----------------------------------------------------------------------------
     def kv_bytes(self) -> int:

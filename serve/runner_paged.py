@@ -4,7 +4,7 @@ UNVERIFIED: written and checked only as far as a machine without a GPU allows (t
 and resolves in onnxruntime; the CPU EP rejects it; this runner refuses to start without CUDA).
 See docs/gqa.md for what is and is not checked.
 
-Same interface as serve.runner.Runner. The pool *is* the op's KV cache: per layer one K and one V
+Implements serve/runner_protocol.ModelRunner. The pool *is* the op's KV cache: per layer one K and one V
 OrtValue on the GPU, [num_blocks, block_size, kv_heads, head_dim] fp16, bound as the op's cache
 input and as its aliasing output, so the op writes the new K/V into the blocks in place and reads
 the past straight from the engine's block tables. Nothing is gathered or copied per step, and
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from serve.runner import CPU, CUDA, RunnerError, RunRow, artifact_session
+from serve.runner import CPU, CUDA, RunnerBase, RunnerError, RunRow, artifact_session
 
 log = logging.getLogger(__name__)
 
 
-class PagedRunner:
+class PagedRunner(RunnerBase):
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
                  providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: str = "during_runs",
                  **_):
@@ -51,26 +51,24 @@ class PagedRunner:
         self.provider = self.session.get_providers()[0]
         if self.provider != CUDA:
             raise RunnerError(f"attention layout 'paged' needs a working CUDA EP; the session got {self.provider}")
-        self.num_layers = int(manifest["num_layers"])
-        self.kv_heads = int(manifest["num_kv_heads"])
-        self.head_dim = int(manifest["head_dim"])
-        self.vocab_size = int(manifest["vocab_size"])
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+        super().__init__(artifact_dir, manifest, num_blocks, block_size, providers, intra_op_threads, ort_spinning,
+                         open_session=False)  # opened above, where a CPU-only machine gets its own error
         io = manifest["io"]
         self.cache_names = [n for n in io["inputs"] if "_cache." in n]
         shape = [num_blocks, block_size, self.kv_heads, self.head_dim]
         self.pool = [ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float16, "cuda", 0) for _ in self.cache_names]
-        self.calls = 0
-        self.run_seconds = 0.0
-        self.step_seconds = 0.0
+        self._pool_bytes = len(self.pool) * int(np.prod(shape)) * 2
         self.gathered_tokens = 0  # always 0: the op reads the blocks where they are
 
-    def k_cache(self, layer: int):
-        return self.pool[2 * layer]
+    def kv_bytes(self) -> int:
+        """The block pool on the GPU: the op attends over it, no dense copies."""
+        return self._pool_bytes
 
-    def v_cache(self, layer: int):
-        return self.pool[2 * layer + 1]
+    def kv_budget_bytes(self) -> int:
+        return self._pool_bytes
+
+    def trim(self, longest: int) -> None:
+        """Nothing to give back: the pool is all the K/V there is."""
 
     def execute(self, rows: Sequence[RunRow]) -> list[np.ndarray | None]:
         t0 = time.perf_counter()

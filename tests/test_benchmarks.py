@@ -76,7 +76,7 @@ def test_kv_calc_matches_hand_computed_figures(tiny_artifact, tmp_path):
     assert max_concurrency(smol, 256 * 2**20, 2048, block_size=16) == 2
     # Llama-2-7B fp16 (MHA): 0.5 MiB per token; 4k context x 32 sequences = 64 GiB.
     l7 = kv_calc.PRESETS["llama-2-7b"]
-    assert kv_bytes_per_token(l7.layers, l7.kv_heads, l7.head_dim, l7.dtype) == 524_288
+    assert kv_bytes_per_token(l7.num_layers, l7.num_kv_heads, l7.head_dim, l7.dtype) == 524_288
     assert kv_memory_bytes(l7, 4096, 32) == 64 * 2**30
     assert max_concurrency(l7, 24 * 2**30, 4096) == 12
     # GQA 8 (Llama-3-8B): 4x less than MHA at the same size.
@@ -85,11 +85,11 @@ def test_kv_calc_matches_hand_computed_figures(tiny_artifact, tmp_path):
     assert kv_memory_bytes(KVShape(1, 1, 1, 1), 17, 1, block_size=16) == 2 * 32
     # From an artifact manifest (tiny: 2 layers x 2 KV heads x 16, fp32) and from a HF config dict.
     tiny = kv_calc.shape_from_manifest(tiny_artifact)
-    assert (tiny.layers, tiny.kv_heads, tiny.head_dim, tiny.dtype) == (2, 2, 16, "float32")
-    assert kv_bytes_per_token(tiny.layers, tiny.kv_heads, tiny.head_dim, tiny.dtype) == 512
+    assert (tiny.num_layers, tiny.num_kv_heads, tiny.head_dim, tiny.dtype) == (2, 2, 16, "float32")
+    assert kv_bytes_per_token(tiny.num_layers, tiny.num_kv_heads, tiny.head_dim, tiny.dtype) == 512
     hf = kv_calc.shape_from_hf_config({"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
                                         "torch_dtype": "bfloat16"})
-    assert (hf.kv_heads, hf.head_dim, hf.dtype) == (32, 128, "bfloat16")
+    assert (hf.num_kv_heads, hf.head_dim, hf.dtype) == (32, 128, "bfloat16")
     with pytest.raises(ValueError, match="unknown KV dtype"):
         KVShape(1, 1, 1, "float13")
 

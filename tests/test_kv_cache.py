@@ -28,8 +28,8 @@ def test_bytes_per_token_and_pool_sizing():
 def test_budget_too_small_is_a_clear_error():
     with pytest.raises(ValueError, match="kv_memory_mb"):
         num_blocks_for_budget(1000, KVCacheSpec(30, 3, 64), 16)
-    with pytest.raises(ValueError, match="kv dtype"):
-        KVCacheSpec(1, 1, 1, "float64").bytes_per_token
+    with pytest.raises(ValueError, match="unknown KV dtype 'float64'"):
+        KVCacheSpec(1, 1, 1, "float64")
 
 
 def test_allocate_is_all_or_nothing_and_free_returns_everything():
