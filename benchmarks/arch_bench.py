@@ -55,7 +55,7 @@ def build(family: str, root: Path, size: str = "tiny") -> tuple[Path, Path | Non
 
 def golden_figures(family: str, folder: Path, size: str = "tiny") -> dict:
     """The golden check (prompt past the sliding window, left-padded batch) of one artifact."""
-    from compress.golden import compare_onnx, record_golden
+    from compress.evaluate.golden import compare_onnx, record_golden
     from compress.tiny import build_tiny
 
     model, tok = build_tiny(family, seed=0, **size_overrides(family, size))

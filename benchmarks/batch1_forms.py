@@ -6,7 +6,7 @@ Builds, from the embedded SmolLM2 with the default config's data splits:
   fp32   the fused gqa graph (compress.export.gqa, fuse=True)
   w8a8   W8A8 dynamic per-token + SmoothQuant auto (the demo's W8A8 candidate), on the fused graph
   wo8    weight-only INT8 (MatMulNBits 8-bit, block 32, accuracy_level 4) + 8-bit tied embedding, fused
-and scores each (and ``--before``, an artifact made before the fusions) with compress.evaluate.evaluate_onnx
+and scores each (and ``--before``, an artifact made before the fusions) with compress.evaluate.onnx_eval.evaluate_onnx
 on the held-out test split and the held-out source (stdlib code), fp32 as the reference; then times decode
 steps of all of them interleaved (benchmarks.graph_profile). Prints a table and writes ``forms.json``.
 
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from compress.config import load_config
     from compress.data import splits_from_config
-    from compress.evaluate import evaluate_onnx
+    from compress.evaluate.onnx_eval import evaluate_onnx
     from compress.export.gqa import build_gqa_artifact
     from compress.models import load_teacher
     from compress.quantize import quantize_artifact

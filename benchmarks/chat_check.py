@@ -7,7 +7,7 @@ A candidate may also be a Hugging Face model folder (a pruned or distilled stude
 artifacts/prune/<key>/model or artifacts/distill/<key>/model): it is built into a gqa artifact first, so the
 pruning damage and what distillation recovered are measured on the same chat sets.
 
-The gate's set is compress/chatsets/use.jsonl (single-turn prompts). The second set,
+The gate's set is compress/evaluate/chatsets/use.jsonl (single-turn prompts). The second set,
 benchmarks/data/chat_second.jsonl, is another style (system personas, multi-turn conversations, opinions, creative
 and how-to requests), written apart from the first and read by no stage of the pipeline, no config and no test
 threshold: it checks that a verdict on the first set holds on chat it was not tuned on (issue 26: within 0.03 of
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from compress import chat_eval
+from compress.evaluate import chat as chat_eval
 
 SECOND_SET = Path(__file__).parent / "data" / "chat_second.jsonl"
 SHOWN = ("chat_perplexity_ratio", "chat_top1_agreement", "chat_judged_ratio", "chat_late_divergence_share",

@@ -41,7 +41,7 @@ from compress.distill import distill  # noqa: E402
 from compress.distill_data import training_splits  # noqa: E402
 from compress.models import load_teacher  # noqa: E402
 from compress.prune import prune_model  # noqa: E402
-from compress.torch_eval import perplexity  # noqa: E402
+from compress.evaluate.torch_eval import perplexity  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,7 +3,7 @@
   .venv/bin/python -m benchmarks.downstream_smollm2 DIR [DIR ...]    # artifact folders; the first is the baseline
 
 Splits as configs/default.yaml (block 128; 32 test blocks, 32 blocks of the stdlib_code held-out source),
-downstream items from 32 blocks of each (compress/downstream.py). Prints a markdown table (docs/quantization.md).
+downstream items from 32 blocks of each (compress/evaluate/downstream.py). Prints a markdown table (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def main(dirs: list[str]) -> None:
     from pathlib import Path
 
     from compress.data import make_splits
-    from compress.downstream import downstream_scores
-    from compress.evaluate import evaluate_onnx
+    from compress.evaluate.downstream import downstream_scores
+    from compress.evaluate.onnx_eval import evaluate_onnx
     from compress.models import load_teacher
 
     root = Path(__file__).resolve().parent.parent

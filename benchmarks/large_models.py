@@ -165,7 +165,7 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
     elif name == "golden":
         import gc
 
-        from compress.golden import compare_from_config, record_golden
+        from compress.evaluate.golden import compare_from_config, record_golden
         from compress.models import load_teacher
 
         model, tok = load_teacher(state["model_dir"])
@@ -188,9 +188,9 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
                     "int8_gib": round(choice.result.report.bytes_after / 2**30, 2)})
         state["int8"] = str(workdir / "int8")
     elif name == "accept":
-        from compress.accept import accept
+        from compress.evaluate.gate import accept
         from compress.data import load_heldout
-        from compress.evaluate import evaluate_onnx
+        from compress.evaluate.onnx_eval import evaluate_onnx
 
         test = load_heldout(workdir / "heldout.npz").test
         base = evaluate_onnx(state["fp32"], test)

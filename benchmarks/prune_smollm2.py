@@ -176,7 +176,7 @@ def stage(name):
 
     from compress.config import PruneConfig
     from compress.prune import prune_model, sensitivity_scan
-    from compress.torch_eval import perplexity
+    from compress.evaluate.torch_eval import perplexity
 
     spec = {k: v for k, v in VARIANTS[name].items() if k != "use_sensitivity"}
     cfg = PruneConfig(**{**BASE, **spec})
@@ -236,7 +236,7 @@ def main():
     if args.stage:
         return stage(args.stage)
     if not args.table:
-        from compress.torch_eval import perplexity
+        from compress.evaluate.torch_eval import perplexity
 
         names = args.only or list(VARIANTS)
         todo = [n for n in names if args.force or n in args.export or not (OUT / f"{n}.json").is_file()]
@@ -245,7 +245,7 @@ def main():
             model, tok, splits = setup()
             ev = EvalSet(model, splits.eval)
             teacher_ppl = perplexity(model, splits.eval)
-            assert abs(ev.measure(model)["ppl"] / teacher_ppl - 1) < 1e-4  # same number as compress.torch_eval
+            assert abs(ev.measure(model)["ppl"] / teacher_ppl - 1) < 1e-4  # same number as compress.evaluate.torch_eval
             print(f"teacher loaded + eval ppl {teacher_ppl:.3f} in {time.perf_counter() - t0:.0f} s", flush=True)
             for n in todo:
                 run_variant(n, model, tok, splits, ev, teacher_ppl, n in args.export)

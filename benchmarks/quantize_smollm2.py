@@ -69,13 +69,13 @@ def ensure_fp32():
 
 def run_variant(name: str) -> dict:
     from compress.config import QuantizeConfig
-    from compress.evaluate import evaluate_onnx
+    from compress.evaluate.onnx_eval import evaluate_onnx
     from compress.quantize import quantize_artifact
 
     model, tok, splits = ensure_fp32()
     row: dict = {"variant": name, "overrides": VARIANTS[name]}
     if name == "fp32":
-        from compress.torch_eval import perplexity
+        from compress.evaluate.torch_eval import perplexity
 
         row["torch_perplexity"] = perplexity(model, splits.eval)
         art = FP32
@@ -94,7 +94,7 @@ def run_variant(name: str) -> dict:
 
     top1_file = BENCH / "fp32_eval_top1.npy"
     if not top1_file.is_file():
-        from compress.evaluate import prefill_logits
+        from compress.evaluate.onnx_eval import prefill_logits
 
         np.save(top1_file, prefill_logits(FP32, splits.eval, threads=THREADS).argmax(-1))
     row.update(evaluate_onnx(art, splits.eval, reference_top1=np.load(top1_file), threads=THREADS, decode_steps=40))
@@ -106,7 +106,7 @@ def gate_loop(name: str, qoverrides: dict, groups_per_trial: int = 12, trials: i
     """The accuracy-aware loop on SmolLM2: W8A8 targets, relax by moving groups to 8-bit weight-only."""
     import numpy as np
 
-    from compress.accept import quantize_with_acceptance
+    from compress.evaluate.gate import quantize_with_acceptance
     from compress.config import AcceptConfig, QuantizeConfig
 
     _, _, splits = ensure_fp32()
@@ -150,7 +150,7 @@ def latency_interleaved(rounds: int = 4, steps: int = 16) -> None:
 
 
 def verdicts(rows: dict[str, dict]) -> dict[str, str]:
-    from compress.accept import accept
+    from compress.evaluate.gate import accept
     from compress.config import AcceptConfig
 
     base = rows.get("fp32")

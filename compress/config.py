@@ -297,19 +297,19 @@ class AcceptConfig(Section):
     max_kl: float | None = Field(None, gt=0)
     # Perplexity ratio on data.heldout_source (another genre), under both criteria; null = logged, not checked.
     max_heldout_perplexity_ratio: float | None = Field(None, ge=1.0)
-    # quality: multiple-choice continuation accuracy (compress/downstream.py) may fall at most this much below
+    # quality: multiple-choice continuation accuracy (compress/evaluate/downstream.py) may fall at most this much below
     # the baseline's (absolute, 0.05 = 5 points); items from downstream_items blocks of the test split and as
     # many of the held-out source. null = not measured.
     max_downstream_drop: float | None = Field(0.05, ge=0, le=1)
     downstream_items: int = Field(32, ge=1)
-    # Evaluation in the form of use (compress/chat_eval.py), for a model with a chat template: held-out chat
+    # Evaluation in the form of use (compress/evaluate/chat.py), for a model with a chat template: held-out chat
     # prompts rendered with its template, the teacher's greedy answers as targets (cached per teacher), and the
-    # candidate's own answers judged by the teacher. "builtin" = compress/chatsets/use.jsonl (48 prompts read by no
+    # candidate's own answers judged by the teacher. "builtin" = compress/evaluate/chatsets/use.jsonl (48 prompts read by no
     # other stage); a local .jsonl of {"messages": [...]} conversations adds to it (or replaces it, listed alone);
     # [] = off. A model without a chat template is not scored on chat (said in the verdict).
     chat_sets: list[str] = Field(default_factory=lambda: ["builtin"])
     chat_max_new_tokens: int = Field(48, ge=1, le=2048)
-    # Limits on the chat set; "auto" = the criteria's (compress/accept.py CHAT_LIMITS: fidelity, a quantized model,
+    # Limits on the chat set; "auto" = the criteria's (compress/evaluate/gate.py CHAT_LIMITS: fidelity, a quantized model,
     # stays within 1.05x / agreement 0.85 / judged 1.10x; quality, a student, within 1.10x / - / 1.25x), null = logged only.
     max_chat_perplexity_ratio: float | Literal["auto"] | None = "auto"
     min_chat_top1_agreement: float | Literal["auto"] | None = "auto"

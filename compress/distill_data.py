@@ -15,7 +15,7 @@ shuffled together by the training loop's data order), ``chat`` (the teacher's ow
 as the model's chat template opens a user turn, its default system turn included, and the teacher writes the rest
 at ``temperature``: the user's message, the end of the turn, the assistant turn and its answer, and on; special
 tokens the template does not use are suppressed). ``chat`` is the distribution of use for a chat model, and is
-data-free: no prompt of the gate's chat set (compress/chatsets/) is read.
+data-free: no prompt of the gate's chat set (compress/evaluate/chatsets/) is read.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def evaluate(student, teacher, blocks: np.ndarray, batch_size: int = 4, amp_dtyp
              rank: Rank | None = None) -> dict[str, float]:
     """Student perplexity, KL(teacher || student) at T = 1 and top-1 agreement, plus the teacher's perplexity.
 
-    Same definitions as compress.torch_eval (perplexity over next-token predictions, KL and agreement
+    Same definitions as compress.evaluate.torch_eval (perplexity over next-token predictions, KL and agreement
     over every position) in one pass: one student and one teacher forward per batch instead of three.
     With a distributed ``rank`` each rank scores every world-th block and the sums are added up.
     """

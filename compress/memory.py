@@ -8,7 +8,7 @@ an embedding of V x h and a process overhead O (Python, torch, onnxruntime, Pref
 * golden: the fp32 torch model (4P), then (not at the same time) the fp32 ONNX session, which ONNX Runtime holds
   in 1.13 x its weights: 4.5P;
 * quantize and accept: one fp32 ONNX session at a time (calibration, the baseline's evaluation; the candidate
-  is scored after the baseline's logits went to disk, compress/evaluate.py): 4.5P, plus a batch of logits;
+  is scored after the baseline's logits went to disk, compress/evaluate/onnx_eval.py): 4.5P, plus a batch of logits;
 * pruning: teacher and student in fp32 side by side: 8P, plus calibration activations;
 * distillation: the fp32 teacher (4P) and a trained fp32 student with its gradient and Adam's two moments
   (16P): 20P, plus activations.

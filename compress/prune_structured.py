@@ -154,7 +154,7 @@ def normalize_layers(indices, num_layers: int) -> set[int]:
 
 def calib_loss(model, blocks: np.ndarray, batch_size: int = 4) -> float:
     """Mean next-token cross-entropy (nats) over the blocks."""
-    from compress.torch_eval import perplexity
+    from compress.evaluate.torch_eval import perplexity
 
     return math.log(perplexity(model, blocks, batch_size=batch_size))
 

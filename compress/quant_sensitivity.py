@@ -1,6 +1,6 @@
 """Which linear groups to keep in float: a cheap ranking and a KL sensitivity scan, on calib data only.
 
-The accuracy-aware loop (compress/accept.py) and `quantize.sensitivity_trials` both need an order of
+The accuracy-aware loop (compress/evaluate/gate.py) and `quantize.sensitivity_trials` both need an order of
 the quantizable groups (one decoder layer's q/k/v, o, gate/up or down linears), most harmful to
 quantize first. `candidate_ranking` scores every group from the calibration statistics alone, with no
 model run; `sensitivity_scan` runs the model with one group quantized at a time for the top

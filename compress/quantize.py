@@ -2,7 +2,7 @@
 
 Entry point: `quantize_artifact(src_artifact, out_dir, calib_blocks, cfg) -> QuantReport`.
 `Quantizer` loads the fp32 artifact and calibrates once, then writes as many quantized variants as the
-caller asks for (the sensitivity scan and the accuracy-aware loop of compress/accept.py re-quantize
+caller asks for (the sensitivity scan and the accuracy-aware loop of compress/evaluate/gate.py re-quantize
 with more groups in float, never recalibrating). The steps live beside it:
 
   quant_prepare.py      calibration on the calib split + SmoothQuant, once

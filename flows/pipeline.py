@@ -19,9 +19,10 @@ import mlflow
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from compress import chat_eval, registry
+from compress import registry
 from compress.config import ConfigError, PipelineConfig, load_config, project_root
 from compress.data import DATA_FORMAT
+from compress.evaluate import chat as chat_eval
 from compress.export import EXPORT_FORMAT
 from compress.search import describe
 from flows.deploy import deploy_flow, served_model
@@ -269,9 +270,9 @@ def search_rejection(search: dict) -> dict:
 
 
 def compare_with_champion(cfg: PipelineConfig, figures: dict) -> dict | None:
-    """The candidate's figures against the current champion's registered ones (compress.accept.versus_champion),
+    """The candidate's figures against the current champion's registered ones (compress.evaluate.versus_champion),
     with the champion's version; None when the model has no champion yet."""
-    from compress.accept import versus_champion
+    from compress.evaluate import versus_champion
 
     name = cfg.registry.model_name
     champ = registry.version_for_alias(name, "champion")

@@ -14,7 +14,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from serve.api_schemas import ApiError, ChatMessage
 
-if TYPE_CHECKING:  # the offline evaluator (compress/chat_eval.py) renders without the engine's imports
+if TYPE_CHECKING:  # the offline evaluator (compress/evaluate/chat.py) renders without the engine's imports
     from serve.model_source import LoadedModel
 
 
@@ -44,7 +44,7 @@ def template_specials(tokenizer, manifest: dict) -> dict[str, str]:
 
 def render_template(source: str, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
     """A chat template rendered in the sandbox; raises jinja2.TemplateError when the template rejects the messages.
-    The one rendering the server and the offline chat evaluation (compress/chat_eval.py) share."""
+    The one rendering the server and the offline chat evaluation (compress/evaluate/chat.py) share."""
     return _compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
 

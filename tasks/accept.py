@@ -5,7 +5,7 @@ Three evaluations, each of the candidate against the baseline (the reference for
 - the verdict's, on the test split (heldout.npz, which no stage before this one opens): the gate decides
   on these figures; they keep the plain names (candidate_perplexity, gate_perplexity_ratio, ...);
 - the held-out source's (text of another genre, data.heldout_source), beside it as ``heldout_*`` figures;
-- the chat set's (compress/chat_eval.py: held-out chat prompts in the model's template, the teacher's answers as
+- the chat set's (compress/evaluate/chat.py: held-out chat prompts in the model's template, the teacher's answers as
   targets, the candidate's own answers judged by the teacher), as ``chat_*`` figures the gate reads too, when the
   model has a chat template and accept.chat_sets is set; the teacher's side is cached in <workdir>/chat_targets/;
 - the selection split's (eval, which the relax loop and distillation chose on), as ``selection_*`` figures.
@@ -20,12 +20,10 @@ from pathlib import Path
 import mlflow
 from prefect import task
 
-from compress import chat_eval
-from compress.accept import accept, chat_limit, genre_table, resolve_criteria
 from compress.config import PipelineConfig
 from compress.data import load_heldout
-from compress.downstream import downstream_scores
-from compress.evaluate import evaluate_onnx
+from compress.evaluate import accept, chat_limit, downstream_scores, evaluate_onnx, genre_table, resolve_criteria
+from compress.evaluate import chat as chat_eval
 from tasks.common import cache_key_fn, mark_done, open_stage, workdir
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params

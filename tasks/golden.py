@@ -7,7 +7,7 @@ import gc
 from prefect import task
 
 from compress.config import PipelineConfig
-from compress.golden import GoldenSet, compare_from_config, record_golden
+from compress.evaluate import GoldenSet, compare_from_config, record_golden
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params

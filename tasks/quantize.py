@@ -7,7 +7,7 @@ from pathlib import Path
 import mlflow
 from prefect import task
 
-from compress.accept import quantize_with_acceptance
+from compress.evaluate.gate import quantize_with_acceptance
 from compress.config import PipelineConfig
 from compress.quant_choice import choose_quant_form
 from compress.quantize import quantize_artifact

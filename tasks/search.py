@@ -19,10 +19,8 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NONE
 
-from compress.accept import accept, resolve_criteria
 from compress.config import PipelineConfig
-from compress.downstream import downstream_scores
-from compress.evaluate import evaluate_onnx
+from compress.evaluate import accept, downstream_scores, evaluate_onnx, resolve_criteria
 from compress.export import EXPORT_FORMAT
 from compress.search import (Candidate, best_rejected, describe, pareto_figure, pareto_front,
                              pick_fastest_accepted, search_table)

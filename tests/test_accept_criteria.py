@@ -1,6 +1,6 @@
 """Criteria that fit each compression: fidelity for a quantized model, quality for a pruned/distilled student.
 
-The downstream score (compress/downstream.py) is checked against the same log-likelihoods computed with
+The downstream score (compress/evaluate/downstream.py) is checked against the same log-likelihoods computed with
 torch; the accept stage is run as a task function on the tiny artifacts (baseline = the tiny model,
 candidate = a pruned copy built with the gqa builder).
 """
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from compress.accept import WHY, accept, resolve_criteria
+from compress.evaluate.gate import WHY, accept, resolve_criteria
 from compress.config import AcceptConfig, PipelineConfig
-from compress.downstream import CHOICES, choice_loglik, continuation_items, downstream_scores, mc_accuracy
+from compress.evaluate.downstream import CHOICES, choice_loglik, continuation_items, downstream_scores, mc_accuracy
 
 BASE = {"perplexity": 20.0, "heldout_perplexity": 15.0, "downstream_accuracy": 0.60}
 # A pruned + distilled student: as good a language model, but its argmax often differs from the teacher's.

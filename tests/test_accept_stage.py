@@ -26,7 +26,7 @@ def test_accept_gates_on_the_test_split_and_reuses_the_selection_figures(prefect
                                                                           monkeypatch):
     import tasks.accept as accept_mod
     from compress.data import DataSplits, load_heldout
-    from compress.evaluate import evaluate_onnx
+    from compress.evaluate.onnx_eval import evaluate_onnx
     from flows.pipeline import compress_flow, model_figures
 
     measured = []  # (artifact, blocks) of every evaluation the accept stage runs

@@ -18,7 +18,7 @@ import torch
 
 from compress.config import DistillConfig, PruneConfig, QuantizeConfig, ServeConfig
 from compress.export.standard import build_artifact
-from compress.golden import compare_onnx, record_golden
+from compress.evaluate.golden import compare_onnx, record_golden
 from compress.export.gqa import build_gqa_artifact, choose_exporter
 from compress.tiny import FAMILIES, SLIDING_WINDOW, build_tiny
 
@@ -150,7 +150,7 @@ def test_distillation_steps(family, models, tiny_splits, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_static_int8(family, artifacts, tiny_splits, tmp_path):
     from compress.artifact import read_manifest
-    from compress.evaluate import prefill_logits
+    from compress.evaluate.onnx_eval import prefill_logits
     from compress.quantize import quantize_artifact
 
     folder, _ = artifacts(family)

@@ -1,4 +1,4 @@
-"""Acceptance in the form of use: the chat set (compress/chat_eval.py) and its checks in the gate (compress/accept.py).
+"""Acceptance in the form of use: the chat set (compress/evaluate/chat.py) and its checks in the gate (compress/evaluate/gate.py).
 
 The damaged candidate is the tiny Llama with the embeddings of its chat-template tokens (<|im_start|>, <|im_end|>)
 replaced: text of the documentation corpus never holds them, so the test split barely moves, while every chat
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from compress import chat_eval
-from compress.accept import accept, genre_table, versus_champion
+from compress.evaluate import chat as chat_eval
+from compress.evaluate.gate import accept, genre_table, versus_champion
 from compress.config import AcceptConfig
-from compress.evaluate import evaluate_onnx
+from compress.evaluate.onnx_eval import evaluate_onnx
 from compress.export.gqa import build_gqa_artifact
 
 NEW = 16

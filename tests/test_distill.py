@@ -119,7 +119,7 @@ def test_step_schedule_staircase_and_alpha_and_lr():
 
 
 def test_evaluate_matches_torch_eval(tiny_model, other_student, tiny_splits):
-    from compress.torch_eval import kl_and_agreement, perplexity
+    from compress.evaluate.torch_eval import kl_and_agreement, perplexity
 
     ev = evaluate(other_student, tiny_model, tiny_splits.eval)
     ref = kl_and_agreement(other_student, tiny_model, tiny_splits.eval)

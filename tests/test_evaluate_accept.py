@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from compress.accept import Verdict, accept, quantize_with_acceptance
+from compress.evaluate.gate import Verdict, accept, quantize_with_acceptance
 from compress.config import AcceptConfig, QuantizeConfig
-from compress.evaluate import evaluate_onnx
+from compress.evaluate.onnx_eval import evaluate_onnx
 from compress.quantize import Quantizer
-from compress.torch_eval import perplexity
+from compress.evaluate.torch_eval import perplexity
 
 BASE = {"perplexity": 20.0, "top1_agreement": 1.0, "decode_tokens_per_s": 40.0, "size_bytes": 500e6}
 
@@ -103,7 +103,7 @@ def test_accuracy_aware_loop_rejects_after_the_last_trial(tiny_artifact, tiny_sp
 
 
 def test_agreement_from_cached_reference_top1(tiny_artifact, tiny_splits, fp32_eval):
-    from compress.evaluate import prefill_logits
+    from compress.evaluate.onnx_eval import prefill_logits
 
     top1 = prefill_logits(tiny_artifact, tiny_splits.eval).argmax(-1)
     m = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=top1, latency=False)
@@ -115,7 +115,7 @@ def test_agreement_from_cached_reference_top1(tiny_artifact, tiny_splits, fp32_e
 
 def test_agreement_counts_exactly_the_positions_perplexity_scores(tiny_artifact, tiny_splits):
     """Position s-1's logits predict a token outside the block: perplexity never scores it, nor may agreement."""
-    from compress.evaluate import prefill_logits
+    from compress.evaluate.onnx_eval import prefill_logits
 
     top1 = prefill_logits(tiny_artifact, tiny_splits.eval).argmax(-1)
     n, s = tiny_splits.eval.shape

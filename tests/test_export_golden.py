@@ -10,7 +10,7 @@ from onnx import numpy_helper
 
 from compress.artifact import ArtifactError, read_manifest
 from compress.config import GoldenConfig
-from compress.golden import GoldenMismatch, GoldenSet, compare_onnx, record_golden
+from compress.evaluate.golden import GoldenMismatch, GoldenSet, compare_onnx, record_golden
 from compress.drivers.standard import OnnxLM
 
 PROMPTS = GoldenConfig().prompts

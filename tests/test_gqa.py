@@ -98,7 +98,7 @@ def test_builder_matches_torch(tiny, gqa_artifact):
 
 
 def test_golden_passes_on_gqa(tiny, gqa_artifact):
-    from compress.golden import compare_onnx, record_golden
+    from compress.evaluate.golden import compare_onnx, record_golden
 
     model, tok = tiny
     golden = record_golden(model, tok, ["The cat sat on", "Data flows one way", "a b c"], new_tokens=8)
@@ -257,7 +257,7 @@ def test_auto_exporter_picks_gqa_where_the_model_allows(tiny):
 def test_pruned_student_builds_and_passes_golden(tiny, tiny_splits, tmp_path):
     """`auto` sends pruned students to the gqa builder too: fewer heads, KV groups, neurons and layers."""
     from compress.config import GoldenConfig, PruneConfig
-    from compress.golden import compare_onnx, record_golden
+    from compress.evaluate.golden import compare_onnx, record_golden
     from compress.export.gqa import build_gqa_artifact, choose_exporter
     from compress.prune import prune_model
 

@@ -68,7 +68,7 @@ def test_logits_and_greedy_against_torch(tiny, kv_artifacts):
 
 
 def test_golden_passes(tiny, kv_artifacts):
-    from compress.golden import compare_onnx, record_golden
+    from compress.evaluate.golden import compare_onnx, record_golden
 
     model, tok = tiny
     golden = record_golden(model, tok, ["The cat sat on", "Data flows one way", "a b c"], new_tokens=8)

@@ -195,7 +195,7 @@ def test_quantizer_on_an_external_data_artifact_equals_the_inline_one(small_llam
 
 
 def test_sequential_evaluation_gives_the_side_by_side_figures(small_llama, tmp_path, monkeypatch):
-    import compress.evaluate as ev
+    import compress.evaluate.onnx_eval as ev
     from compress.models import load_teacher
     from compress.quantize import quantize_artifact
 
@@ -262,7 +262,7 @@ def test_llama_3_2_1b_shape_exports_checks_and_quantizes_within_twice_its_fp32_b
 import numpy as np
 from compress.config import GoldenConfig, QuantizeConfig
 from compress.export.gqa import build_gqa_artifact
-from compress.golden import compare_from_config, record_golden
+from compress.evaluate.golden import compare_from_config, record_golden
 from compress.models import load_teacher, resolve_source
 from compress.quantize import quantize_artifact
 from compress.drivers import load_lm

@@ -231,7 +231,7 @@ def test_structured_export_matches_torch(structured_artifact, tiny_splits):
 
 
 def test_structured_export_golden_validates(structured_artifact, tiny_tokenizer):
-    from compress import golden
+    from compress.evaluate import golden
     student, folder, _ = structured_artifact
     g = golden.record_golden(student, tiny_tokenizer, ["The capital of France is", "def fibonacci(n):"], 8, 8)
     report = golden.compare_onnx(folder, g, pad_id=tiny_tokenizer.pad_token_id)

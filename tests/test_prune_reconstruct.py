@@ -14,7 +14,7 @@ import torch
 from compress.config import PruneConfig
 from compress.prune import prune_model
 from compress.prune_structured import decoder_layers
-from compress.torch_eval import perplexity
+from compress.evaluate.torch_eval import perplexity
 
 
 def _cfg(**kw) -> PruneConfig:

@@ -13,7 +13,7 @@ from onnx import numpy_helper
 from compress.artifact import read_manifest
 from compress.calibration import find_linears
 from compress.config import QuantizeConfig
-from compress.evaluate import prefill_logits
+from compress.evaluate.onnx_eval import prefill_logits
 from compress.drivers import lm_for_model, load_lm
 from compress.quantize import QuantizeError, Quantizer, has_vnni, quantize_artifact, resolve_reduce_range
 from compress.smoothquant import apply_smoothquant

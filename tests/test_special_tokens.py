@@ -129,7 +129,7 @@ def test_manifest_records_the_decision(bos_artifact, tiny_artifact):
 
 
 def test_golden_passes_with_bos(tiny_model, bos_tok, bos_artifact):
-    from compress.golden import compare_onnx, record_golden
+    from compress.evaluate.golden import compare_onnx, record_golden
 
     g = record_golden(tiny_model, bos_tok, PROMPTS, top_k=8, new_tokens=8)
     for p, ids in zip(PROMPTS, g.prompt_ids):
@@ -140,7 +140,7 @@ def test_golden_passes_with_bos(tiny_model, bos_tok, bos_artifact):
 
 
 def test_perplexity_scores_the_same_positions(tiny_artifact, tiny_splits, bos_tok):
-    from compress.evaluate import evaluate_onnx
+    from compress.evaluate.onnx_eval import evaluate_onnx
 
     bos_eval = make_splits(bos_tok, "embedded", BLOCK, TRAIN, CALIB, EVAL, TEST, seed=0, heldout_source="none").eval
     plain = evaluate_onnx(tiny_artifact, tiny_splits.eval, latency=False)
@@ -150,7 +150,7 @@ def test_perplexity_scores_the_same_positions(tiny_artifact, tiny_splits, bos_to
 
 
 def test_generation_stops_on_any_eos(tiny_model, tiny_tokenizer, bos_artifact):
-    from compress.golden import record_golden
+    from compress.evaluate.golden import record_golden
     from compress.drivers.standard import OnnxLM
 
     lm = OnnxLM(bos_artifact)

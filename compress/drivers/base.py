@@ -1,6 +1,6 @@
 """One interface over an exported decoder graph, one driver per attention layout (offline, numpy, batch-1 decode).
 
-``LanguageModelDriver`` is what golden validation (compress/golden.py), evaluation (compress/evaluate.py:
+``LanguageModelDriver`` is what golden validation (compress/evaluate/golden.py), evaluation (compress/evaluate/onnx_eval.py:
 perplexity, agreement, golden prefix, decode latency), quantization sensitivity and the benchmarks run:
 
 * ``prefill(ids, room, last_only) -> (logits, past)`` and ``decode(ids, past) -> (logits, past)``: one

@@ -4,7 +4,7 @@ A chat model's users send conversations, and a gate that reads only documentatio
 that is much worse at answering them (a pruned + distilled SmolLM2 was 1.06x the teacher on documentation and
 1.55x on English conversations). So, for an artifact with a chat template, the acceptance gate also scores:
 
-* **answers the teacher would give**: each prompt (``compress/chatsets/use.jsonl``, written for this and read by
+* **answers the teacher would give**: each prompt (``compress/evaluate/chatsets/use.jsonl``, written for this and read by
   no training or calibration step, or a user's jsonl of conversations) is rendered with the template exactly as
   the server renders ``/v1/chat/completions`` (serve/chat_template.py, serve/tokenizer.py), the teacher answers
   it greedily, and the candidate is scored on those answer tokens only: NLL (``chat_perplexity_ratio`` against

@@ -1,6 +1,6 @@
 """The acceptance gate: a candidate's metrics against the baseline's, under tolerances from config.
 
-`accept` is a pure function of two metric dicts (from compress.evaluate.evaluate_onnx);
+`accept` is a pure function of two metric dicts (from compress.evaluate.onnx_eval.evaluate_onnx);
 `quantize_with_acceptance` is the accuracy-aware loop: quantize, evaluate, gate, and on a
 rejection move the next most sensitive linear groups back to float and retry, up to
 AcceptConfig.relax_trials times, before rejecting for good.
@@ -32,10 +32,10 @@ WHY = {
     "kl": "fidelity: how far its next-token distribution is from the baseline's",
     "heldout_perplexity_ratio": "quality: prediction of another genre (data.heldout_source); training on the corpus "
                                 "can teach the corpus instead of the teacher",
-    "downstream_drop": "quality: multiple-choice continuation accuracy on held-out text (compress/downstream.py); "
+    "downstream_drop": "quality: multiple-choice continuation accuracy on held-out text (compress/evaluate/downstream.py); "
                        "a student is a different model, judged on what it does rather than on imitation",
     "chat_perplexity_ratio": "use: how well it predicts the teacher's answers to held-out chat prompts, rendered with "
-                             "the model's chat template (compress/chat_eval.py), against the teacher",
+                             "the model's chat template (compress/evaluate/chat.py), against the teacher",
     "chat_top1_agreement": "use: how often it picks the teacher's next token inside those answers",
     "chat_judged_ratio": "use: the teacher's perplexity of the candidate's own greedy answers over that of its own; "
                          "what users read is what the candidate writes, not what it would score",
@@ -79,7 +79,7 @@ class Verdict:
 
 def _num(d: dict, key: str, who: str) -> float:
     if key not in d or d[key] is None:
-        raise KeyError(f"accept: the {who} metrics have no {key!r}; evaluate it with compress.evaluate.evaluate_onnx")
+        raise KeyError(f"accept: the {who} metrics have no {key!r}; evaluate it with compress.evaluate.onnx_eval.evaluate_onnx")
     v = float(d[key])
     return v
 
@@ -176,7 +176,7 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
 
 
 def _chat_checks(c: dict, cfg: AcceptConfig, criteria: str, m: dict, check) -> None:
-    """The chat set's tolerances (compress/chat_eval.py figures, each already a ratio to the teacher)."""
+    """The chat set's tolerances (compress/evaluate/chat.py figures, each already a ratio to the teacher)."""
     n = int(c.get("chat_items", 0))
     r = float(c["chat_perplexity_ratio"])
     m["gate_chat_perplexity_ratio"] = r
@@ -270,7 +270,7 @@ def quantize_with_acceptance(
     loop's gate. The pipeline's verdict is the accept stage's, on the test split no trial has seen (tasks/accept.py).
     on_trial(i, record) is called after every trial (for MLflow child runs).
     """
-    from compress.evaluate import evaluate_onnx
+    from compress.evaluate.onnx_eval import evaluate_onnx
     from compress.quant_sensitivity import float_groups_by_sensitivity
     from compress.quantize import Quantizer
 

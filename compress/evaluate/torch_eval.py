@@ -1,7 +1,7 @@
 """Accuracy of torch models on token blocks: perplexity, KL to a teacher, top-1 agreement.
 
 Shared by pruning (sensitivity, before/after) and distillation (eval curves); the
-ONNX-side equivalents live in compress/evaluate.py.
+ONNX-side equivalents live in compress/evaluate/onnx_eval.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _device_of(model) -> torch.device:
 @torch.no_grad()
 def perplexity(model, blocks: np.ndarray, batch_size: int = 4) -> float:
     """exp(mean next-token cross-entropy) over positions 1..s-1 of every block: the positions
-    compress.evaluate scores (position 0, which holds BOS for a model that takes one, is never a target)."""
+    compress.evaluate.onnx_eval scores (position 0, which holds BOS for a model that takes one, is never a target)."""
     model.eval()
     dev = _device_of(model)
     total, count = 0.0, 0
