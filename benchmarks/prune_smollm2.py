@@ -45,7 +45,7 @@ VARIANTS: dict[str, dict] = {
     "wanda50_protected": dict(method="unstructured", sparsity=0.5, unstructured_score="wanda"),
     "2to4_wanda": dict(method="unstructured", sparsity=0.5, pattern="2:4", unstructured_score="wanda",
                        protected_layers=[]),
-    # Reconstruction (compress/prune_reconstruct.py): one-shot, the same cuts with and without the re-fit.
+    # Reconstruction (compress/prune/reconstruct.py): one-shot, the same cuts with and without the re-fit.
     "mlp12": dict(method="structured", mlp_ratio=0.125),
     "mlp12_rec": dict(method="structured", mlp_ratio=0.125, reconstruct=True, reconstruct_inputs="student"),
     "mlp12_rec_teacher": dict(method="structured", mlp_ratio=0.125, reconstruct=True, reconstruct_inputs="teacher"),

@@ -129,7 +129,7 @@ class PruneConfig(Section):
     sensitivity: bool = True
     sensitivity_blocks: int = Field(8, ge=1)
     # After a structured cut, re-fit each cut layer's o_proj / down_proj by ridge least squares on the calib
-    # blocks so its output stays the teacher's (compress/prune_reconstruct.py; one-shot figures in docs/pruning.md).
+    # blocks so its output stays the teacher's (compress/prune/reconstruct.py; one-shot figures in docs/pruning.md).
     reconstruct: bool = True
     # The ridge pulls each kept column toward its plainly cut weight, relative to that input's energy
     # (0 = plain least squares, which over-fits a few thousand calib tokens; large = no reconstruction).

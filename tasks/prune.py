@@ -7,10 +7,9 @@ from prefect import task
 from safetensors.torch import save_file
 
 from compress.config import PipelineConfig
-from compress.memory import check_prune_memory, shape_of_folder
-from compress.prune import prune_model
-from compress.sensitivity import sensitivity_scan
 from compress.evaluate import perplexity
+from compress.memory import check_prune_memory, shape_of_folder
+from compress.prune import prune_model, sensitivity_scan
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model, load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params, log_rows

@@ -113,7 +113,7 @@ def test_standard_layout_golden_and_serving(family, models, artifacts, tmp_path)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_structured_prune_then_export(family, models, tiny_splits, tmp_path):
     from compress.prune import prune_model
-    from compress.prune_structured import UnsupportedArchitectureError
+    from compress.prune.structured import UnsupportedArchitectureError
 
     model, tok = models(family)
     cfg = PruneConfig(enabled=True, method="structured", mlp_ratio=0.5, head_ratio=0.5, layer_ratio=0.5,

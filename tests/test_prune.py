@@ -19,8 +19,8 @@ from compress.prune import (
     sensitivity_scan,
     unstructured_masks,
 )
-from compress.prune_structured import collect_importance, count_params
-from compress.prune_unstructured import sensitivity_allocation
+from compress.prune.structured import collect_importance, count_params
+from compress.prune.unstructured import sensitivity_allocation
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -421,7 +421,7 @@ def test_report_metrics_are_flat_floats(tiny4, tiny_splits):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_sensitivity_suffix_replay_equals_full_forwards(kind, tiny4, tiny_splits, monkeypatch):
-    import compress.sensitivity as sensitivity
+    import compress.prune.sensitivity as sensitivity
 
     model = tiny4 if kind == "llama" else _tiny_family("qwen2", 512)
     cfg = _cfg(method="both", mlp_ratio=0.25, head_ratio=0.5, sparsity=0.5, sensitivity_blocks=4)

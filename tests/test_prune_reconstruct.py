@@ -1,4 +1,4 @@
-"""Reconstruction after structured pruning (compress/prune_reconstruct.py) on a trained tiny Llama.
+"""Reconstruction after structured pruning (compress/prune/reconstruct.py) on a trained tiny Llama.
 
 The re-fit must bring the cut layers' outputs closer to the teacher's on tokens it was not fitted
 on (the eval blocks), and the student's eval perplexity must be no worse than the plain cut's.
@@ -13,7 +13,7 @@ import torch
 
 from compress.config import PruneConfig
 from compress.prune import prune_model
-from compress.prune_structured import decoder_layers
+from compress.prune.structured import decoder_layers
 from compress.evaluate.torch_eval import perplexity
 
 

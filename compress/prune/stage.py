@@ -9,8 +9,8 @@ Public API (plain functions; the task layer adds Prefect and MLflow):
   which must re-apply the masks after each optimizer step so pruned weights stay at zero.
 
 Method ``structured`` really shrinks the matrices and the config (see
-compress/prune_structured.py for the importance scores and why); ``unstructured``
-zeroes weights (compress/prune_unstructured.py); ``both`` cuts first, then zeroes.
+compress/prune/structured.py for the importance scores and why); ``unstructured``
+zeroes weights (compress/prune/unstructured.py); ``both`` cuts first, then zeroes.
 Design notes and measurements on SmolLM2-135M: docs/pruning.md.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from compress.prune_structured import (
+from compress.prune.structured import (
     SUPPORTED_MODEL_TYPES,
     StructuredPlan,
     UnsupportedArchitectureError,
@@ -37,8 +37,8 @@ from compress.prune_structured import (
     mask_plan,
     normalize_layers,
 )
-from compress.prune_reconstruct import ReconstructionReport, reconstruct
-from compress.prune_unstructured import (
+from compress.prune.reconstruct import ReconstructionReport, reconstruct
+from compress.prune.unstructured import (
     Masks,
     apply_masks,
     compute_masks,
@@ -46,7 +46,7 @@ from compress.prune_unstructured import (
     sparsity_by_layer,
     unstructured_masks,
 )
-from compress.sensitivity import SensitivityReport, sensitivity_scan
+from compress.prune.sensitivity import SensitivityReport, sensitivity_scan
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from compress.prune_structured import (
+from compress.prune.structured import (
     NEURON_MULTIPLE,
     Importance,
     StructuredPlan,
@@ -38,7 +38,7 @@ from compress.prune_structured import (
     restore,
     top_indices,
 )
-from compress.prune_unstructured import compute_masks, input_norms
+from compress.prune.unstructured import compute_masks, input_norms
 
 STRUCTURED_GROUPS = ("mlp_neurons", "attn_heads", "layer")
 UNSTRUCTURED_GROUPS = ("attn_weights", "mlp_weights")

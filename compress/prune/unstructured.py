@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from compress.prune_structured import decoder_layers, linear_names
+from compress.prune.structured import decoder_layers, linear_names
 
 Masks = dict[str, torch.Tensor]
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from compress.prune_structured import StructuredPlan, decoder_layers
+from compress.prune.structured import StructuredPlan, decoder_layers
 
 log = logging.getLogger(__name__)
 
