@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.distill_ddp_smollm2 --nproc 4 --steps 20 --batch-size 16   # on a 4-GPU node
 
 Student: 25 % of the MLP neurons pruned (activation importance, no sensitivity scan). Both runs
-use compress.distill with the same DistillConfig; the ranks go through compress.distill_launch
+use compress.distill.train with the same DistillConfig; the ranks go through compress.distill.launch
 (the path the flow takes for distill.nproc_per_node > 1). Prints seconds per optimizer step of
 each and their ratio, the largest relative difference of the per-step losses, and the largest
 absolute weight difference of the two trained students. On a CPU machine the ranks share the
@@ -27,8 +27,8 @@ import torch  # noqa: E402
 
 from compress.config import DistillConfig, PruneConfig  # noqa: E402
 from compress.data import make_splits  # noqa: E402
-from compress.distill import distill  # noqa: E402
-from compress.distill_launch import DistillJob, launch_distill  # noqa: E402
+from compress.distill.train import distill  # noqa: E402
+from compress.distill.launch import DistillJob, launch_distill  # noqa: E402
 from compress.models import load_teacher, resolve_source  # noqa: E402
 from compress.prune import prune_model  # noqa: E402
 

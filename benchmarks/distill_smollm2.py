@@ -14,7 +14,7 @@ activation importance on the calib split (no distillation, no fine-tuning). Data
 corpus, blocks of 128 tokens, 256 train / 16 calib / 32 eval. Prints a table and writes
 results JSON and the loss / temperature / eval figure. --compare-ce trains the same student with the
 same budget on the labels alone (alpha = 0), to show what the teacher adds. --data and --hidden-weight
-train one KD run per `distill.data` mode (compress/distill_data.py) and intermediate-state loss weight,
+train one KD run per `distill.data` mode (compress/distill/data.py) and intermediate-state loss weight,
 and score every student, before and after, on the test split and the held-out source (Python stdlib
 code, another genre than the corpus), with the perplexity gap each run recovered per 10k training tokens.
 """
@@ -37,8 +37,8 @@ import torch  # noqa: E402
 
 from compress.config import DistillConfig, PruneConfig  # noqa: E402
 from compress.data import make_splits  # noqa: E402
-from compress.distill import distill  # noqa: E402
-from compress.distill_data import training_splits  # noqa: E402
+from compress.distill.train import distill  # noqa: E402
+from compress.distill.data import training_splits  # noqa: E402
 from compress.models import load_teacher  # noqa: E402
 from compress.prune import prune_model  # noqa: E402
 from compress.evaluate.torch_eval import perplexity  # noqa: E402

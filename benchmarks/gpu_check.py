@@ -5,14 +5,14 @@
 
 Checks, reported as one JSON (printed, and written to --out/gpu_check.json):
 
-1. ``tiny_bf16``: compress.distill on the seeded tiny teacher / student, 12 steps on CUDA with bf16
+1. ``tiny_bf16``: compress.distill.train on the seeded tiny teacher / student, 12 steps on CUDA with bf16
    autocast against the same 12 steps on the CPU in fp32: losses finite, KL to the teacher falls, and
    how far bf16 drifts from fp32 (largest relative loss difference).
 2. ``smollm2_shape``: a Llama with SmolLM2-135M's shape (random weights: the real checkpoint does not
    fit the 64 MiB a device call may carry) as teacher and a student with 25 % fewer MLP neurons:
    seconds per optimizer step at the GPU budget of docs/distillation.md (global batch 32 x 128
    tokens), tokens per second and peak GPU memory.
-3. ``ddp``: with more than one GPU, the same tiny run on every GPU through compress.distill_launch
+3. ``ddp``: with more than one GPU, the same tiny run on every GPU through compress.distill.launch
    (NCCL) against one GPU: largest relative loss difference. Skipped with one GPU (NCCL refuses two
    ranks on one device).
 """
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from compress.config import DistillConfig  # noqa: E402
 from compress.data import make_splits  # noqa: E402
-from compress.distill import distill  # noqa: E402
+from compress.distill.train import distill  # noqa: E402
 from compress.tiny import build_tiny_llama  # noqa: E402
 
 # SmolLM2-135M's architecture (config of the embedded GGUF).
@@ -98,7 +98,7 @@ def ddp(work: Path) -> dict:
     n = torch.cuda.device_count()
     if n < 2:
         return {"skipped": f"{n} GPU: NCCL needs one GPU per rank"}
-    from compress.distill_launch import DistillJob, launch_distill
+    from compress.distill.launch import DistillJob, launch_distill
     from compress.tiny import save_tiny_llama
 
     t_dir, s_dir = save_tiny_llama(work / "t", seed=0), save_tiny_llama(work / "s", seed=1)

@@ -141,7 +141,7 @@ class PruneConfig(Section):
 
 
 class DistillConfig(Section):
-    """Knowledge distillation of the pruned student (compress/distill.py; formulas in docs/distillation.md).
+    """Knowledge distillation of the pruned student (compress/distill/train.py; formulas in docs/distillation.md).
 
     Schedules take the 0-based optimizer step i of `steps` total: constant | linear | cosine | step
     (a staircase held `t_step_every` steps). `steps` and `max_minutes` are both budgets: whichever
@@ -173,7 +173,7 @@ class DistillConfig(Section):
     alpha_start: float = Field(1.0, ge=0, le=1)
     alpha_end: float = Field(1.0, ge=0, le=1)
     alpha_schedule: Literal["constant", "linear", "cosine", "step"] = "constant"
-    # What the student trains on (compress/distill_data.py): the corpus's train split, the teacher's own
+    # What the student trains on (compress/distill/data.py): the corpus's train split, the teacher's own
     # samples (generated_blocks of them, from a random first token at generation_temperature), or both.
     # The corpus alone teaches the corpus: held-out text of another genre recovers far less (docs/distillation.md).
     # chat: the teacher's own conversations in its chat template (generated_blocks of them), the distribution a

@@ -6,9 +6,7 @@ from prefect import task
 from safetensors.torch import load_file
 
 from compress.config import PipelineConfig
-from compress.distill import distill, resolve_device
-from compress.distill_data import training_splits
-from compress.distill_launch import DistillJob, launch_distill
+from compress.distill import DistillJob, distill, launch_distill, resolve_device, training_splits
 from compress.memory import check_distill_memory, shape_of_folder
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model, load_splits
@@ -34,7 +32,7 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
         teacher = tok = None
         data = load_splits(splits)
         if cfg.distill.data != "corpus":
-            # the teacher's generations replace or join the train blocks (compress/distill_data.py)
+            # the teacher's generations replace or join the train blocks (compress/distill/data.py)
             cache = folder / f"train_{cfg.distill.data}.npz"
             if not cache.is_file():
                 teacher, tok = load_model(teacher_dir, cfg)

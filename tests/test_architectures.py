@@ -135,7 +135,7 @@ def test_structured_prune_then_export(family, models, tiny_splits, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_distillation_steps(family, models, tiny_splits, tmp_path):
     """KD from the family's teacher into a student of another seed moves it toward the teacher."""
-    from compress.distill import distill
+    from compress.distill.train import distill
 
     teacher, _ = models(family)
     student = build_tiny(family, seed=1)[0]

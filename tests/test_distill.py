@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from compress.config import DistillConfig
-from compress.distill import distill
-from compress.distill_loss import TopK, evaluate, hidden_loss, kd_loss
-from compress.schedules import alpha_at, lr_at, schedule_value, temperature_at
+from compress.distill.train import distill
+from compress.distill.loss import TopK, evaluate, hidden_loss, kd_loss
+from compress.distill.schedules import alpha_at, lr_at, schedule_value, temperature_at
 from compress.tiny import build_tiny_llama
 
 
@@ -228,7 +228,7 @@ def test_resume_after_a_crash_continues_where_it_stopped(tiny_model, other_stude
 
 
 def test_time_budget_and_early_stop_keep_the_best(tiny_model, other_student, tiny_splits, tmp_path, monkeypatch):
-    import compress.distill as mod
+    import compress.distill.train as mod
 
     clock = iter(range(10**9))  # a fake clock: one second per reading, whatever the machine's load
     monkeypatch.setattr(mod.time, "perf_counter", lambda: float(next(clock)))

@@ -1,4 +1,4 @@
-"""distill.data: the teacher's own generations as distillation data (compress/distill_data.py)."""
+"""distill.data: the teacher's own generations as distillation data (compress/distill/data.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from compress.config import DistillConfig
 from compress.data import DataSplits
-from compress.distill_data import distill_blocks, teacher_generations, training_splits
+from compress.distill.data import distill_blocks, teacher_generations, training_splits
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_training_splits_modes_and_cache(trained_tiny4, tiny_splits, tiny_tokeni
 
 def test_chat_data_is_the_teachers_own_conversations_in_its_template(trained_tiny4, tiny_splits, tiny_tokenizer,
                                                                     tmp_path, one_torch_thread):
-    from compress.distill_data import chat_opening, template_special_ids
+    from compress.distill.data import chat_opening, template_special_ids
 
     tok = tiny_tokenizer
     opening = chat_opening(tok, tiny_splits.bos_token_id)

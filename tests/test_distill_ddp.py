@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from compress.config import ConfigError, DistillConfig, load_config
-from compress.distill import _DataOrder, distill, step_chunks
-from compress.distill_report import DistillError
-from compress.distributed import Rank
-from compress.distill_launch import DistillJob, check_processes, launch_distill
+from compress.distill.train import _DataOrder, distill, step_chunks
+from compress.distill.report import DistillError
+from compress.distill.distributed import Rank
+from compress.distill.launch import DistillJob, check_processes, launch_distill
 from compress.models import load_teacher
 from compress.tiny import save_tiny_llama
 
@@ -157,7 +157,7 @@ def test_ranks_stop_when_their_launcher_is_gone(folders, tmp_path):
     import sys
     import time
 
-    from compress.distill_launch import LAUNCHER_PID_ENV
+    from compress.distill.launch import LAUNCHER_PID_ENV
 
     work = tmp_path / "w"
     work.mkdir()
@@ -168,7 +168,7 @@ def test_ranks_stop_when_their_launcher_is_gone(folders, tmp_path):
     env = {**os.environ, LAUNCHER_PID_ENV: str(launcher.pid)}
     with open(tmp_path / "ranks.log", "w") as out:
         agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                  "-m", "compress.distill_launch", str(job)], env=env, stdout=out, stderr=out)
+                                  "-m", "compress.distill.launch", str(job)], env=env, stdout=out, stderr=out)
     try:
         deadline = time.monotonic() + 300  # only matters if the ranks never start
         while "distill step 0" not in (tmp_path / "ranks.log").read_text() and time.monotonic() < deadline:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_killed_during_distill_resumes_from_checkpoint(tiny_flow_run, mlflow_store):
-    from compress.distill_checkpoint import LAST
+    from compress.distill.checkpoint import LAST
     from flows.pipeline import compress_flow
 
     work = tiny_flow_run["workdir"]  # load/export/golden/prune are shared with that run; distill differs

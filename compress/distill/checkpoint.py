@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from compress.data import DataSplits
-from compress.distill_report import DistillError
+from compress.distill.report import DistillError
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from compress import distributed
-from compress.distributed import Rank
+from compress.distill import distributed
+from compress.distill.distributed import Rank
 
 
 class TopK(NamedTuple):

@@ -1,16 +1,16 @@
 """Knowledge distillation: the (pruned) student learns from the teacher under a temperature schedule.
 
-The loss and the eval are in compress/distill_loss.py, checkpoints in compress/distill_checkpoint.py,
-the returned report in compress/distill_report.py; this module is the training loop.
+The loss and the eval are in compress/distill/loss.py, checkpoints in compress/distill/checkpoint.py,
+the returned report in compress/distill/report.py; this module is the training loop.
 
-T and alpha follow the schedules of compress/schedules.py, one value per optimizer step. The
+T and alpha follow the schedules of compress/distill/schedules.py, one value per optimizer step. The
 training loop (:func:`distill`) runs on CPU or CUDA (autocast bf16/fp16 there), accumulates
 gradients, stops at ``steps`` or ``max_minutes``, evaluates perplexity and KL-to-teacher every
 ``eval_every`` steps, keeps the best checkpoint, stops early, re-applies pruning masks after every
 optimizer step and resumes from the last checkpoint in its work folder. Plain functions: the
 caller (the Prefect task) does the MLflow logging through ``on_log``.
 
-Several GPUs: started by torchrun (compress/distill_launch.py), each process calls :func:`distill`
+Several GPUs: started by torchrun (compress/distill/launch.py), each process calls :func:`distill`
 inside an initialised process group; the student is wrapped in DistributedDataParallel, the teacher
 is replicated, and every optimizer step's global batch (``batch_size * grad_accum`` blocks, in the
 seeded order) is split evenly across the ranks. The gradient DDP averages is then the gradient of
@@ -31,14 +31,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from compress import distributed
 from compress.data import DataSplits
-from compress.distill_checkpoint import (REPORT, TrainState, best_step_on_disk, load_best, load_last, run_fingerprint,
+from compress.distill import distributed
+from compress.distill.checkpoint import (REPORT, TrainState, best_step_on_disk, load_best, load_last, run_fingerprint,
                                          save_best, save_last)
-from compress.distill_loss import TeacherCache, TeacherOut, autocast, evaluate, hidden_loss, kd_loss
-from compress.distill_report import DistillError, DistillReport
-from compress.distributed import Rank
-from compress.schedules import alpha_at, lr_at, temperature_at
+from compress.distill.distributed import Rank
+from compress.distill.loss import TeacherCache, TeacherOut, autocast, evaluate, hidden_loss, kd_loss
+from compress.distill.report import DistillError, DistillReport
+from compress.distill.schedules import alpha_at, lr_at, temperature_at
 
 log = logging.getLogger(__name__)
 

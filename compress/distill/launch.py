@@ -1,12 +1,12 @@
-"""Distillation on several GPUs: start compress/distill.py on N processes through torchrun and collect the result.
+"""Distillation on several GPUs: start compress/distill/train.py on N processes through torchrun and collect the result.
 
 The flow's distill task calls :func:`launch_distill` when ``distill.nproc_per_node > 1``. It writes
 a :class:`DistillJob` (paths and the config, JSON) into the checkpoint folder and runs::
 
-    python -m torch.distributed.run --standalone --nproc-per-node N -m compress.distill_launch <job.json>
+    python -m torch.distributed.run --standalone --nproc-per-node N -m compress.distill.launch <job.json>
 
 Each rank loads the teacher and the student from their folders, joins the process group (NCCL on
-GPUs, gloo on CPUs) and calls :func:`compress.distill.distill`; rank 0 prints each step's metrics as
+GPUs, gloo on CPUs) and calls :func:`compress.distill.train.distill`; rank 0 prints each step's metrics as
 a tagged JSON line, which the launcher hands to its ``on_log`` (the task logs them to MLflow, as in
 the one-process case), writes the checkpoints and finally saves the best student to ``out_dir``.
 The same job file runs on several nodes with torchrun's own rendezvous (docs/scaling.md). A killed
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from compress.distill import per_rank_blocks, resolve_device
-from compress.distill_checkpoint import REPORT
-from compress.distill_report import DistillError, DistillReport
+from compress.distill.train import per_rank_blocks, resolve_device
+from compress.distill.checkpoint import REPORT
+from compress.distill.report import DistillError, DistillReport
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def check_processes(cfg, nproc: int) -> str:
 def launch_distill(job: DistillJob, nproc: int, on_log: Callable[[int, dict], None] | None = None) -> DistillReport:
     """Run the job on ``nproc`` local processes through torchrun; return rank 0's report.
 
-    ``on_log(step, metrics)`` gets what :func:`compress.distill.distill` would pass it, in this
+    ``on_log(step, metrics)`` gets what :func:`compress.distill.train.distill` would pass it, in this
     process, as rank 0 reports it. The ranks' other output is passed through to this process's
     stderr as it comes. A failing rank ends the whole run; the error then carries the last lines.
     """
@@ -98,7 +98,7 @@ def launch_distill(job: DistillJob, nproc: int, on_log: Callable[[int, dict], No
     work.mkdir(parents=True, exist_ok=True)
     job_path = job.write(work / JOB_FILE)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "compress.distill_launch", str(job_path)]
+           "-m", "compress.distill.launch", str(job_path)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
            LAUNCHER_PID_ENV: str(os.getpid())}
     log.info("distill: %s", " ".join(cmd))
@@ -161,13 +161,13 @@ def _exit_with_launcher(interval_s: float = 2.0) -> None:
 
 
 def run_rank(job_path: str) -> None:
-    """What one torchrun process does (``python -m compress.distill_launch job.json``)."""
+    """What one torchrun process does (``python -m compress.distill.launch job.json``)."""
     from safetensors.torch import load_file
 
-    from compress import distributed
+    from compress.distill import distributed
     from compress.config import DistillConfig
     from compress.data import DataSplits
-    from compress.distill import distill
+    from compress.distill.train import distill
     from compress.models import load_teacher
 
     from transformers.utils import logging as hf_logging
@@ -203,5 +203,5 @@ def run_rank(job_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: torchrun --nproc-per-node N -m compress.distill_launch <job.json>")
+        sys.exit("usage: torchrun --nproc-per-node N -m compress.distill.launch <job.json>")
     run_rank(sys.argv[1])

@@ -2,7 +2,7 @@
 
 torchrun starts one process per GPU (or per CPU slot, for testing with gloo) and sets RANK,
 WORLD_SIZE and LOCAL_RANK; :func:`init_from_env` joins the group those describe. A plain
-single-process call never touches torch.distributed, so compress/distill.py runs the same code
+single-process call never touches torch.distributed, so compress/distill/train.py runs the same code
 either way.
 """
 
