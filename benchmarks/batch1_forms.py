@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from compress.evaluate.onnx_eval import evaluate_onnx
     from compress.export.gqa import build_gqa_artifact
     from compress.models import load_teacher
-    from compress.quantize import quantize_artifact
+    from compress.quantize.quantizer import quantize_artifact
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

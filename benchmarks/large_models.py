@@ -178,7 +178,7 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
         report.raise_if_failed()
     elif name == "quantize":
         from compress.data import DataSplits
-        from compress.quant_choice import choose_quant_form
+        from compress.quantize.choice import choose_quant_form
 
         splits = DataSplits.load(workdir / "splits.npz")
         choice = choose_quant_form(state["fp32"], workdir / "int8", splits.calib, splits.eval, cfg.quantize, cfg.accept)

@@ -48,7 +48,7 @@ def role(name: str) -> str:
 def build(name: str, model, tok, splits, quant: list[str]) -> dict[str, Path]:
     from compress.config import QuantizeConfig
     from compress.export.gqa import build_gqa_artifact
-    from compress.quantize import Quantizer
+    from compress.quantize.quantizer import Quantizer
 
     out = {}
     fp32 = OUT / name / "fp32"

@@ -1,4 +1,4 @@
-"""Quantize SmolLM2-135M every way compress/quantize.py offers and measure each variant (docs/quantization.md).
+"""Quantize SmolLM2-135M every way compress/quantize/quantizer.py offers and measure each variant (docs/quantization.md).
 
   .venv/bin/python -m benchmarks.quantize_smollm2                 # every variant, then the table
   .venv/bin/python -m benchmarks.quantize_smollm2 --only w8a8_sq  # one variant (results are cached per variant)
@@ -70,7 +70,7 @@ def ensure_fp32():
 def run_variant(name: str) -> dict:
     from compress.config import QuantizeConfig
     from compress.evaluate.onnx_eval import evaluate_onnx
-    from compress.quantize import quantize_artifact
+    from compress.quantize.quantizer import quantize_artifact
 
     model, tok, splits = ensure_fp32()
     row: dict = {"variant": name, "overrides": VARIANTS[name]}
@@ -106,7 +106,7 @@ def gate_loop(name: str, qoverrides: dict, groups_per_trial: int = 12, trials: i
     """The accuracy-aware loop on SmolLM2: W8A8 targets, relax by moving groups to 8-bit weight-only."""
     import numpy as np
 
-    from compress.evaluate.gate import quantize_with_acceptance
+    from compress.quantize.relax import quantize_with_acceptance
     from compress.config import AcceptConfig, QuantizeConfig
 
     _, _, splits = ensure_fp32()

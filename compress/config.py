@@ -227,7 +227,7 @@ class QuantizeConfig(Section):
     # weight_only = MatMulNBits 8-bit block-wise weights, float activations: the only variant that met the
     # accuracy and size targets on SmolLM2-135M (+1.0% perplexity, 0.956 agreement, 0.29x). docs/quantization.md.
     # auto = build weight_only and dynamic per-token, gate each on the selection split, keep the fastest that
-    # passes (compress/quant_choice.py; the quantize stage only).
+    # passes (compress/quantize/choice.py; the quantize stage only).
     method: Literal["static", "dynamic", "weight_only", "auto"] = "weight_only"
     # auto: forms whose batch-1 decode step is within this share of the fastest count as equally fast, and the
     # one with the lower selection-split perplexity is kept. SmolLM2's two forms time within 4 % of each other on

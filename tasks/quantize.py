@@ -7,10 +7,8 @@ from pathlib import Path
 import mlflow
 from prefect import task
 
-from compress.evaluate.gate import quantize_with_acceptance
 from compress.config import PipelineConfig
-from compress.quant_choice import choose_quant_form
-from compress.quantize import quantize_artifact
+from compress.quantize import choose_quant_form, quantize_artifact, quantize_with_acceptance
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_json, log_metrics, log_params

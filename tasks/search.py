@@ -183,7 +183,7 @@ def branch_candidate(branch: dict, ms_per_token: float | None) -> Candidate:
 
 
 def time_candidates(artifacts: dict[str, str], splits: str, rounds: int = 2, threads: int = 1) -> dict[str, float]:
-    """Median batch-1 decode ms/token of each artifact, steps interleaved (quant_choice.decode_step_ms): the
+    """Median batch-1 decode ms/token of each artifact, steps interleaved (compress.quantize.choice.decode_step_ms): the
     branches ran side by side on shared cores, so their own latencies do not compare; these do.
 
     One intra-op thread: the sessions' thread pools, each spinning between its steps, otherwise take the cores
@@ -192,7 +192,7 @@ def time_candidates(artifacts: dict[str, str], splits: str, rounds: int = 2, thr
     """
     import numpy as np
 
-    from compress.quant_choice import decode_step_ms
+    from compress.quantize import decode_step_ms
 
     prompt = [int(t) for t in np.asarray(load_splits(splits).eval)[0][:32]]
     return decode_step_ms(artifacts, rounds=rounds, prompt=prompt, threads=threads)

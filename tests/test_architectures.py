@@ -151,7 +151,7 @@ def test_distillation_steps(family, models, tiny_splits, tmp_path):
 def test_static_int8(family, artifacts, tiny_splits, tmp_path):
     from compress.artifact import read_manifest
     from compress.evaluate.onnx_eval import prefill_logits
-    from compress.quantize import quantize_artifact
+    from compress.quantize.quantizer import quantize_artifact
 
     folder, _ = artifacts(family)
     cfg = QuantizeConfig(enabled=True, method="static", keep_float=[], quantize_embedding=False,

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from compress.evaluate.gate import Verdict, accept, quantize_with_acceptance
+from compress.evaluate.gate import Verdict, accept
+from compress.quantize.relax import quantize_with_acceptance
 from compress.config import AcceptConfig, QuantizeConfig
 from compress.evaluate.onnx_eval import evaluate_onnx
-from compress.quantize import Quantizer
+from compress.quantize.quantizer import Quantizer
 from compress.evaluate.torch_eval import perplexity
 
 BASE = {"perplexity": 20.0, "top1_agreement": 1.0, "decode_tokens_per_s": 40.0, "size_bytes": 500e6}

@@ -180,7 +180,7 @@ def test_quantize_gqa_artifact(tiny_artifact, gqa_artifact, tiny_splits, tmp_pat
     """
     from compress.artifact import read_manifest
     from compress.drivers import load_lm
-    from compress.quantize import quantize_artifact
+    from compress.quantize.quantizer import quantize_artifact
 
     kind = {"method": "dynamic", "activation_granularity": "token"} if method == "dynamic_token" else {"method": method}
     cfg = QuantizeConfig(**kind, keep_float=[], quantize_embedding=False, smoothquant_alpha=None)

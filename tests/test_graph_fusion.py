@@ -61,9 +61,9 @@ def test_packed_matmulnbits_equals_unpacked(fused_artifact):
     """Weight-only INT8, then gate/up packed into one MatMulNBits + Split: the same numbers (per-column kernels)."""
     import onnx
 
-    from compress.calibration import find_linears
+    from compress.quantize.calibration import find_linears
     from compress.export.graph_fusion import pack_siblings
-    from compress.quant_graph import weight_only
+    from compress.quantize.graph import weight_only
 
     manifest = read_manifest(fused_artifact)
     base = onnx.load(str(fused_artifact / "model.onnx"))
@@ -79,7 +79,7 @@ def test_packed_matmulnbits_equals_unpacked(fused_artifact):
 
 
 def test_forms_within_the_speed_tolerance_tie_and_the_more_accurate_wins():
-    from compress.quant_choice import pick_form
+    from compress.quantize.choice import pick_form
 
     # SmolLM2 in the demo of 2026-12-02: W8A8 timed 4 % faster, weight-only is the more accurate
     ms = {"weight_only": 11.96, "dynamic_token": 11.50}
@@ -94,8 +94,8 @@ def test_quantize_auto_keeps_the_fastest_accepted_form(fused_artifact, tiny_spli
     """quantize.method auto: both INT8 forms gated on the selection split; the kept one is a timed, accepted form."""
     from compress.artifact import read_manifest
     from compress.config import AcceptConfig, QuantizeConfig
-    from compress.quant_choice import choose_quant_form
-    from compress.quantize import QuantizeError, Quantizer
+    from compress.quantize.choice import choose_quant_form
+    from compress.quantize.quantizer import QuantizeError, Quantizer
 
     with pytest.raises(QuantizeError, match="auto"):
         Quantizer(fused_artifact, tiny_splits.calib, QuantizeConfig(method="auto"))

@@ -98,7 +98,7 @@ def test_engine_serves_it_and_the_budget_holds_twice_the_tokens(kv_artifacts):
 def test_int8_on_top_keeps_fp16_kv(kv_artifacts, tmp_path):
     from compress.artifact import read_manifest
     from compress.drivers import load_lm
-    from compress.quantize import quantize_artifact
+    from compress.quantize.quantizer import quantize_artifact
 
     rep = quantize_artifact(kv_artifacts[1], tmp_path / "wo8", None,
                             QuantizeConfig(method="weight_only", keep_float=[], quantize_embedding=False,

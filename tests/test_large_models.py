@@ -145,9 +145,9 @@ def test_save_external_copies_file_to_file_without_touching_the_model(small_llam
 def test_weight_only_one_weight_at_a_time_equals_ort_matmulnbits_quantizer(small_llama, tmp_path):
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from compress.calibration import find_linears
+    from compress.quantize.calibration import find_linears
     from compress.models import load_teacher
-    from compress.quant_graph import weight_only
+    from compress.quantize.graph import weight_only
 
     model, tok = load_teacher(str(small_llama), dtype="auto")
     build_gqa_artifact(model, tok, tmp_path / "a")
@@ -172,7 +172,7 @@ def test_weight_only_one_weight_at_a_time_equals_ort_matmulnbits_quantizer(small
 @pytest.mark.parametrize("method", ["weight_only", "dynamic"])
 def test_quantizer_on_an_external_data_artifact_equals_the_inline_one(small_llama, tmp_path, method):
     from compress.models import load_teacher
-    from compress.quantize import quantize_artifact
+    from compress.quantize.quantizer import quantize_artifact
 
     model, tok = load_teacher(str(small_llama), dtype="auto")
     build_gqa_artifact(model, tok, tmp_path / "inline")
@@ -197,7 +197,7 @@ def test_quantizer_on_an_external_data_artifact_equals_the_inline_one(small_llam
 def test_sequential_evaluation_gives_the_side_by_side_figures(small_llama, tmp_path, monkeypatch):
     import compress.evaluate.onnx_eval as ev
     from compress.models import load_teacher
-    from compress.quantize import quantize_artifact
+    from compress.quantize.quantizer import quantize_artifact
 
     model, tok = load_teacher(str(small_llama), dtype="auto")
     build_gqa_artifact(model, tok, tmp_path / "a")
@@ -264,7 +264,7 @@ from compress.config import GoldenConfig, QuantizeConfig
 from compress.export.gqa import build_gqa_artifact
 from compress.evaluate.golden import compare_from_config, record_golden
 from compress.models import load_teacher, resolve_source
-from compress.quantize import quantize_artifact
+from compress.quantize.quantizer import quantize_artifact
 from compress.drivers import load_lm
 src = resolve_source("shape:llama-3.2-1b", None, ".cache/models")
 model, tok = load_teacher(src, dtype="auto")

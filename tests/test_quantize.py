@@ -11,12 +11,12 @@ import pytest
 from onnx import numpy_helper
 
 from compress.artifact import read_manifest
-from compress.calibration import find_linears
+from compress.quantize.calibration import find_linears
 from compress.config import QuantizeConfig
 from compress.evaluate.onnx_eval import prefill_logits
 from compress.drivers import lm_for_model, load_lm
-from compress.quantize import QuantizeError, Quantizer, has_vnni, quantize_artifact, resolve_reduce_range
-from compress.smoothquant import apply_smoothquant
+from compress.quantize.quantizer import QuantizeError, Quantizer, has_vnni, quantize_artifact, resolve_reduce_range
+from compress.quantize.smoothquant import apply_smoothquant
 
 
 def _ops(folder: Path) -> dict[str, int]:
@@ -239,7 +239,7 @@ def test_sensitivity_scan_keeps_most_sensitive_groups_float(tiny_artifact, tiny_
     assert {l.group for l in q.linears if l.module in rep.float_linears} == kept
     assert rep.quantized_linears == 14 - len(rep.float_linears)
     assert read_manifest(tmp_path / "sens")["quantization"]["float_groups"] == [g for g, _ in rep.sensitivity[:2]]
-    from compress.quant_sensitivity import sensitivity_figure
+    from compress.quantize.sensitivity import sensitivity_figure
 
     fig = sensitivity_figure(rep.sensitivity, kept=2)
     fig.savefig(tmp_path / "sens.png")
@@ -263,7 +263,7 @@ def test_clear_errors(tiny_artifact, tmp_path):
 
 
 def test_smoothquant_auto_alpha_beats_no_smoothing_on_heldout_rows(tiny_artifact, tiny_splits):
-    from compress.smoothquant import ALPHA_GRID, heldout_w8a8_error
+    from compress.quantize.smoothquant import ALPHA_GRID, heldout_w8a8_error
 
     q = Quantizer(tiny_artifact, tiny_splits.calib, QuantizeConfig(method="static", smoothquant_alpha="auto", smoothquant_samples=128))
     q.prepare()
@@ -282,7 +282,7 @@ def test_smoothquant_auto_alpha_beats_no_smoothing_on_heldout_rows(tiny_artifact
 
 
 def test_entropy_and_percentile_clip_outliers_but_keep_the_bulk():
-    from compress.calibration import HIST_BINS, ActStats, entropy_range, percentile_range
+    from compress.quantize.calibration import HIST_BINS, ActStats, entropy_range, percentile_range
 
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.normal(0, 1, 200_000), [60.0, -45.0]]).astype(np.float32)

@@ -1,9 +1,8 @@
 """The acceptance gate: a candidate's metrics against the baseline's, under tolerances from config.
 
-`accept` is a pure function of two metric dicts (from compress.evaluate.onnx_eval.evaluate_onnx);
-`quantize_with_acceptance` is the accuracy-aware loop: quantize, evaluate, gate, and on a
-rejection move the next most sensitive linear groups back to float and retry, up to
-AcceptConfig.relax_trials times, before rejecting for good.
+`accept` is a pure function of two metric dicts (from compress.evaluate.onnx_eval.evaluate_onnx).
+The accuracy-aware loop that quantizes, gates and relaxes until this gate accepts is the quantize
+stage's (compress/quantize/relax.py: ``quantize_with_acceptance``).
 
 Two criteria (accept.criteria): ``fidelity`` for a model that should stay the one it replaces
 (quantization: perplexity ratio, top-1 agreement, KL) and ``quality`` for a pruned or distilled
@@ -15,13 +14,9 @@ listed in ``Verdict.checks`` with its value, limit and what it answers (``WHY``)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import numpy as np
-
-from compress.config import AcceptConfig, QuantizeConfig
+from compress.config import AcceptConfig
 
 
 # What each check answers, stated in the verdict beside its numbers (Verdict.checks).
@@ -238,75 +233,3 @@ def versus_champion(candidate: dict, champion: dict, rel_tol: float = 1e-3) -> d
     use = next((r for r in rows if r["key"] == VERSUS_CHAMPION[0][0]), None)
     return {"rows": rows, "use_measured": use is not None, "worse_on_use": bool(use and use["better"] == "champion"),
             "use": use}
-
-
-@dataclass
-class AcceptanceResult:
-    verdict: Verdict
-    artifact: Path  # the last trial's artifact (the accepted one when verdict.accepted)
-    report: object  # compress.quantize.QuantReport of that trial
-    metrics: dict[str, float]  # evaluate_onnx of that trial
-    baseline: dict[str, float]
-    trials: list[dict]  # per trial: trial, float_groups, metrics, accepted, reasons
-
-
-def quantize_with_acceptance(
-    src_artifact: str | Path,
-    out_dir: str | Path,
-    calib_blocks: np.ndarray,
-    eval_blocks: np.ndarray,
-    qcfg: QuantizeConfig,
-    acfg: AcceptConfig,
-    baseline: dict | None = None,
-    threads: int | None = None,
-    on_trial: Callable[[int, dict], None] | None = None,
-    eval_kwargs: dict | None = None,
-) -> AcceptanceResult:
-    """Quantize `src_artifact` (the fp32 baseline, also the agreement reference) into out_dir until the gate accepts.
-
-    Trial 0 uses qcfg as is; each later trial keeps `relax_groups_per_trial` more groups in float, most
-    sensitive first (sensitivity scan results when qcfg.sensitivity_trials > 0, else the activation-range
-    proxy). Calibration runs once, on calib_blocks only; eval_blocks (the selection split) are used only for the
-    loop's gate. The pipeline's verdict is the accept stage's, on the test split no trial has seen (tasks/accept.py).
-    on_trial(i, record) is called after every trial (for MLflow child runs).
-    """
-    from compress.evaluate.onnx_eval import evaluate_onnx
-    from compress.quant_sensitivity import float_groups_by_sensitivity
-    from compress.quantize import Quantizer
-
-    src = Path(src_artifact)
-    out_dir = Path(out_dir)
-    ekw = dict(eval_kwargs or {})
-    if threads:
-        ekw.setdefault("threads", threads)
-    # eval_kwargs may carry reference_top1 (the baseline's argmax on eval_blocks) to skip re-running the baseline
-    ref = {} if "reference_top1" in ekw else {"reference_artifact": src}
-    if baseline is None:
-        # Without a reference, as the accept stage measures a baseline, so the quantize stage can hand its
-        # figures on (agreement of the baseline with itself would only cost a second pass over eval_blocks).
-        baseline = evaluate_onnx(src, eval_blocks, **{k: v for k, v in ekw.items() if k != "reference_top1"})
-    q = Quantizer(src, calib_blocks, qcfg, threads=threads)
-    # The loop gates on the selection split alone: the other genres are the verdict's (tasks/accept.py).
-    loop_cfg = acfg.model_copy(update={"max_heldout_perplexity_ratio": None})
-    extra: list[str] = []
-    trials: list[dict] = []
-    for i in range(acfg.relax_trials + 1):
-        report = q.write(out_dir, extra)
-        metrics = evaluate_onnx(out_dir, eval_blocks, **ref, **ekw)
-        verdict = accept(metrics, baseline, loop_cfg, criteria="fidelity")  # quantization: stay the source
-        rec = {"trial": i, "float_groups": list(report.float_linears), "extra_float_groups": list(extra),
-               "metrics": {**metrics, **report.metrics(), **verdict.metrics}, "accepted": verdict.accepted, "reasons": list(verdict.reasons)}
-        trials.append(rec)
-        if on_trial:
-            on_trial(i, rec)
-        if verdict.accepted or i == acfg.relax_trials:
-            break
-        already = set(extra)
-        quantized = {g for g in q.groups() if not any(l.group == g for l in q.selected(extra)[1])}
-        nxt = [g for g in float_groups_by_sensitivity(q) if g not in already and g in quantized][: acfg.relax_groups_per_trial]
-        if not nxt:
-            break  # nothing left to relax
-        extra += nxt
-    if not verdict.accepted:
-        verdict.reasons.append(f"rejected after {len(trials)} trial(s) of the accuracy-aware loop (accept.relax_trials={acfg.relax_trials})")
-    return AcceptanceResult(verdict, out_dir, report, metrics, baseline, trials)

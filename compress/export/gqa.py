@@ -20,7 +20,7 @@ static rope scalings match HF exactly). Positions come from seqlens_k: row b's n
 
 Names follow the exported graph's so quantization selects the same nodes: MatMul nodes are
 ``/model/layers/N/self_attn/q_proj/MatMul`` with weights ``model.layers.N.self_attn.q_proj.weight_t``
-([in, out]), and each carries the ``pkg.torch.onnx.name_scopes`` metadata compress.calibration reads.
+([in, out]), and each carries the ``pkg.torch.onnx.name_scopes`` metadata compress.quantize.calibration reads.
 A tied lm_head is ``MatMul(x, Transpose(embedding))`` so the table is stored once.
 
 One job, one module although over 400 lines: writing our own attention-op decoder graph
@@ -194,7 +194,7 @@ class _Graph:
              domain: str = "", **attrs) -> list[str]:
         n = helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs)
         if module:
-            # The scope list the dynamo exporter records; compress.calibration reads parts[-2] minus one "model.".
+            # The scope list the dynamo exporter records; compress.quantize.calibration reads parts[-2] minus one "model.".
             e = n.metadata_props.add()
             e.key = "pkg.torch.onnx.name_scopes"
             e.value = repr(["", f"model.{module}", op.lower()])

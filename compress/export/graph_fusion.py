@@ -13,7 +13,7 @@ keeps its 60 residual Adds, 61 RMSNorms and three q/k/v MatMuls per layer), so w
 Both keep the graph's meaning exactly (the same float operations; tests/test_graph_fusion.py checks
 logits against the unfused graph). Packing at export time is limited to q/k/v (``qkv_only``): a
 packed gate/up would hide ``up_proj`` from SmoothQuant's fold for ``down_proj``, so gate/up are packed
-after quantization (compress/quantize.py), where nothing needs them apart any more.
+after quantization (compress/quantize/quantizer.py), where nothing needs them apart any more.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
                 w_name += "_packed"
             new_inits.append(numpy_helper.from_array(np.concatenate(ws, axis=1), w_name))
             packed = helper.make_node("MatMul", [x, w_name], [out], name=new_name)
-            # keep the module path compress.calibration reads, with the packed role
+            # keep the module path compress.quantize.calibration reads, with the packed role
             for p in group[0].metadata_props:
                 e = packed.metadata_props.add()
                 e.key = p.key

@@ -8,7 +8,7 @@ Gemma's extra norms act on the hidden size, which pruning keeps; Phi-3's fused `
 
 Also home of the helpers the other pruning modules share (architecture check,
 layer access, calibration loss), so the import graph stays one-way:
-``prune_structured`` <- ``prune_unstructured`` <- ``sensitivity`` <- ``prune``.
+``structured`` <- ``unstructured`` <- ``sensitivity`` <- ``stage`` (and ``reconstruct`` <- ``stage``).
 
 Importance (default ``activation``, as in Minitron, arXiv:2407.14679), measured
 in one forward pass over the calib blocks:

@@ -1,6 +1,6 @@
 """Which linear groups to keep in float: a cheap ranking and a KL sensitivity scan, on calib data only.
 
-The accuracy-aware loop (compress/evaluate/gate.py) and `quantize.sensitivity_trials` both need an order of
+The accuracy-aware loop (compress/quantize/relax.py) and `quantize.sensitivity_trials` both need an order of
 the quantizable groups (one decoder layer's q/k/v, o, gate/up or down linears), most harmful to
 quantize first. `candidate_ranking` scores every group from the calibration statistics alone, with no
 model run; `sensitivity_scan` runs the model with one group quantized at a time for the top
@@ -11,15 +11,37 @@ The eval split is never used here, so the gate's figures stay an honest held-out
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
+import onnx
 
-from compress.calibration import Linear
+from compress.config import QuantizeConfig
+from compress.quantize.calibration import ActStats, Linear
 from serve.onnx_external import tensor_array
 
-if TYPE_CHECKING:
-    from compress.quantize import Quantizer
+
+class QuantizerView(Protocol):
+    """What the scans need of compress.quantize.quantizer.Quantizer (which calls them from ``write``): named here so
+    that this module does not import the quantizer, which imports it (tests/test_layout.py: no import cycles)."""
+
+    cfg: QuantizeConfig
+    model: onnx.ModelProto
+    manifest: dict
+    threads: int | None
+    calib: np.ndarray | None
+    stats: dict[str, ActStats]
+    inv_scales: dict[str, np.ndarray]
+    reduce_range: bool
+    sensitivity: list[tuple[str, float]]
+    on_event: Callable[[str, dict], None]
+
+    def prepare(self) -> None: ...
+
+    def selected(self, extra_float_groups: list[str] | tuple[str, ...] = ()) -> tuple[list[Linear], list[Linear]]: ...
+
+    def build(self, linears: list[Linear], embedding: bool | None = None, fallback: bool = True) -> onnx.ModelProto: ...
 
 
 def _by_group(linears: list[Linear]) -> dict[str, list[Linear]]:
@@ -35,14 +57,14 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-def candidate_ranking(q: Quantizer) -> list[str]:
+def candidate_ranking(q: QuantizerView) -> list[str]:
     """Quantizable groups, worst first, by a cheap local measure computed on calib data only.
 
     With calibration samples: the W8A8 output error of the group's linears (smoothed weights,
     per-tensor or per-token activations as configured, activation range fitted on half the rows and
     scored on the other half). Without: how badly one 8-bit range fits the input, max/median channel range.
     """
-    from compress.smoothquant import heldout_w8a8_error
+    from compress.quantize.smoothquant import heldout_w8a8_error
 
     q.prepare()
     cfg = q.cfg
@@ -64,7 +86,7 @@ def candidate_ranking(q: Quantizer) -> list[str]:
     return sorted(score, key=lambda k: -score[k])
 
 
-def sensitivity_scan(q: Quantizer, trials: int | None = None, blocks: int | None = None) -> list[tuple[str, float]]:
+def sensitivity_scan(q: QuantizerView, trials: int | None = None, blocks: int | None = None) -> list[tuple[str, float]]:
     """Quantize one group at a time; score = mean KL(float || group-quantized) on calib blocks. Most sensitive first."""
     from compress.drivers import lm_for_model
 
@@ -93,7 +115,7 @@ def sensitivity_scan(q: Quantizer, trials: int | None = None, blocks: int | None
     return results
 
 
-def float_groups_by_sensitivity(q: Quantizer) -> list[str]:
+def float_groups_by_sensitivity(q: QuantizerView) -> list[str]:
     """Every quantizable group, most sensitive first: scanned ones by KL, then the rest by the range proxy."""
     scanned = [g for g, _ in q.sensitivity]
     return scanned + [g for g in candidate_ranking(q) if g not in scanned]

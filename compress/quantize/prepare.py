@@ -1,8 +1,8 @@
 """Calibration and smoothing, run once per source model before any quantized variant is built.
 
 `calibrate_and_smooth` feeds the calib split through the model's linear inputs
-(compress/calibration.py), folds SmoothQuant's per-channel scales into the weights in place
-(compress/smoothquant.py) and turns the statistics into the activation range of every quantized
+(compress/quantize/calibration.py), folds SmoothQuant's per-channel scales into the weights in place
+(compress/quantize/smoothquant.py) and turns the statistics into the activation range of every quantized
 input. The sensitivity scan and every trial of the accuracy-aware loop then reuse the result, so
 the model runs over the calibration data once however many variants are written.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from compress.calibration import (ActStats, Linear, collect_stats, entropy_range, load_first_pass, percentile_range,
+from compress.quantize.calibration import (ActStats, Linear, collect_stats, entropy_range, load_first_pass, percentile_range,
                                   save_first_pass)
 from compress.config import QuantizeConfig
-from compress.smoothquant import SmoothedTensor, apply_smoothquant, refresh_linears
+from compress.quantize.smoothquant import SmoothedTensor, apply_smoothquant, refresh_linears
 
 
 @dataclass

@@ -8,7 +8,7 @@ The forms, in the order they are tried (``AUTO_FORMS``):
 - ``dynamic`` with per-token activations (+ SmoothQuant as configured): W8A8 written as ONNX ops, about
   a dozen small nodes per linear around MatMulInteger.
 
-Each form runs the accuracy-aware loop of compress/evaluate/gate.py (``quantize_with_acceptance``) on the selection
+Each form runs the accuracy-aware loop of compress/quantize/relax.py (``quantize_with_acceptance``) on the selection
 split; the accepted ones are then timed against each other at batch 1 (decode steps interleaved, so load
 on a shared machine hits them alike), and the fastest is renamed to ``out_dir``; forms within
 ``quantize.auto_speed_tolerance`` of the fastest count as tied, and the lowest selection-split perplexity
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from compress.evaluate.gate import AcceptanceResult, quantize_with_acceptance
 from compress.config import AcceptConfig, QuantizeConfig
+from compress.quantize.relax import AcceptanceResult, quantize_with_acceptance
 
 AUTO_FORMS: dict[str, dict] = {
     "weight_only": {"method": "weight_only", "smoothquant_alpha": None},

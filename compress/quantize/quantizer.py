@@ -2,15 +2,15 @@
 
 Entry point: `quantize_artifact(src_artifact, out_dir, calib_blocks, cfg) -> QuantReport`.
 `Quantizer` loads the fp32 artifact and calibrates once, then writes as many quantized variants as the
-caller asks for (the sensitivity scan and the accuracy-aware loop of compress/evaluate/gate.py re-quantize
+caller asks for (the sensitivity scan and the accuracy-aware loop of compress/quantize/relax.py re-quantize
 with more groups in float, never recalibrating). The steps live beside it:
 
-  quant_prepare.py      calibration on the calib split + SmoothQuant, once
-  quant_sensitivity.py  which groups to keep in float (range ranking, KL scan)
-  quant_graph.py        the ONNX rewrites for each method
+  prepare.py      calibration on the calib split + SmoothQuant, once
+  sensitivity.py  which groups to keep in float (range ranking, KL scan)
+  graph.py        the ONNX rewrites for each method
 
 What is quantized: the linear MatMuls (B is a float initializer) found by
-compress.calibration.find_linears. Attention MatMuls (activation x activation)
+compress.quantize.calibration.find_linears. Attention MatMuls (activation x activation)
 and the lm_head never get activation quantization; with quantize_embedding the
 tied embedding/lm_head table is stored once as 8-bit blocks and read by both a
 GatherBlockQuantized and a MatMulNBits (weight-only, float activations).
@@ -31,13 +31,13 @@ import numpy as np
 import onnx
 
 from compress.artifact import read_manifest, write_manifest
-from compress.calibration import ActStats, Linear, find_linears
+from compress.quantize.calibration import ActStats, Linear, find_linears
 from compress.config import QuantizeConfig
 from compress.export.graph_fusion import pack_siblings
-from compress.quant_graph import (QuantizeError, dynamic_per_tensor, insert_dynamic_per_token, insert_qdq, pow2_block,
+from compress.quantize.graph import (QuantizeError, dynamic_per_tensor, insert_dynamic_per_token, insert_qdq, pow2_block,
                                   quantize_tied_embedding, save_model, weight_only)
-from compress.quant_prepare import calibrate_and_smooth
-from compress.quant_sensitivity import sensitivity_scan
+from compress.quantize.prepare import calibrate_and_smooth
+from compress.quantize.sensitivity import sensitivity_scan
 from serve.onnx_external import inline_bytes, load_lazy, spill
 
 MODEL_FILE = "model.onnx"
@@ -136,7 +136,7 @@ class Quantizer:
                  calibration_cache: str | Path | None = None):
         if cfg.method == "auto":
             raise QuantizeError("quantize.method 'auto' picks among forms in the quantize stage "
-                                "(compress.quant_choice.choose_quant_form); give Quantizer a concrete method")
+                                "(compress.quantize.choice.choose_quant_form); give Quantizer a concrete method")
         self.src = Path(src_artifact)
         self.calibration_cache = Path(calibration_cache) if calibration_cache else None
         self.cfg = cfg

@@ -1,10 +1,10 @@
 """Graph surgery for INT8: rewrite chosen linear MatMuls of an ONNX decoder into quantized ops.
 
-Each function takes the linears to quantize (compress.calibration.Linear) and edits the graph;
-which linears, and with which activation ranges, is the caller's choice (compress/quantize.py).
+Each function takes the linears to quantize (compress.quantize.calibration.Linear) and edits the graph;
+which linears, and with which activation ranges, is the caller's choice (compress/quantize/quantizer.py).
 
 - `insert_qdq`: static W8A8, our own Q/DQ pairs (uint8 asymmetric per-tensor activations, int8
-  symmetric per-output-channel weights) from our own calibration (compress/calibration.py says why
+  symmetric per-output-channel weights) from our own calibration (compress/quantize/calibration.py says why
   not ORT's calibrators). It is the graph ORT's quantizer emits with nodes_to_quantize +
   OpTypesToExcludeOutputQuantization=['MatMul']; ORT fuses DQ->MatMul into integer kernels.
 - `insert_dynamic_per_token`: W8A8 with per-token activation ranges computed at run time.
@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from compress.calibration import Linear
+from compress.quantize.calibration import Linear
 from serve.onnx_external import save_external, tensor_array
 
 _MS_DOMAIN = "com.microsoft"

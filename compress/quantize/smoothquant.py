@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from compress.calibration import ActStats, Linear
+from compress.quantize.calibration import ActStats, Linear
 from serve.onnx_external import tensor_array
 
 
