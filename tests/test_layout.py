@@ -103,3 +103,146 @@ def test_import_rules():
                 if name in forbidden:
                     broken.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert not broken, "import rules (docs/architecture.md, Layout and import rules) broken:\n" + "\n".join(broken)
+
+
+# No import cycles (issue 30): a module that imports one that imports it back works only by the order in which
+# they happen to load, and a circle hides which one is the lower layer. Every import counts: at any depth (lazy
+# ones in functions), under `if TYPE_CHECKING:` (a circle for the reader all the same), relative ones, and
+# importlib.import_module("…") with a literal name. A type both sides need lives in the lower module (or a
+# Protocol there names what it needs of the higher one: serve/request_handle.StepDriver, compress/quantize/
+# sensitivity.QuantizerView).
+CYCLE_PACKAGES = ("compress", "serve", "tasks", "flows", "loadtest")
+
+
+def _module_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, dict[str, int]]:
+    """{module: {imported project module: line}} from {module: (source, is_package)}; an import resolves to the
+    longest module name it starts with (`from compress.export import gqa` -> compress.export.gqa,
+    `from compress.evaluate import accept` -> compress.evaluate)."""
+    import ast
+
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        while parts:
+            if ".".join(parts) in sources:
+                return ".".join(parts)
+            parts.pop()
+        return None
+
+    graph: dict[str, dict[str, int]] = {}
+    for mod, (source, is_pkg) in sources.items():
+        out: dict[str, int] = {}
+        for node in ast.walk(ast.parse(source, filename=mod)):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    pkg = pkg[:len(pkg) - (node.level - 1)]
+                    base = ".".join(pkg + ([node.module] if node.module else []))
+                names = [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                    and isinstance(node.args[0].value, str):
+                f = node.func
+                if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) in ("import_module", "__import__"):
+                    names = [node.args[0].value]
+            for n in names:
+                target = resolve(n)
+                if target and target != mod:
+                    out.setdefault(target, node.lineno)
+        graph[mod] = out
+    return graph
+
+
+def _find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def _project_sources(packages) -> dict[str, tuple[str, bool]]:
+    sources = {}
+    for pkg in packages:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            is_pkg = parts[-1] == "__init__"
+            name = ".".join(parts[:-1] if is_pkg else parts)
+            sources[name] = (path.read_text(), is_pkg)
+    return sources
+
+
+def test_no_import_cycles():
+    # The checker sees the kinds of import it is meant to see, and names the circle.
+    probe = {
+        "p": ("", True),
+        "p.a": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.b import B\n", False),
+        "p.b": ("def f():\n    from . import c\n", False),
+        "p.c": ("import importlib\nimportlib.import_module('p.a')\n", False),
+    }
+    assert _find_cycle(_module_graph(probe)) == ["p.a", "p.b", "p.c", "p.a"]
+    del probe["p.c"]
+    assert _find_cycle(_module_graph(probe)) is None
+
+    graph = _module_graph(_project_sources(CYCLE_PACKAGES))
+    cycle = _find_cycle(graph)
+    if cycle:
+        steps = [f"{a} (line {graph[a][b]}) -> {b}" for a, b in zip(cycle, cycle[1:])]
+        raise AssertionError("import cycle (docs/architecture.md, Layout and import rules):\n  " + "\n  ".join(steps))
+
+
+# compress/ by stage (docs/architecture.md, "compress/ by stage"): the shared modules at the top import no subpackage,
+# and the subpackages import each other one way only: drivers <- export, evaluate <- prune, distill, quantize.
+def test_compress_subpackages_are_layered():
+    graph = _module_graph(_project_sources(["compress"]))
+
+    def unit(mod: str) -> str:
+        parts = mod.split(".")
+        return parts[1] if len(parts) > 2 or (len(parts) == 2 and (ROOT / "compress" / parts[1]).is_dir()) else "compress"
+
+    subpackages = {p.name for p in (ROOT / "compress").iterdir() if (p / "__init__.py").is_file()}
+    assert {"drivers", "export", "evaluate", "prune", "distill", "quantize"} <= subpackages
+    shared_up = sorted(f"{m}:{line} imports {t}" for m, ts in graph.items() if unit(m) == "compress"
+                       for t, line in ts.items() if unit(t) != "compress")
+    assert not shared_up, "compress/'s shared top-level modules import a stage subpackage:\n" + "\n".join(shared_up)
+    units: dict[str, dict[str, int]] = {}
+    for m, ts in graph.items():
+        for t, line in ts.items():
+            if unit(m) != unit(t):
+                units.setdefault(unit(m), {}).setdefault(unit(t), line)
+    cycle = _find_cycle(units)
+    assert cycle is None, f"compress/ subpackages import each other in a circle: {' -> '.join(cycle)}"
+
+
+def test_compress_entry_points_resolve():
+    """Every name a subpackage's __init__ promises (compress/_lazy.py) is there, and no __init__ imports its
+    modules eagerly (importing compress.config or a subpackage stays cheap)."""
+    import importlib
+    import subprocess
+    import sys
+
+    code = ("import sys, compress.config, compress.drivers, compress.export, compress.evaluate, compress.prune, "
+            "compress.distill, compress.quantize; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr[-2000:] or r.stdout
+    for sub in ("export", "evaluate", "prune", "distill", "quantize"):
+        pkg = importlib.import_module(f"compress.{sub}")
+        missing = [n for n in pkg.__all__ if getattr(pkg, n, None) is None]
+        assert not missing, f"compress.{sub} promises {missing}"
