@@ -6,6 +6,7 @@ caught before anything is promoted or served.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 # Re-exported: the pipeline reads and verifies manifests through this module too.
 from serve.artifact import MANIFEST, MANIFEST_VERSION, ArtifactError, read_manifest, sha256_file, verify_files
 
-__all__ = ["MANIFEST", "MANIFEST_VERSION", "ArtifactError", "io_names", "read_manifest", "sha256_file",
+__all__ = ["MANIFEST", "MANIFEST_VERSION", "ArtifactError", "content_digest", "io_names", "read_manifest", "sha256_file",
            "verify_files", "write_manifest"]
 
 
@@ -24,6 +25,15 @@ def io_names(num_layers: int) -> dict[str, list[str]]:
         "inputs": ["input_ids", "attention_mask", "position_ids", *past],
         "outputs": ["logits", *present],
     }
+
+
+def content_digest(folder: str | Path) -> str:
+    """sha256 of what the folder holds: every file's name and sha256 as its manifest lists them, not the
+    manifest's other fields (config hash, export seconds). The same weights and tokenizer exported under two
+    configs have one content digest and two manifest digests (the registry's baseline identity)."""
+    files = read_manifest(folder).get("files", {})
+    listing = json.dumps({name: f["sha256"] for name, f in sorted(files.items())}, sort_keys=True)
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def write_manifest(folder: str | Path, fields: dict[str, Any]) -> dict:

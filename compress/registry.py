@@ -89,7 +89,7 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
     mv = client.create_model_version(model_name, source, run_id=run_id,
                                      tags={k: str(v) for k, v in (tags or {}).items()})
     for alias in aliases or []:
-        client.set_registered_model_alias(model_name, alias, mv.version)
+        set_alias(model_name, alias, mv.version)
     return get_version(model_name, mv.version)
 
 
@@ -143,8 +143,55 @@ def find_by_digest(model_name: str, artifact_sha256: str, config_hash: str | Non
                  and (config_hash is None or v.tags.get("config_hash", "") == str(config_hash))), None)
 
 
+def find_by_content(model_name: str, content_sha256: str) -> Version | None:
+    """The oldest version holding these exact files (compress.artifact.content_digest), whatever manifest
+    fields or config came with them: one teacher is one baseline version across configs."""
+    try:
+        versions = list_versions(model_name)
+    except Exception:
+        return None
+    return next((v for v in versions if v.tags.get("content_sha256") == content_sha256), None)
+
+
+CHAMPION = "champion"
+
+
 def set_alias(model_name: str, alias: str, version: str | int) -> None:
+    """Point ``alias`` at ``version``. Moving ``champion`` also names it where the UI shows versions side by side
+    (``_name_champion``)."""
+    before = version_for_alias(model_name, alias) if alias == CHAMPION else None
     _client().set_registered_model_alias(model_name, alias, str(version))
+    if alias == CHAMPION and (before is None or before.version != str(version)):
+        _name_champion(model_name, str(version), before)
+
+
+def _name_champion(model_name: str, version: str, before: Version | None) -> None:
+    """The champion named on the version and on its source run, and the previous one's term closed.
+
+    MLflow's model-version Compare page lines up the versions' source runs (their metrics, params and tags), not
+    aliases: the run tag ``champion`` is what names the serving version there; the version's tag and description
+    say the same on its own page. Written by every move through this module (promote, rollback, deploy, the
+    pipeline); an alias moved by hand in the UI shows in the UI's alias column instead.
+    """
+    import logging
+
+    now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    client = _client()
+    try:
+        if before is not None:
+            term = f"champion until {now} (then version {version})"
+            set_tags(model_name, before.version, {CHAMPION: term})
+            client.update_model_version(model_name, before.version, description=f"Was {term}.")
+            if before.run_id:
+                client.set_tag(before.run_id, CHAMPION, f"version {before.version}: {term}")
+        since = f"since {now}" + (f" (after version {before.version})" if before is not None else "")
+        set_tags(model_name, version, {CHAMPION: since})
+        client.update_model_version(model_name, version, description=f"Champion {since}: what the servers serve.")
+        run_id = get_version(model_name, version).run_id
+        if run_id:
+            client.set_tag(run_id, CHAMPION, f"version {version}: champion {since}")
+    except Exception as e:  # noqa: BLE001 - the alias has moved; a label that failed to write must not undo that
+        logging.getLogger(__name__).warning("champion moved to %s v%s but naming it failed: %s", model_name, version, e)
 
 
 def set_tags(model_name: str, version: str | int, tags: dict) -> None:

@@ -1,8 +1,9 @@
 """Task: register an artifact folder as an MLflow model version, with its figures, and set its aliases.
 
-Idempotent. The baseline (the exported teacher) is one version per set of files: a run that
-exports the same files reuses it and records its newer figures. A candidate is one version
-per (files, config): the same files judged under another gate carry another verdict.
+Idempotent. The baseline (the exported teacher) is one version per set of files (their content digest,
+whatever config or manifest fields came with them): a run that exports the same files reuses it and records
+its newer figures. A candidate is one version per (manifest, config): the same files judged under another
+gate carry another verdict.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from prefect import task
 
 from compress import registry
-from compress.artifact import MANIFEST, read_manifest, sha256_file
+from compress.artifact import MANIFEST, content_digest, read_manifest, sha256_file
 from compress.config import PipelineConfig
 from tasks.tracking import child_run
 
@@ -26,11 +27,16 @@ def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str,
     read_manifest(folder, verify=True)  # a truncated or swapped file stops here, before the registry changes
     sha = sha256_file(folder / MANIFEST)
     name = cfg.registry.model_name
-    found = registry.find_by_digest(name, sha, tags.get("config_hash", "") if same_config_only else None)
+    content = content_digest(folder)
+    if same_config_only:
+        found = registry.find_by_digest(name, sha, tags.get("config_hash", ""))
+    else:
+        found = registry.find_by_content(name, content) or registry.find_by_digest(name, sha)
     if found is None:
         with child_run(parent_run_id, stage) as run:
             run_id = run.info.run_id if run is not None else parent_run_id
             found = registry.register_folder(folder, name, run_id, {**tags, "artifact_sha256": sha,
+                                                                    "content_sha256": content,
                                                                     "parent_run_id": parent_run_id or ""},
                                              aliases, metrics=metrics, params=params)
         reused = False

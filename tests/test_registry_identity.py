@@ -1,0 +1,92 @@
+"""Registry identity and naming (issue 30): one teacher is one baseline version across configs (its files'
+content digest, not its manifest's), and the champion is named on the version and its source run, moving with
+the alias on promote and rollback. A real sqlite MLflow store."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import mlflow
+
+from compress import registry
+from compress.artifact import MANIFEST, content_digest, read_manifest, write_manifest
+from compress.config import load_config
+from tasks.register import register_task
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{time.time_ns()}"
+
+
+def reexported(src, dst, **fields):
+    """The same files under a manifest with other fields (another config's export of the same teacher)."""
+    shutil.copytree(src, dst)
+    old = json.loads((dst / MANIFEST).read_text())
+    old.pop("files"), old.pop("manifest_version")
+    write_manifest(dst, {**old, **fields})
+    return dst
+
+
+def test_one_teacher_is_one_baseline_version_across_configs(tiny_artifact, tmp_path, mlflow_store):
+    registry.configure(mlflow_store)
+    name = unique("ident")
+    cfg = load_config(None, [f"registry.model_name={name}"])
+    a = reexported(tiny_artifact, tmp_path / "a", config_hash="aaa", export_seconds=1.5)
+    b = reexported(tiny_artifact, tmp_path / "b", config_hash="bbb", export_seconds=2.5)
+    assert (a / MANIFEST).read_bytes() != (b / MANIFEST).read_bytes()
+    assert content_digest(a) == content_digest(b) == content_digest(tiny_artifact)
+    with mlflow.start_run() as run:
+        first = register_task.fn(cfg, run.info.run_id, str(a), ["baseline"], {"config_hash": "aaa", "role": "baseline"},
+                                 same_config_only=False)
+    with mlflow.start_run() as run:
+        again = register_task.fn(cfg, run.info.run_id, str(b), ["baseline"], {"config_hash": "bbb", "role": "baseline"},
+                                 metrics={"perplexity": 12.5}, same_config_only=False)
+    assert (first["version"], again["version"], again["reused"]) == ("1", "1", True)
+    assert [v.version for v in registry.list_versions(name)] == ["1"]
+    assert registry.figures(name, "1")["perplexity"] == 12.5  # the newer run's figures on the one version
+    # Other files are another teacher: a new version.
+    c = tmp_path / "c"
+    shutil.copytree(tiny_artifact, c)
+    (c / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7}))
+    old = read_manifest(tiny_artifact)
+    write_manifest(c, {k: v for k, v in old.items() if k not in ("files", "manifest_version")})
+    with mlflow.start_run() as run:
+        other = register_task.fn(cfg, run.info.run_id, str(c), ["baseline"], {"config_hash": "aaa"},
+                                 same_config_only=False)
+    assert other["version"] == "2" and registry.version_for_alias(name, "baseline").version == "2"
+    # Candidates stay one version per (manifest, config): the same files under another gate are judged apart.
+    with mlflow.start_run() as run:
+        cand = register_task.fn(cfg, run.info.run_id, str(a), ["candidate"], {"config_hash": "zzz"})
+    assert cand["version"] == "3" and not cand["reused"]
+
+
+def test_the_champion_is_named_on_its_version_and_run_and_moves_with_the_alias(tiny_artifact, mlflow_store):
+    registry.configure(mlflow_store)
+    name = unique("champ")
+    versions = []
+    for i in range(2):
+        with mlflow.start_run() as run:
+            versions.append(registry.register_folder(tiny_artifact, name, run.info.run_id, {"n": i}))
+    v1, v2 = (v.version for v in versions)
+    client = mlflow.MlflowClient()
+
+    def label(v):
+        mv = client.get_model_version(name, v)
+        return mv.tags.get("champion", ""), mv.description or "", client.get_run(mv.run_id).data.tags.get("champion", "")
+
+    registry.promote(name, v1, verify=False)
+    tag, desc, run_tag = label(v1)
+    assert tag.startswith("since ") and desc.startswith("Champion since") and run_tag.startswith(f"version {v1}: champion since")
+    assert label(v2) == ("", "", "")
+    assert registry.promote(name, v2, verify=False) == v1
+    assert label(v2)[0].startswith("since ") and f"after version {v1}" in label(v2)[0]
+    tag, desc, run_tag = label(v1)
+    assert tag.startswith("champion until ") and f"then version {v2}" in tag and desc.startswith("Was champion until")
+    assert run_tag.startswith(f"version {v1}: champion until")
+    assert registry.rollback(name) == v1
+    assert label(v1)[0].startswith("since ") and label(v2)[0].startswith("champion until ")
+    assert registry.version_for_alias(name, "champion").version == v1
+    registry.set_alias(name, "candidate", v2)  # other aliases carry no label
+    assert label(v2)[0].startswith("champion until ")
