@@ -34,6 +34,22 @@ def add_arguments(p: argparse.ArgumentParser, config_args: bool = True) -> None:
     p.add_argument("--tracking-uri", default=None,
                    help="MLflow tracking URI (default: mlflow.tracking_uri, $MLFLOW_TRACKING_URI, or mlruns/)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from serve.replica_http import POLICIES  # no Ray here: it is imported only when --replicas is given
+
+    g = p.add_argument_group("replicas on Ray Serve (pip install -e '.[ray]'; docs/scaling.md)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="N engine replicas behind Ray Serve's HTTP proxy instead of this one process")
+    g.add_argument("--ray-address", default=None,
+                   help="an existing Ray cluster ('auto', or HEAD_IP:6379 after `ray start --head`); default: a "
+                        "local Ray instance")
+    g.add_argument("--routing", default="prefix", choices=POLICIES,
+                   help="which replica takes a request (default %(default)s: the one holding the prompt's prefix)")
+    g.add_argument("--replica-cpus", type=float, default=None, metavar="C",
+                   help="CPUs Ray reserves for each replica, also its onnxruntime threads when "
+                        "serve.intra_op_threads is 0 (default: this machine's cores / N)")
+    g.add_argument("--prefix-imbalance", type=int, default=None, metavar="K",
+                   help="prefix routing gives way to the least loaded replica when the prefix's replica has K more "
+                        "requests in flight (default: serve.max_batch_size)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,6 +71,13 @@ def run(args: argparse.Namespace) -> int:
             serve_cfg.host = args.host
         if args.port:
             serve_cfg.port = args.port
+        if getattr(args, "replicas", None) is not None:
+            try:
+                from serve import replicas
+            except ImportError as e:
+                print(f"error: --replicas needs Ray Serve: pip install -e '.[ray]' ({e})", file=sys.stderr)
+                return 2
+            return replicas.run(args, cfg, args.tracking_uri or cfg.mlflow.tracking_uri)
         manager = ModelManager(args.model, serve_cfg, tracking_uri=args.tracking_uri or cfg.mlflow.tracking_uri,
                                served_name=args.served_model_name)
         lm = manager.load_initial()
