@@ -133,3 +133,18 @@ def test_agreement_counts_exactly_the_positions_perplexity_scores(tiny_artifact,
     one_off[0, 0] = (top1[0, 0] + 1) % 7
     m = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=one_off, latency=False)
     assert m["top1_agreement"] == pytest.approx(1 - 1 / m["eval_tokens"])
+
+
+def test_large_vocabularies_evaluate_in_smaller_batches_with_the_same_figures(tiny_artifact, tiny_splits, monkeypatch):
+    """One batch's logits stay within LOGITS_BATCH_BYTES (a 128k vocabulary's accept-stage peak); the figures do
+    not depend on the batch."""
+    from compress.evaluate import onnx_eval
+
+    assert onnx_eval.logits_batch(4, 128, 49_152) == 4  # SmolLM2: as asked
+    assert onnx_eval.logits_batch(4, 128, 128_256) == 2  # Llama 3: 65.7 MB a block
+    assert onnx_eval.logits_batch(4, 4096, 128_256) == 1
+    ref = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_artifact=tiny_artifact, latency=False)
+    monkeypatch.setattr(onnx_eval, "LOGITS_BATCH_BYTES", 1)  # one block per batch
+    one = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_artifact=tiny_artifact, latency=False)
+    assert one["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-6)
+    assert one["top1_agreement"] == ref["top1_agreement"] == 1.0 and one["eval_tokens"] == ref["eval_tokens"]

@@ -68,6 +68,14 @@ def _kl_sum(ref: np.ndarray, logits: np.ndarray) -> float:
 
 # Reference + candidate graphs above this are evaluated one after the other (evaluate_onnx).
 SEQUENTIAL_BYTES = 3 * 2**30
+# One batch's logits at most this large: [batch, block, vocab] fp32 is held by the caller and once more inside
+# ORT's arena, so at a 128k vocabulary a batch of 4 x 128 was ~0.5 GB at the accept stage's peak (docs/models.md).
+LOGITS_BATCH_BYTES = 128 * 2**20
+
+
+def logits_batch(batch_size: int, block: int, vocab: int) -> int:
+    """``batch_size``, lowered so that one batch's fp32 logits stay within LOGITS_BATCH_BYTES (at least 1)."""
+    return max(1, min(int(batch_size), LOGITS_BATCH_BYTES // max(1, block * vocab * 4)))
 
 
 def _onnx_bytes(folder: str | Path) -> int:
@@ -152,9 +160,10 @@ def evaluate_onnx(
     if eval_blocks.ndim != 2 or len(eval_blocks) == 0 or eval_blocks.shape[1] < 2:
         raise EvaluateError(f"eval_blocks must be a non-empty [n, block_size >= 2] array, got shape {eval_blocks.shape}")
     ref_iter, spool = None, None
+    man0 = read_manifest(artifact_dir, verify=False)
+    batch_size = logits_batch(batch_size, eval_blocks.shape[1], int(man0["vocab_size"]))
     if reference_artifact is not None:
         rman = read_manifest(reference_artifact, verify=False)
-        man0 = read_manifest(artifact_dir, verify=False)
         if int(rman["vocab_size"]) != int(man0["vocab_size"]):
             raise EvaluateError(f"reference {reference_artifact} has vocab {rman['vocab_size']}, candidate {man0['vocab_size']}: not comparable")
         if _onnx_bytes(reference_artifact) + _onnx_bytes(artifact_dir) > SEQUENTIAL_BYTES:
