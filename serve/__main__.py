@@ -2,6 +2,7 @@
 
     python -m serve --model models:/smollm2-135m@champion          # follows the alias
     python -m serve --model artifacts/export/<hash>/artifact --port 8001
+    python -m serve --model models:/smollm2-135m@champion --replicas 2  # Ray Serve replicas (docs/scaling.md)
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser, config_args: bool = True) -> None:
     g.add_argument("--replica-cpus", type=float, default=None, metavar="C",
                    help="CPUs Ray reserves for each replica, also its onnxruntime threads when "
                         "serve.intra_op_threads is 0 (default: this machine's cores / N)")
+    g.add_argument("--replica-gpus", type=float, default=0, metavar="G",
+                   help="GPUs Ray reserves for each replica (default 0; Ray hides the GPUs from a replica without)")
     g.add_argument("--prefix-imbalance", type=int, default=None, metavar="K",
                    help="prefix routing gives way to the least loaded replica when the prefix's replica has K more "
                         "requests in flight (default: serve.max_batch_size)")

@@ -323,8 +323,8 @@ class Ingress:
 # ---- building and running the application --------------------------------------------------------------
 def build_app(model: str, serve_cfg: ServeConfig, *, replicas: int, tracking_uri: str | None = None,
               served_name: str | None = None, routing: str = "prefix", imbalance: int | None = None,
-              replica_cpus: float = 1, admin_token: str | None = None, health_check_period_s: float = 2.0,
-              health_check_timeout_s: float = 10.0):
+              replica_cpus: float = 1, replica_gpus: float = 0, admin_token: str | None = None,
+              health_check_period_s: float = 2.0, health_check_timeout_s: float = 10.0):
     """The Ray Serve application: ``ray.serve.run(build_app(...), name=APP_NAME, route_prefix="/")``."""
     if routing not in POLICIES:
         raise ValueError(f"routing {routing!r}: use one of {', '.join(POLICIES)}")
@@ -333,6 +333,8 @@ def build_app(model: str, serve_cfg: ServeConfig, *, replicas: int, tracking_uri
     max_ongoing = serve_cfg.max_batch_size + serve_cfg.max_waiting + 32
     imbalance = serve_cfg.max_batch_size if imbalance is None else imbalance
     actor_options: dict = {"num_cpus": replica_cpus}
+    if replica_gpus:  # Ray hides the GPUs from an actor that reserves none (CUDA_VISIBLE_DEVICES="")
+        actor_options["num_gpus"] = replica_gpus
     if admin_token:
         actor_options["runtime_env"] = {"env_vars": {serve_cfg.admin_token_env: admin_token}}
     engine = ray_serve.deployment(EngineReplica).options(
@@ -354,8 +356,8 @@ def default_replica_cpus(replicas: int) -> int:
 
 def start(model: str, serve_cfg: ServeConfig, *, replicas: int, ray_address: str | None = None,
           tracking_uri: str | None = None, served_name: str | None = None, routing: str = "prefix",
-          imbalance: int | None = None, replica_cpus: float | None = None, admin_token: str | None = None,
-          health_check_period_s: float = 2.0, app_name: str = APP_NAME) -> str:
+          imbalance: int | None = None, replica_cpus: float | None = None, replica_gpus: float = 0,
+          admin_token: str | None = None, health_check_period_s: float = 2.0, app_name: str = APP_NAME) -> str:
     """Start Ray (local) or connect (``ray_address``), start Serve's proxy on serve.host:serve.port and deploy;
     returns the base URL once every replica has loaded (or is retrying the first load)."""
     cpus = replica_cpus if replica_cpus is not None else default_replica_cpus(replicas)
@@ -372,7 +374,8 @@ def start(model: str, serve_cfg: ServeConfig, *, replicas: int, ray_address: str
     ray_serve.start(http_options={"host": serve_cfg.host, "port": serve_cfg.port})
     app = build_app(
         model, serve_cfg, replicas=replicas, tracking_uri=tracking_uri, served_name=served_name, routing=routing,
-        imbalance=imbalance, replica_cpus=cpus, admin_token=admin_token, health_check_period_s=health_check_period_s)
+        imbalance=imbalance, replica_cpus=cpus, replica_gpus=replica_gpus, admin_token=admin_token,
+        health_check_period_s=health_check_period_s)
     ray_serve.run(app, name=app_name, route_prefix="/")
     return f"http://{serve_cfg.host}:{serve_cfg.port}"
 
@@ -385,7 +388,8 @@ def run(args: argparse.Namespace, cfg, tracking_uri: str | None) -> int:
     admin_token = os.environ.get(cfg.serve.admin_token_env) or None
     url = start(args.model, cfg.serve, replicas=args.replicas, ray_address=args.ray_address,
                 tracking_uri=tracking_uri, served_name=args.served_model_name, routing=args.routing,
-                imbalance=args.prefix_imbalance, replica_cpus=args.replica_cpus, admin_token=admin_token)
+                imbalance=args.prefix_imbalance, replica_cpus=args.replica_cpus,
+                replica_gpus=getattr(args, "replica_gpus", 0) or 0, admin_token=admin_token)
     log.info("serving %s with %d replicas (routing %s) on %s; per replica: %s/replicas", args.model, args.replicas,
              args.routing, url, url)
     stop = threading.Event()
