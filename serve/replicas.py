@@ -127,7 +127,8 @@ def _json_messages(status: int, body, extra_headers=()) -> list[dict]:
 
 
 # ---- the ingress --------------------------------------------------------------------------------------
-ingress_app = FastAPI(title="compressor replicas (Ray Serve ingress)")
+# No docs routes of its own: /docs and /openapi.json go to a replica, as every other path.
+ingress_app = FastAPI(title="compressor replicas (Ray Serve ingress)", docs_url=None, redoc_url=None, openapi_url=None)
 
 # What the ingress counts itself (the router's counters are in serve/prefix_router.py).
 _ERRORS: dict[str, int] = {}
@@ -354,6 +355,46 @@ def default_replica_cpus(replicas: int) -> int:
     return max(1, (os.cpu_count() or 1) // replicas)
 
 
+def _threads_for(serve_cfg: ServeConfig, cpus: float) -> ServeConfig:
+    """onnxruntime's default is one thread per core of the machine: N replicas on one node would each take every
+    core. Unless serve.intra_op_threads says otherwise, a replica uses as many threads as it reserves CPUs."""
+    if serve_cfg.intra_op_threads == 0:
+        return serve_cfg.model_copy(update={"intra_op_threads": max(1, int(cpus))})
+    return serve_cfg
+
+
+APPLICATION_ARGS = ("model", "replicas", "serve", "tracking_uri", "served_model_name", "routing", "prefix_imbalance",
+                    "replica_cpus", "replica_gpus")
+
+
+def application(args: dict):
+    """Ray Serve application builder, for a Serve config file (``serve run`` / ``serve deploy``, KubeRay's RayService):
+
+        applications:
+          - name: compressor
+            route_prefix: /
+            import_path: serve.replicas:application
+            args: {model: "models:/smollm2-135m@champion", replicas: 2, tracking_uri: "http://mlflow.internal:5000",
+                   serve: {kv_memory_mb: 2048, poll_interval_s: 10}}
+
+    ``serve`` holds ServeConfig keys (configs/default.yaml's serve section); the HTTP host and port are the config
+    file's ``http_options``. The admin token is read from the replicas' environment (``runtime_env``)."""
+    from serve.config import ConfigError
+
+    args = dict(args or {})
+    unknown = sorted(set(args) - set(APPLICATION_ARGS))
+    if unknown or "model" not in args:
+        raise ConfigError(f"serve.replicas:application args: unknown {unknown}" if unknown
+                          else "serve.replicas:application args: model is required (models:/NAME@ALIAS or a folder)")
+    replicas = int(args.get("replicas", 1))
+    cpus = float(args.get("replica_cpus", 1))
+    serve_cfg = _threads_for(ServeConfig(**(args.get("serve") or {})), cpus)
+    return build_app(args["model"], serve_cfg, replicas=replicas, tracking_uri=args.get("tracking_uri"),
+                     served_name=args.get("served_model_name"), routing=args.get("routing", "prefix"),
+                     imbalance=args.get("prefix_imbalance"), replica_cpus=cpus,
+                     replica_gpus=float(args.get("replica_gpus", 0)))
+
+
 def start(model: str, serve_cfg: ServeConfig, *, replicas: int, ray_address: str | None = None,
           tracking_uri: str | None = None, served_name: str | None = None, routing: str = "prefix",
           imbalance: int | None = None, replica_cpus: float | None = None, replica_gpus: float = 0,
@@ -361,10 +402,7 @@ def start(model: str, serve_cfg: ServeConfig, *, replicas: int, ray_address: str
     """Start Ray (local) or connect (``ray_address``), start Serve's proxy on serve.host:serve.port and deploy;
     returns the base URL once every replica has loaded (or is retrying the first load)."""
     cpus = replica_cpus if replica_cpus is not None else default_replica_cpus(replicas)
-    if serve_cfg.intra_op_threads == 0:
-        # onnxruntime's default is one thread per core of the machine: N replicas on one node would
-        # each take every core.
-        serve_cfg = serve_cfg.model_copy(update={"intra_op_threads": max(1, int(cpus))})
+    serve_cfg = _threads_for(serve_cfg, cpus)
     if not ray.is_initialized():
         if ray_address:
             ray.init(address=ray_address, log_to_driver=False)
