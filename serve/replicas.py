@@ -13,7 +13,8 @@ Two Ray Serve deployments make one application:
   with an error event when it died mid-stream. Its own routes: ``/health``, ``/ready`` (200 once a replica has a
   model), ``/replicas`` (each replica's id, pid, node, model version, requests routed to it, prefix-cache hits),
   ``/replicas/{id}/...`` (any GET route of one replica: ``/replicas/{id}/metrics``, ``.../ready``), ``/metrics``
-  (the replicas' metrics merged, plus the router's), ``POST /admin/reload`` (sent to every replica).
+  (the replicas' metrics merged, plus the router's), ``/v1/models`` (the version every replica serves; a list of
+  versions during a rollout), ``POST /admin/reload`` (sent to every replica).
 - ``EngineReplica`` (N replicas, ``--replica-cpus`` each): the single-process server's own app (serve/api.py:
   create_app over a ModelManager) run in-process on each forwarded request; each replica has its own engine, KV
   budget, prefix cache, result cache, and alias poller, so a promotion or rollback reaches every replica within
@@ -298,6 +299,28 @@ class Ingress:
         for k, n in sorted(_ERRORS.items()):
             lines.append(f'compressor:ingress_errors_total{{code="{k}"}} {n}')
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @ingress_app.get("/v1/models")
+    async def models(self):
+        """The model every replica serves: one version when they agree; during a rollout ``version`` lists the
+        versions served (``replica_versions`` says which replica serves which), so a deploy that waits for a
+        version (flows/deploy.py) waits until every replica serves it."""
+        cards: dict[str, list[tuple[str, dict]]] = {}
+        for rid, status, _, body in await self._each_replica("GET", "/v1/models"):
+            if status == 200:
+                for card in json.loads(body).get("data", []):
+                    cards.setdefault(card["id"], []).append((rid, card))
+        if not cards:
+            return {"object": "list", "data": []}
+        data = []
+        for held in cards.values():
+            card = dict(held[0][1])
+            if len({(c.get("version"), c.get("artifact_sha256")) for _, c in held}) > 1:
+                card["version"] = sorted({str(c.get("version")) for _, c in held})
+                card["artifact_sha256"] = None
+            card["replica_versions"] = {rid: c.get("version") for rid, c in held}
+            data.append(card)
+        return {"object": "list", "data": data}
 
     @ingress_app.post("/admin/reload")
     async def admin_reload(self, request: Request):

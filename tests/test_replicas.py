@@ -225,6 +225,7 @@ def test_queue_full_is_a_429_with_retry_after_through_the_proxy(cluster):
 
 def test_an_alias_flip_reaches_both_replicas_without_dropping_requests(cluster, versions, refs):
     from compress import registry
+    from flows.deploy import served_version
     from serve import replicas
 
     n, results, stop = 48, [], threading.Event()
@@ -261,11 +262,31 @@ def test_an_alias_flip_reaches_both_replicas_without_dropping_requests(cluster, 
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         served[version] += 1
     assert served["1"] >= 1 and served["2"] >= 1, served
+    assert served_version(cluster, NAME) == "2"  # what a deploy waits for: every replica on it
     out = client(cluster).completions.create(model=NAME, prompt="after the flip", max_tokens=8, temperature=0,
                                              extra_body={"ignore_eos": True})
     assert out.system_fingerprint == f"{NAME}-v2" and out.choices[0].text == expected(refs, "2", "after the flip", 8)
     registry.set_alias(NAME, "champion", versions["v1"])  # a rollback reaches both as well
     replicas.wait_replicas(cluster, 2, timeout_s=60, version="1")
+
+
+def test_a_client_that_goes_away_cancels_its_request_on_the_replica(cluster):
+    def cancelled() -> float:
+        return metric_value(httpx.get(cluster + "/metrics", timeout=30).text, "vllm:request_success_total",
+                            finished_reason="cancelled")
+
+    before = cancelled()
+    body = {"model": NAME, "prompt": "leave early", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", cluster + "/v1/completions", json=body, timeout=60) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: {"))
+    assert json.loads(first[6:])["choices"]
+    deadline = time.monotonic() + 20
+    while cancelled() < before + 1:
+        assert time.monotonic() < deadline, "the replica kept generating for a client that had gone"
+        time.sleep(0.1)
+    text = httpx.get(cluster + "/metrics", timeout=30).text
+    assert metric_value(text, "vllm:num_requests_running") == 0
 
 
 def test_a_killed_replica_is_replaced_and_no_request_hangs(cluster):
