@@ -215,13 +215,13 @@ def routing_stats(key: tuple[str, str]) -> Counter:
 # Gauges that are ratios or identities: the mean over replicas, not the sum (the rest add up).
 MEAN_GAUGES = {"vllm:kv_cache_usage_perc", "compressor:kv_cache_usage_peak_perc", "compressor:batch_fill_ratio",
                "compressor:token_fill_ratio"}
-# Gauges whose smallest value matters: a version some replica still serves.
+# Gauges whose smallest value matters: the lowest version number some replica still serves.
 MIN_GAUGES = {"compressor:served_model_version"}
 
 
 def merge_metrics(texts: list[str]) -> str:
     """One exposition for several replicas: counters and histograms summed sample by sample (same name and
-    labels), gauges summed except ratios (mean) and the served version (min: the oldest still served;
+    labels), gauges summed except ratios (mean) and the served version (min: the lowest still served;
     compressor:served_model_info counts the replicas per version). ``*_created`` samples are left out."""
     from prometheus_client.parser import text_string_to_metric_families
 
