@@ -235,6 +235,10 @@ def merge_metrics(texts: list[str]) -> str:
                 samples.setdefault((s.name, tuple(sorted(s.labels.items()))), []).append(s.value)
     lines = []
     for name, (typ, doc, samples) in families.items():
+        if not samples:
+            continue  # a *_created family
+        if typ == "counter":  # as prometheus_client writes it: the TYPE line names the _total samples
+            name += "_total"
         lines.append(f"# HELP {name} {_escape_help(doc)}")
         lines.append(f"# TYPE {name} {typ}")
         for (sname, labels), values in samples.items():

@@ -352,3 +352,51 @@ def test_a_killed_replica_is_replaced_and_no_request_hangs(cluster):
     with ThreadPoolExecutor(8) as pool:
         after = list(pool.map(lambda i: chat(client(cluster), f"after {i}: which floor has the maps?"), range(8)))
     assert all(text for text, _ in after) and len({rid for _, rid in after}) == 2
+
+
+# ---- the parts without Ray: routing key, block hashes, merged metrics ------------------------------------------
+def test_routing_text_and_block_hashes():
+    from serve.replica_http import PREFIX_BLOCK_CHARS, forwarded, prefix_hashes, routing_text
+
+    chat_body = json.dumps({"messages": [{"role": "system", "content": SYSTEM},
+                                         {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}).encode()
+    text = routing_text("/v1/chat/completions", chat_body)
+    assert text == f"<system>{SYSTEM}\x1e<user>Hi\x1e"
+    assert routing_text("/v1/completions", b'{"prompt": ["first", "second"]}') == "first"
+    assert routing_text("/v1/completions", b'{"prompt": [1, 2, 3]}') == "1 2 3"
+    assert routing_text("/v1/completions", b"not json") is None and routing_text("/metrics", chat_body) is None
+    a, _ = prefix_hashes(text)
+    assert len(a) == len(text) // PREFIX_BLOCK_CHARS == 3
+    x, _ = prefix_hashes(text[:128] + "x" * 70)
+    y, _ = prefix_hashes(text[:128] + "y" * 70)
+    assert x[:2] == y[:2] == a[:2] and x[2] != y[2] and len(x) == 3  # a chain: equal exactly as long as the text
+    assert prefix_hashes("short")[0] == () and prefix_hashes("short")[1] == prefix_hashes("short")[1]
+    fwd = forwarded("POST", "/v1/chat/completions", b"", [], chat_body)
+    assert fwd.prefix_hashes == a and fwd.target is None
+    assert forwarded("GET", "/v1/models", b"", [], b"").prefix_hashes == ()
+
+
+def test_merged_metrics_sum_counters_average_ratios_and_keep_the_lowest_version():
+    from serve.replica_http import merge_metrics
+
+    def text(gen: int, kv: float, version: int) -> str:  # what prometheus_client writes
+        return (f"# HELP vllm:generation_tokens_total Generated tokens.\n"
+                f"# TYPE vllm:generation_tokens_total counter\n"
+                f'vllm:generation_tokens_total{{model_name="m"}} {gen}\n'
+                f"# HELP vllm:generation_tokens_created Generated tokens.\n"
+                f"# TYPE vllm:generation_tokens_created gauge\n"
+                f'vllm:generation_tokens_created{{model_name="m"}} 1.7e9\n'
+                f"# HELP vllm:kv_cache_usage_perc KV in use.\n# TYPE vllm:kv_cache_usage_perc gauge\n"
+                f'vllm:kv_cache_usage_perc{{model_name="m"}} {kv}\n'
+                f"# HELP compressor:served_model_version v.\n# TYPE compressor:served_model_version gauge\n"
+                f'compressor:served_model_version{{model_name="m"}} {version}\n'
+                f"# HELP vllm:e2e s.\n# TYPE vllm:e2e histogram\n"
+                f'vllm:e2e_bucket{{le="1.0"}} {gen // 10}\nvllm:e2e_bucket{{le="+Inf"}} {gen // 10}\n'
+                f"vllm:e2e_count {gen // 10}\nvllm:e2e_sum 2.5\n")
+
+    merged = merge_metrics([text(100, 0.2, 2), text(50, 0.6, 1)])
+    assert metric_value(merged, "vllm:generation_tokens_total") == 150
+    assert "_created" not in merged and "# TYPE vllm:generation_tokens_total counter" in merged
+    assert metric_value(merged, "vllm:kv_cache_usage_perc") == pytest.approx(0.4)
+    assert metric_value(merged, "compressor:served_model_version") == 1
+    assert metric_value(merged, "vllm:e2e_bucket", le="+Inf") == 15 and metric_value(merged, "vllm:e2e_sum") == 5.0
