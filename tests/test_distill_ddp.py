@@ -71,7 +71,10 @@ def test_two_ranks_train_like_one_process_and_keep_masks(folders, tiny_splits, t
     assert [h["T"] for h in rep.history] == [h["T"] for h in ref.history]
     assert [e["kl"] for e in rep.evals] == pytest.approx([e["kl"] for e in ref.evals], rel=1e-5)
     out = _load(tmp_path / "out")
-    assert _max_diff(out, ref_student) < 1e-5
+    # Weights: within 1e-4 (3 % of one step at lr 3e-3). Adam divides by sqrt(v), so where a gradient is ~0 the
+    # all-reduce's summation order (which differs by CPU: AVX-512 vs AMX kernels) can move a weight by a sizeable
+    # part of a step; 2.3e-5 seen on one machine kind, < 1e-5 on another. Loss and KL above agree to 1e-5.
+    assert _max_diff(out, ref_student) < 1e-4
     assert _max_diff(out, student0) > 1e-3  # it did train: the tolerance above is not trivially met
     out_named = dict(out.named_parameters())
     for n, keep in masks.items():
