@@ -400,3 +400,14 @@ def test_merged_metrics_sum_counters_average_ratios_and_keep_the_lowest_version(
     assert metric_value(merged, "vllm:kv_cache_usage_perc") == pytest.approx(0.4)
     assert metric_value(merged, "compressor:served_model_version") == 1
     assert metric_value(merged, "vllm:e2e_bucket", le="+Inf") == 15 and metric_value(merged, "vllm:e2e_sum") == 5.0
+
+
+def test_ray_is_imported_only_by_the_replica_entry_point():
+    import subprocess
+    import sys
+
+    code = ("import sys, serve.__main__, serve.api, serve.replica_http; assert 'ray' not in sys.modules, 'ray'; "
+            "import serve.replicas; print(sorted(m for m in ('torch', 'transformers', 'compress') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"  # a replica process carries no torch
