@@ -131,7 +131,7 @@ def _json_messages(status: int, body, extra_headers=()) -> list[dict]:
 # No docs routes of its own: /docs and /openapi.json go to a replica, as every other path.
 ingress_app = FastAPI(title="compressor replicas (Ray Serve ingress)", docs_url=None, redoc_url=None, openapi_url=None)
 
-# What the ingress counts itself (the router's counters are in serve/prefix_router.py).
+# What the ingress counts itself (the router's counters are in serve/replica_http.py).
 _ERRORS: dict[str, int] = {}
 
 
@@ -156,6 +156,9 @@ class Ingress:
         gen = self.engine.remote(fwd)
         try:
             return gen, await gen.__anext__()
+        except asyncio.CancelledError:  # the client went away before the first byte
+            gen.cancel()
+            raise
         except BackPressureError as e:
             return None, _error(429, f"every replica's queue is full: {e}", "rate_limit_error", "queue_full",
                                 self.retry_after_s)
