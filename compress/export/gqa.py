@@ -31,7 +31,6 @@ rotary helpers and saved by the same artifact writer, so they stay together.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -48,12 +47,12 @@ from compress.artifact import write_manifest
 from compress.export.gqa_families import GqaBuildError
 from compress.export.graph_fusion import fuse_decoder
 from compress.export.kv_fp16 import kv_to_fp16
+from compress.export.servable import MODEL_FILE, serving_fields, write_tokenizer_files
 from compress.models import model_info
 from serve.onnx_external import ALIGN, BASE_KEY, save_external
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "model.onnx"
 # Above this many bytes of fp32 weights the graph is built straight into external data (protobuf's limit is 2 GB).
 STREAM_BYTES = 1_500_000_000
 OPSET = 17
@@ -531,9 +530,6 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
     graph's block size is fixed and recorded in the manifest).
     kv_dtype: the gqa layout's cache type, float32 or float16 (compress/export/kv_fp16.py).
     """
-    from compress.export.standard import _eos_ids
-    from compress.special_tokens import special_tokens
-
     if layout not in ("gqa", "paged"):
         raise GqaBuildError(f"layout {layout!r}: the builder writes 'gqa' or 'paged' (the dynamo export writes 'standard')")
     if layout == "gqa" and kv_dtype not in ("float32", "float16"):
@@ -553,12 +549,7 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
     path = out_dir / MODEL_FILE
     save_model(m, path)
     seconds = time.perf_counter() - t0
-    tokenizer.save_pretrained(out_dir)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        gen.save_pretrained(out_dir)
-    else:
-        (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": _eos_ids(model, tokenizer)}))
+    write_tokenizer_files(out_dir, model, tokenizer)
     info = model_info(model)
     if max_positions:
         info["max_positions"] = int(max_positions)
@@ -567,11 +558,7 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
         "kv_dtype": kv_dtype if layout == "gqa" else "float16",
         "attention_layout": layout,
         "io": gqa_io_names(info["num_layers"]) if layout == "gqa" else paged_io_names(info["num_layers"]),
-        **special_tokens(tokenizer, model).manifest_fields(),  # add_bos_token, eos_token_ids, chat_template_adds_bos
-        "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "chat_template": getattr(tokenizer, "chat_template", None),
-        "onnx_file": MODEL_FILE,
+        **serving_fields(model, tokenizer),
         "exporter": "gqa_builder",
         "opset": OPSET,
         "export_seconds": round(seconds, 2),

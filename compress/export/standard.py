@@ -10,7 +10,6 @@ Why dynamo is the standard-layout exporter (and the fallback of export.exporter 
 from __future__ import annotations
 
 import ast
-import json
 import logging
 import shutil
 import time
@@ -23,11 +22,10 @@ from torch import nn
 
 from compress.artifact import io_names, write_manifest
 from compress.models import model_info
-from compress.special_tokens import eos_ids_of, special_tokens
+from compress.export.servable import MODEL_FILE, serving_fields, write_tokenizer_files
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "model.onnx"
 # Part of the export stage's cache key: bump when the graph the exporter writes changes.
 EXPORT_FORMAT = 4
 
@@ -238,11 +236,6 @@ def name_linear_nodes(onnx_path: Path) -> int:
     return len(renamed)
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    """Every id that ends generation: compress.special_tokens.eos_ids_of."""
-    return eos_ids_of(model, tokenizer)
-
-
 def build_artifact(model: nn.Module, tokenizer, out_dir: str | Path, exporter: str = "dynamo", opset: int = 18,
                    external_data_threshold_mb: int = 1800, extra: dict | None = None) -> tuple[ExportResult, dict]:
     """Export + tokenizer + generation_config + manifest.json: a folder the server can run on its own."""
@@ -250,23 +243,14 @@ def build_artifact(model: nn.Module, tokenizer, out_dir: str | Path, exporter: s
     if out_dir.exists():
         shutil.rmtree(out_dir)
     result = export_onnx(model, out_dir, exporter, opset, external_data_threshold_mb)
-    tokenizer.save_pretrained(out_dir)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        gen.save_pretrained(out_dir)
-    else:
-        (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": _eos_ids(model, tokenizer)}))
+    write_tokenizer_files(out_dir, model, tokenizer)
     info = model_info(model)
     fields = {
         **info,
         "kv_dtype": "float32",
         "attention_layout": "standard",
         "io": io_names(info["num_layers"]),
-        **special_tokens(tokenizer, model).manifest_fields(),  # add_bos_token, eos_token_ids, chat_template_adds_bos
-        "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "chat_template": getattr(tokenizer, "chat_template", None),
-        "onnx_file": MODEL_FILE,
+        **serving_fields(model, tokenizer),
         "exporter": exporter,
         "opset": opset,
         "export_seconds": round(result.seconds, 2),
