@@ -22,6 +22,7 @@ from prefect.cache_policies import NONE
 from compress.config import PipelineConfig
 from compress.evaluate import accept, downstream_scores, evaluate_onnx, resolve_criteria
 from compress.export import EXPORT_FORMAT
+from compress.quantize import QUANT_FORMAT
 from compress.search import (Candidate, best_rejected, describe, pareto_figure, pareto_front,
                              pick_fastest_accepted, search_table)
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_key, submit_stage
@@ -69,7 +70,7 @@ def candidate_chain(cfg: PipelineConfig, pid: str | None, loaded: dict, teacher:
         candidate = student["artifact"]
     quant = None
     if cfg.quantize.enabled:
-        cand_key = stage_key(cfg, "quantize", ["quantize", "accept"], cand_key)
+        cand_key = stage_key(cfg, "quantize", ["quantize", "accept"], cand_key, f"format{QUANT_FORMAT}")
         quant = run("quantize", submit_stage, quantize_task, cfg, "quantize", cand_key, parent_run_id=pid,
                     src_artifact=candidate, splits=loaded["splits"])
         candidate = quant["artifact"]

@@ -182,6 +182,26 @@ def test_dynamic_per_token_int8(tiny_artifact, tiny_splits, fp32_logits, tmp_pat
     assert len(toks) == 4 and toks[0] == int(logits[0, 7].argmax())
 
 
+def test_per_token_w8a8_is_lean_and_its_lm_head_is_int8_too(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
+    """The per-token form keeps the activation's rank (no Shape/Reshape/Slice/Concat per linear) and its tied
+    lm_head runs MatMulInteger too (MatMulNBits at many rows is the slow kernel), from an int8 copy of its own."""
+    cfg = QuantizeConfig(method="dynamic", activation_granularity="token", keep_float=[], quantize_embedding=True,
+                         smoothquant_alpha=None)
+    quantize_artifact(tiny_artifact, tmp_path / "tok", None, cfg)
+    ops = _ops(tmp_path / "tok")
+    base = _ops(tiny_artifact)
+    assert ops.get("MatMulInteger", 0) == 15 and "MatMulNBits" not in ops and ops.get("GatherBlockQuantized") == 1
+    for op in ("Shape", "Slice", "Concat"):
+        assert ops.get(op, 0) == base.get(op, 0), op  # none added around the linears
+    assert ops.get("Reshape", 0) == base.get("Reshape", 0) + 1  # the quantized embedding's own
+    names = [i.name for i in onnx.load(str(tmp_path / "tok" / "model.onnx")).graph.initializer]
+    assert len(names) == len(set(names))  # the lm_head's rewrite reuses the shared constants, never repeats them
+    logits = prefill_logits(tmp_path / "tok", tiny_splits.eval)
+    assert _rel_err(logits, fp32_logits) < 0.05 and _agreement(logits, fp32_logits) > 0.9
+    toks = load_lm(tmp_path / "tok", verify=False).greedy(tiny_splits.eval[0][:8].tolist(), 4)
+    assert toks[0] == int(logits[0, 7].argmax())
+
+
 def test_tied_embedding_is_stored_once_in_8_bit(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
     cfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=True, smoothquant_alpha=0.5)
     rep = quantize_artifact(tiny_artifact, tmp_path / "emb", tiny_splits.calib, cfg)

@@ -15,7 +15,7 @@ sensitivity.py (which groups stay float) and graph.py (the ONNX rewrites). docs/
 from compress._lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "quantizer": ["QuantReport", "Quantizer", "quantize_artifact"],
+    "quantizer": ["QUANT_FORMAT", "QuantReport", "Quantizer", "quantize_artifact"],
     "relax": ["AcceptanceResult", "quantize_with_acceptance"],
     "choice": ["FormChoice", "choose_quant_form", "decode_step_ms"],
 })

@@ -114,8 +114,10 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
     ORT's dynamic quantization (DynamicQuantizeLinear) uses one range per call, i.e. per tensor over the
     whole batch x sequence; per-token ranges keep a token with outliers from crushing its neighbours
     (measured with torch fake-quant: perplexity 17.2 per-token vs 26.3 per-tensor). Per group sharing an input:
-      x2 = Reshape(x, [-1, K]); s = max|x2|_row / 127; xq = Cast<uint8>(Round(x2 / s) + 128)  (zero point 128)
-      per linear: y = Reshape(Cast<float>(MatMulInteger(xq, Wq)) * s * w_scale, [..., N])
+      s = max|x|_last axis / 127 ([..., 1]); xq = Cast<uint8>(Round(x / s) + 128)  (zero point 128)
+      per linear: y = Cast<float>(MatMulInteger(xq, Wq)) * w_scale * s
+    on the activation's own rank: MatMulInteger broadcasts like MatMul, so no Shape/Reshape/Slice/Concat around it
+    (5 of 17 nodes per linear before; each a pass with a thread hand-off, ~10 % of a batch-1 step, docs/benchmarks.md).
     """
     g = model.graph
     inits = {i.name: i for i in g.initializer}
@@ -123,7 +125,7 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
     done: dict[str, tuple[str, str, str]] = {}
     new_nodes = []
     drop: set[str] = set()
-    consts_added: set[str] = set()
+    consts_added: set[str] = set(inits)  # a second call (the tied lm_head) reuses the first call's constants
 
     def const(name: str, arr: np.ndarray) -> str:
         if name not in consts_added:
@@ -136,9 +138,9 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
     def row_max(x: str, out: str, name: str) -> onnx.NodeProto:
         # ReduceMax takes its axes as an input from opset 18 on, as an attribute before (the gqa graph is opset 17).
         if opset >= 18:
-            return helper.make_node("ReduceMax", [x, const("ptq_axis_1", np.array([1], np.int64))], [out], keepdims=1,
-                                    name=name)
-        return helper.make_node("ReduceMax", [x], [out], axes=[1], keepdims=1, name=name)
+            return helper.make_node("ReduceMax", [x, const("ptq_axis_last", np.array([-1], np.int64))], [out],
+                                    keepdims=1, name=name)
+        return helper.make_node("ReduceMax", [x], [out], axes=[-1], keepdims=1, name=name)
 
     for n in g.node:
         l = todo.get(n.name)
@@ -148,27 +150,22 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
         a = n.input[0]
         w_name = n.input[1]
         w = tensor_array(inits[w_name])
-        K, N = w.shape
         if a not in done:
             p = f"{a}_ptq"
             new_nodes += [
-                helper.make_node("Shape", [a], [f"{p}_shape"], name=f"{p}_Shape"),
-                helper.make_node("Reshape", [a, const(f"ptq_rows_{K}", np.array([-1, K], np.int64))], [f"{p}_2d"], name=f"{p}_Reshape"),
-                helper.make_node("Abs", [f"{p}_2d"], [f"{p}_abs"], name=f"{p}_Abs"),
+                helper.make_node("Abs", [a], [f"{p}_abs"], name=f"{p}_Abs"),
                 row_max(f"{p}_abs", f"{p}_amax", f"{p}_ReduceMax"),
                 helper.make_node("Max", [f"{p}_amax", const("ptq_eps", np.array(1e-8, np.float32))], [f"{p}_amax_pos"], name=f"{p}_Max"),
                 helper.make_node("Div", [f"{p}_amax_pos", const("ptq_127", np.array(127.0, np.float32))], [f"{p}_scale"], name=f"{p}_Scale"),
-                helper.make_node("Div", [f"{p}_2d", f"{p}_scale"], [f"{p}_scaled"], name=f"{p}_Div"),
+                helper.make_node("Div", [a, f"{p}_scale"], [f"{p}_scaled"], name=f"{p}_Div"),
                 helper.make_node("Round", [f"{p}_scaled"], [f"{p}_round"], name=f"{p}_Round"),
                 # uint8 with a fixed zero point 128: ORT's s8 x s8 MatMulInteger is a slow path (5 ms vs 0.02 ms
                 # for u8 x s8 at 1x576x1536 on this CPU); the per-row scale stays outside the integer MatMul.
                 helper.make_node("Add", [f"{p}_round", const("ptq_128f", np.array(128.0, np.float32))], [f"{p}_shifted"], name=f"{p}_Shift"),
                 helper.make_node("Cast", [f"{p}_shifted"], [f"{p}_q"], to=TensorProto.UINT8, name=f"{p}_Cast"),
-                helper.make_node("Slice", [f"{p}_shape", const("ptq_zero", np.array([0], np.int64)), const("ptq_minus1", np.array([-1], np.int64))],
-                                 [f"{p}_lead"], name=f"{p}_Lead"),
             ]
-            done[a] = (f"{p}_q", f"{p}_scale", f"{p}_lead")
-        xq, xs, lead = done[a]
+            done[a] = (f"{p}_q", f"{p}_scale")
+        xq, xs = done[a]
         q, scale = _weight_qdq(w, per_channel, reduce_range)
         o = n.output[0]
         qn, sn = f"{w_name}_quantized", f"{w_name}_scale"
@@ -177,19 +174,23 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
             helper.make_node("MatMulInteger", [xq, qn, const("ptq_zp128", np.array(128, np.uint8))], [f"{o}_i32"], name=f"{n.name}_MatMulInteger"),
             helper.make_node("Cast", [f"{o}_i32"], [f"{o}_f"], to=TensorProto.FLOAT, name=f"{n.name}_Cast"),
             helper.make_node("Mul", [f"{o}_f", sn], [f"{o}_w"], name=f"{n.name}_MulW"),
-            helper.make_node("Mul", [f"{o}_w", xs], [f"{o}_2d"], name=f"{n.name}_MulX"),
-            helper.make_node("Concat", [lead, const(f"ptq_cols_{N}", np.array([N], np.int64))], [f"{o}_shape"], axis=0, name=f"{n.name}_OutShape"),
-            helper.make_node("Reshape", [f"{o}_2d", f"{o}_shape"], [o], name=f"{n.name}_Reshape"),
+            helper.make_node("Mul", [f"{o}_w", xs], [o], name=f"{n.name}_MulX"),
         ]
         drop.add(w_name)
     _replace_nodes(g, new_nodes, drop)
 
 
-def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accuracy_level: int = 4) -> bool:
+def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accuracy_level: int = 4,
+                            lm_head_per_token: bool = False, per_channel: bool = True,
+                            reduce_range: bool = False) -> bool:
     """Store the embedding table once as 8-bit blocks, shared by the token Gather and a tied lm_head.
 
     Gather(E, ids)            -> GatherBlockQuantized(Eq[V, K/b, b]) -> Reshape [.., K]
     MatMul(x, Transpose(E))   -> MatMulNBits(x, Eq) (weight-only, bits=8)
+    lm_head_per_token (the W8A8 per-token form): the lm_head instead gets its own int8 copy [K, V], per channel,
+    behind per-token activations (insert_dynamic_per_token): MatMulNBits at M = 32 rows ran ~5x slower than
+    MatMulInteger on this CPU (docs/benchmarks.md), and the lm_head is a fifth of SmolLM2's weights. Costs V x K
+    bytes more (28 MiB for SmolLM2).
     Returns False (model untouched) when the graph has no such pattern.
     """
     g = model.graph
@@ -235,14 +236,21 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
             new_nodes.append(helper.make_node("Reshape", [f"{out}_blocks", f"{qn}_shape"], [out], name=f"{n.name}_q8_reshape"))
         elif n in transposes:
             continue
+        elif n in lm_heads and lm_head_per_token:
+            new_nodes.append(helper.make_node("MatMul", [n.input[0], f"{e_name}_lm_head_T"], list(n.output), name=n.name))
         elif n in lm_heads:
             new_nodes.append(helper.make_node("MatMulNBits", [n.input[0], qn, f"{qn}_matmul_scales"], list(n.output), name=f"{n.name}_q8",
                                               domain=_MS_DOMAIN, K=K, N=V, bits=8, block_size=block_size, accuracy_level=accuracy_level))
         else:
             new_nodes.append(n)
+    if lm_head_per_token and lm_heads:
+        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(E.T), f"{e_name}_lm_head_T"))
     g.ClearField("node")
     g.node.extend(new_nodes)
     drop_initializers(g, {e_name})
+    if lm_head_per_token and lm_heads:
+        insert_dynamic_per_token(model, [Linear(n.name, "lm_head", "lm_head", None, n.input[0], f"{e_name}_lm_head_T")
+                                         for n in lm_heads], per_channel, reduce_range)
     _ensure_ms_opset(model)
     return True
 

@@ -13,7 +13,10 @@ What is quantized: the linear MatMuls (B is a float initializer) found by
 compress.quantize.calibration.find_linears. Attention MatMuls (activation x activation)
 and the lm_head never get activation quantization; with quantize_embedding the
 tied embedding/lm_head table is stored once as 8-bit blocks and read by both a
-GatherBlockQuantized and a MatMulNBits (weight-only, float activations).
+GatherBlockQuantized and a MatMulNBits (weight-only, float activations), except in the per-token W8A8 form,
+whose tied lm_head gets its own int8 copy behind per-token activations (compress/quantize/graph.py).
+
+``QUANT_FORMAT`` is part of the quantize stage's cache key: bump it when the graph a config produces changes.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from compress.quantize.sensitivity import sensitivity_scan
 from serve.onnx_external import inline_bytes, load_lazy, spill
 
 MODEL_FILE = "model.onnx"
+# 2: per-token W8A8 without the Shape/Reshape/Slice/Concat around each linear, and its tied lm_head in int8.
+QUANT_FORMAT = 2
 # Smoothed weights held in memory beyond this go to a scratch file (Quantizer.prepare).
 SPILL_BYTES = 256 << 20
 
@@ -152,6 +157,7 @@ class Quantizer:
         if not self.linears:
             raise QuantizeError(f"{self.onnx_path}: no MatMul with a constant 2-D weight; nothing to quantize")
         self.reduce_range = resolve_reduce_range(cfg)
+        self.per_token_lm_head = cfg.method == "dynamic" and cfg.activation_granularity == "token"
         self.calib = None if calib_blocks is None else np.asarray(calib_blocks)[: cfg.calib_samples]
         self.stats: dict[str, ActStats] = {}
         self.inv_scales: dict[str, np.ndarray] = {}
@@ -226,7 +232,9 @@ class Quantizer:
         if fallback and rest and cfg.keep_float_as == "weight_only" and cfg.method != "weight_only":
             model = weight_only(model, rest, pow2_block(cfg.block_size), cfg.accuracy_level)
         if cfg.quantize_embedding if embedding is None else embedding:
-            quantize_tied_embedding(model, pow2_block(cfg.block_size), cfg.accuracy_level)
+            quantize_tied_embedding(model, pow2_block(cfg.block_size), cfg.accuracy_level,
+                                    lm_head_per_token=self.per_token_lm_head, per_channel=cfg.per_channel,
+                                    reduce_range=self.reduce_range)
         # gate/up (and q/k/v where the export did not) as one MatMulNBits / MatMul each: fewer, larger
         # kernels per step; done here, after SmoothQuant no longer needs up_proj apart (compress/export/graph_fusion.py)
         pack_siblings(model)
@@ -289,7 +297,9 @@ class Quantizer:
             "keep_float": list(cfg.keep_float),
             "keep_float_as": cfg.keep_float_as if cfg.method != "weight_only" else "float",
             "float_groups": list(extra_float_groups),
-            "embedding": "int8 block-wise, shared by Gather and lm_head" if cfg.quantize_embedding else "float",
+            "embedding": ("float" if not cfg.quantize_embedding else
+                          "int8 block-wise for Gather; lm_head int8 per channel, per-token activations"
+                          if self.per_token_lm_head else "int8 block-wise, shared by Gather and lm_head"),
             "calib_blocks": self.calib_fed,
             "calib_sha256": self.calib_sha256,
         }
