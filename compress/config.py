@@ -233,6 +233,9 @@ class QuantizeConfig(Section):
     # one with the lower selection-split perplexity is kept. SmolLM2's two forms time within 4 % of each other on
     # 2 shared cores and swap places from run to run; weight-only is the more accurate (1.004x against 1.018x).
     auto_speed_tolerance: float = Field(0.05, ge=0, lt=1)
+    # auto: how many requests the deployment expects to decode at once. 1 keeps the form fastest for one user;
+    # N > 1 the one with the most tokens/s at N rows on the serving engine (both forms' rates are logged).
+    auto_concurrency: int = Field(1, ge=1, le=256)
     calibration: Literal["minmax", "entropy", "percentile"] = "minmax"
     # dynamic only: "tensor" = ORT's DynamicQuantizeLinear (one range per call); "token" = one range per row.
     activation_granularity: Literal["tensor", "token"] = "tensor"

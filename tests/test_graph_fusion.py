@@ -114,3 +114,24 @@ def test_quantize_auto_keeps_the_fastest_accepted_form(fused_artifact, tiny_spli
     assert method == {"weight_only": "weight_only", "dynamic_token": "dynamic"}[choice.chosen]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # the other form's folder is gone
     assert GqaLM(tmp_path / "q").greedy([5, 6, 7], 4)
+
+
+def test_quantize_auto_for_many_users_keeps_the_form_with_the_most_tokens_per_s_at_that_batch(fused_artifact,
+                                                                                              tiny_splits, tmp_path):
+    """quantize.auto_concurrency N > 1: both forms timed on the serving engine at batch 1 and at N (logged); the kept
+    one has the most tokens/s at N, forms within the tolerance tying on perplexity."""
+    from compress.config import AcceptConfig, QuantizeConfig
+    from compress.quantize.choice import choose_quant_form
+
+    acfg = AcceptConfig(enabled=True, max_perplexity_ratio=1.5, min_top1_agreement=0.5, relax_trials=0)
+    qcfg = QuantizeConfig(method="auto", quantize_embedding=True, smoothquant_alpha=None, auto_concurrency=8)
+    choice = choose_quant_form(fused_artifact, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, acfg)
+    forms = choice.forms
+    assert all(f["accepted"] and f["tokens_per_s_b1"] > 0 and f["tokens_per_s_b8"] > 0 for f in forms.values())
+    at8 = {n: f["tokens_per_s_b8"] for n, f in forms.items()}
+    ppl = {n: f["metrics"]["perplexity"] for n, f in forms.items()}
+    best = max(at8.values())
+    tied = [n for n in at8 if 1000 / at8[n] <= 1.05 * 1000 / best]
+    assert choice.chosen == min(tied, key=lambda n: (ppl[n], -at8[n]))
+    m = choice.metrics()
+    assert m["auto_weight_only_tokens_per_s_b8"] == at8["weight_only"] and "auto_dynamic_token_tokens_per_s_b1" in m

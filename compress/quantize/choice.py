@@ -10,7 +10,10 @@ The forms, in the order they are tried (``AUTO_FORMS``):
 
 Each form runs the accuracy-aware loop of compress/quantize/relax.py (``quantize_with_acceptance``) on the selection
 split; the accepted ones are then timed against each other at batch 1 (decode steps interleaved, so load
-on a shared machine hits them alike), and the fastest is renamed to ``out_dir``; forms within
+on a shared machine hits them alike), and the fastest is renamed to ``out_dir``. With
+``quantize.auto_concurrency`` N > 1 (the deployment expects N users at once) the choice is the most decode
+tokens/s with N requests decoding together on the serving engine instead: weight-only MatMulNBits is the faster
+kernel for one row, per-token W8A8's MatMulInteger several times faster from 8 rows up (docs/benchmarks.md); forms within
 ``quantize.auto_speed_tolerance`` of the fastest count as tied, and the lowest selection-split perplexity
 among them wins (timing noise on a shared box must not flip the choice to the less accurate form). When
 none passes, the last form's rejected artifact is kept, as a single-method run would keep it. The gate's
@@ -47,6 +50,9 @@ class FormChoice:
             out[f"auto_{name}_accepted"] = float(f["accepted"])
             if f.get("decode_ms_per_step") is not None:
                 out[f"auto_{name}_decode_ms_per_step"] = f["decode_ms_per_step"]
+            for k, v in f.items():
+                if k.startswith("tokens_per_s_b"):
+                    out[f"auto_{name}_{k}"] = v
         return out
 
 
@@ -67,6 +73,38 @@ def decode_step_ms(artifacts: dict[str, Path], steps: int = 32, prompt_len: int 
                 state[n] = lm.decode([int(np.argmax(logits[-1]))], past)
                 times[n].append(time.perf_counter() - t)
     return {n: 1000 * float(np.median(v)) for n, v in times.items()}
+
+
+def engine_tokens_per_s(artifacts: dict[str, Path], batch: int, steps: int = 16, rounds: int = 2,
+                        threads: int | None = None) -> dict[str, float]:
+    """Decode tokens/s of each artifact with ``batch`` requests decoding together on the server's own engine
+    (serve/engine.py: the runner, sampling and detokenizing a deployment runs), steps interleaved across
+    artifacts so load on a shared machine hits them alike. ``batch`` 1 is the single user's rate."""
+    from serve.config import ServeConfig
+    from serve.engine import Engine
+    from serve.onnx_session import CPU
+    from serve.sampling import SamplingParams
+
+    cfg = ServeConfig(providers=[CPU], max_batch_size=max(batch, 1), kv_memory_mb=max(256, 16 * batch),
+                      intra_op_threads=threads or 0, enable_prefix_caching=False, verify_artifact=False)
+    engines = {n: Engine(p, cfg, start=False) for n, p in artifacts.items()}
+    spent = {n: 0.0 for n in engines}
+    try:
+        for n, eng in engines.items():
+            handles = [eng.add_request([3 + (7 * i + j) % 200 for j in range(16)],
+                                       SamplingParams.greedy(rounds * steps + 8, ignore_eos=True)) for i in range(batch)]
+            while any(len(h.output_ids) < 2 for h in handles):  # every prompt in, every row decoding
+                eng.step()
+        for _ in range(rounds):
+            for n, eng in engines.items():
+                t = time.perf_counter()
+                for _ in range(steps):
+                    eng.step()
+                spent[n] += time.perf_counter() - t
+    finally:
+        for eng in engines.values():
+            eng.shutdown()
+    return {n: batch * rounds * steps / sec for n, sec in spent.items()}
 
 
 def pick_form(ms_per_step: dict[str, float], perplexity: dict[str, float], tolerance: float) -> str:
@@ -102,7 +140,19 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
                                prompt=[int(t) for t in np.asarray(eval_blocks)[0][:32]])
         for n, ms in speed.items():
             record[n]["decode_ms_per_step"] = ms
-        chosen = pick_form(speed, {n: results[n].metrics["perplexity"] for n in accepted}, qcfg.auto_speed_tolerance)
+        ppl = {n: results[n].metrics["perplexity"] for n in accepted}
+        if qcfg.auto_concurrency > 1:
+            # The deployment declared many users at once: the form with the most tokens/s at that batch, measured
+            # on the serving engine; the batch-1 rate beside it, so the run shows the trade (docs/quantization.md).
+            by_batch = {b: engine_tokens_per_s({n: results[n].artifact for n in accepted}, b, threads=threads)
+                        for b in sorted({1, qcfg.auto_concurrency})}
+            for b, tps in by_batch.items():
+                for n, v in tps.items():
+                    record[n][f"tokens_per_s_b{b}"] = v
+            at = by_batch[qcfg.auto_concurrency]
+            chosen = pick_form({n: 1000.0 / v for n, v in at.items()}, ppl, qcfg.auto_speed_tolerance)
+        else:
+            chosen = pick_form(speed, ppl, qcfg.auto_speed_tolerance)
     else:
         chosen = accepted[0] if accepted else None
     keep = chosen or list(results)[-1]
