@@ -1,11 +1,16 @@
-"""The server at several concurrency levels: tokens/s, tokens per CPU-second and peak RSS, one server per level.
+"""The server at several concurrency levels, through the openai SDK: output tokens/s, tokens per server CPU-second
+and peak RSS, one fresh server per (artifact, level), artifacts interleaved at each level.
 
-    python -m benchmarks.sweep --artifact <artifact> [--concurrency 1 8 32 64] [--set ort_spinning='"always"']
+    python -m benchmarks.sweep --artifact wo8=<weight-only> --artifact w8a8=<W8A8> [--concurrency 1 8 32 64]
+        [--requests-per-user 3] [--max-tokens 64] [--set max_batch_size=64]
 
-Workload: ``loadtest.workloads.make_workload`` (seeded chat-like prompts, greedy), ``4 x c`` requests at
-concurrency c (at least 8), each server fresh (empty caches, ``result_cache_size`` 0 so every request
-runs). Run it from two checkouts on the same artifact to compare builds; the CPU flags and the load
-average are printed with the figures.
+Workload: chat completions (``client.chat.completions.create``, the model's own template), seeded short user turns
+of a few kinds (questions, instructions, small talk), greedy, exactly ``--max-tokens`` new tokens each
+(``ignore_eos``), ``requests-per-user x c`` requests at concurrency c (at least 8) from c client threads. Caches off:
+the result cache (``result_cache_size`` 0) and prefix caching (``enable_prefix_caching`` false), so every token is
+computed. The server's CPU seconds are read from /proc (user + system, its whole process). Prints the CPU flags,
+the load average and, per artifact, each level's tokens/s as a multiple of its own c1 in the same run; writes
+``benchmarks/results/sweep.json``.
 """
 
 from __future__ import annotations
@@ -13,29 +18,106 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+
 from benchmarks.burst import cpu_flags
-from loadtest.serve_bench import benchmark_artifact
-from loadtest.workloads import make_workload
+from loadtest.serve_bench import running_server
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPICS = ("the tides", "a sourdough starter", "binary search", "the French revolution", "photosynthesis",
+          "a bicycle gear", "compound interest", "the moons of Jupiter", "a haiku", "recursion", "volcanoes",
+          "a job interview", "jet lag", "the printing press", "black holes", "a garden in winter")
+FORMS = ("Explain {t} to a twelve-year-old.", "Write three sentences about {t}.", "What should I know about {t}?",
+         "Give me a short list of facts on {t}.", "Tell me a story that involves {t}.")
+
+
+def chats(n: int, seed: int = 0) -> list[list[dict]]:
+    rng = random.Random(seed)
+    return [[{"role": "user", "content": rng.choice(FORMS).format(t=rng.choice(TOPICS))}] for _ in range(n)]
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def run_level(artifact: Path, c: int, requests: int, max_tokens: int, overrides: dict) -> dict:
+    import openai
+
+    with running_server(artifact, overrides) as (url, proc):
+        name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
+
+        def one(msgs):
+            r = client.chat.completions.create(model=name, messages=msgs, max_tokens=max_tokens, temperature=0,
+                                               extra_body={"ignore_eos": True})
+            return r.usage.completion_tokens
+
+        one(chats(1, seed=99)[0])  # warm: first-call allocations are not the steady state
+        peak, stop = [rss_mib(proc.pid)], threading.Event()
+
+        def sample():
+            while not stop.wait(0.2):
+                peak.append(rss_mib(proc.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
+        with ThreadPoolExecutor(c) as pool:
+            tokens = sum(pool.map(one, chats(requests, seed=c)))
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(proc.pid) - cpu0
+        stop.set()
+        sampler.join()
+    return {"c": c, "requests": requests, "output_tokens": tokens, "wall_s": round(wall, 2),
+            "tokens_per_s": round(tokens / wall, 1), "tokens_per_cpu_s": round(tokens / cpu, 1),
+            "peak_rss_mib": round(max(peak)), "load": round(os.getloadavg()[0], 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__.split("\n")[0])
-    p.add_argument("--artifact", type=Path, required=True)
+    p.add_argument("--artifact", action="append", required=True, metavar="NAME=PATH",
+                   help="an artifact to serve (repeat to compare; NAME defaults to the folder name)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--requests-per-user", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="a ServeConfig field")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sweep.json")
     a = p.parse_args(argv)
-    overrides = {"result_cache_size": 0, "max_batch_size": max(a.concurrency), "kv_memory_mb": 512}
+    arts = {}
+    for spec in a.artifact:
+        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        arts[name or Path(path).name] = Path(path)
+    overrides = {"result_cache_size": 0, "enable_prefix_caching": False, "max_batch_size": max(a.concurrency),
+                 "kv_memory_mb": 1024}
     overrides.update({k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)})
-    print(f"CPU flags: {cpu_flags()}; cores {os.cpu_count()}; load average {os.getloadavg()[0]:.1f}; {overrides}")
-    print(f"{'c':>3} {'requests':>8} {'tok/s':>7} {'tok/CPU-s':>9} {'TTFT p50':>9} {'ITL p50':>8} {'peak RSS':>9} {'load':>5}")
+    head = {"cpu_flags": cpu_flags(), "cores": os.cpu_count(), "load_average": os.getloadavg()[0],
+            "overrides": overrides, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print(f"CPU flags: {head['cpu_flags']}; cores {head['cores']}; load average {head['load_average']:.1f}; {overrides}")
+    rows: dict[str, list[dict]] = {n: [] for n in arts}
     for c in a.concurrency:
-        wl = make_workload(max(8, 4 * c), seed=0)
-        m = benchmark_artifact(a.artifact, wl, concurrency=c, serve_overrides=overrides).metrics()
-        print(f"{c:>3} {len(wl):>8} {m['output_tokens_per_s']:7.1f} {m['output_tokens_per_cpu_s']:9.1f} "
-              f"{m['ttft_p50_s'] * 1e3:7.0f}ms {m['itl_p50_s'] * 1e3:6.1f}ms {m['peak_rss_mb']:7.0f}MiB "
-              f"{os.getloadavg()[0]:5.1f}", flush=True)
+        for name, path in arts.items():
+            r = run_level(path, c, max(8, a.requests_per_user * c), a.max_tokens, overrides)
+            base = rows[name][0]["tokens_per_s"] if rows[name] else r["tokens_per_s"]
+            r["x_c1"] = round(r["tokens_per_s"] / base, 2)
+            rows[name].append(r)
+            print(f"{name:>10} c{c:<3} {r['tokens_per_s']:7.1f} tok/s ({r['x_c1']:5.2f}x c1)  "
+                  f"{r['tokens_per_cpu_s']:6.1f} tok/CPU-s  peak RSS {r['peak_rss_mib']:5d} MiB  load {r['load']}",
+                  flush=True)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({**head, "artifacts": {n: str(p) for n, p in arts.items()}, "rows": rows}, indent=1))
+    print(f"wrote {a.out}")
     return 0
 
 
