@@ -5,7 +5,8 @@ microbenchmarks, and an artifact's decode step at batch 1/8/32 placed against bo
 
 - Read bandwidth: ``ReduceSum`` over a 256 MiB float32 tensor (reads it once, writes 4 bytes), the way a
   decode step reads its weights; best of 5.
-- INT8 GEMM: ``MatMulInteger`` (uint8 activations x int8 weights -> int32) at M = 1, 8, 32, 256 with
+- INT8 GEMM: ``MatMulInteger`` (uint8 activations x int8 weights -> int32; the W8A8 forms' kernel) and 8-bit
+  ``MatMulNBits`` (block 32, accuracy_level 4; the weight-only form's) at M = 1, 8, 32, 256 with
   K = N = 2048: ops/s = 2·M·K·N / t. fp32 ``MatMul`` beside it.
 - Decode step: the engine in manual mode with B requests decoding together; the time inside ``session.run``
   per step, and the whole step (scheduling, runner inputs, sampling, detokenizing).
@@ -81,6 +82,26 @@ def gemm_ops(threads: int, m: int, k: int = 2048, n: int = 2048) -> tuple[float,
     return 2 * m * k * n / t8, 2 * m * k * n / tf
 
 
+def nbits_ops(threads: int, m: int, k: int = 2048, n: int = 2048) -> float:
+    """Weight-only 8-bit MatMulNBits (block 32, accuracy_level 4: int8 activations per block inside the kernel, the
+    artifacts' form) ops/s at [m, k] x [k, n]: the kernel a weight-only artifact runs at a batch of m rows."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    rng = np.random.default_rng(0)
+    wf = helper.make_tensor("w", TensorProto.FLOAT, [k, n], (rng.random((k, n), dtype=np.float32) - 0.5).tobytes(),
+                            raw=True)
+    af = helper.make_tensor_value_info("a", TensorProto.FLOAT, [m, k])
+    yf = helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])
+    g = helper.make_graph([helper.make_node("MatMul", ["a", "w"], ["y"])], "f32", [af], [yf], [wf])
+    q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9),
+                             algo_config=DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True,
+                                                                      accuracy_level=4, bits=8))
+    q.process()
+    s = _session(q.model.model, threads)
+    a32 = rng.random((m, k), dtype=np.float32)
+    return 2 * m * k * n / _best(lambda: s.run(None, {"a": a32}), reps=20)
+
+
 def weight_figures(artifact: Path) -> tuple[int, int]:
     """(bytes a decode step reads: initializers of matmul-like nodes and everything but gather tables,
     parameters those matmuls multiply) of the artifact's graph."""
@@ -147,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     for m in sorted({1, 8, 32, 256, *a.batches}):
         i8, f32 = gemm_ops(a.threads, m)
         int8[m] = i8
-        print(f"GEMM M={m:<3} K=N=2048: INT8 MatMulInteger {i8 / 1e9:7.1f} GOPS   fp32 MatMul {f32 / 1e9:7.1f} GFLOPS")
+        nb = nbits_ops(a.threads, m)
+        print(f"GEMM M={m:<3} K=N=2048: INT8 MatMulInteger {i8 / 1e9:7.1f} GOPS   8-bit MatMulNBits {nb / 1e9:7.1f} GOPS"
+              f"   fp32 MatMul {f32 / 1e9:7.1f} GFLOPS")
     read, params = weight_figures(a.artifact)
     print(f"{a.artifact}: a decode step reads {read / 2**20:.1f} MiB of weights; {params / 1e6:.1f} M matmul parameters")
     print(f"{'batch':>5} {'graph ms':>9} {'step ms':>8} {'floor ms':>9} {'roof ms':>8} {'of floor':>9} {'of roof':>8}"
