@@ -3,12 +3,15 @@ and peak RSS, one fresh server per (artifact, level), artifacts interleaved at e
 
     python -m benchmarks.sweep --artifact wo8=<weight-only> --artifact w8a8=<W8A8> [--concurrency 1 8 32 64]
         [--requests-per-user 3] [--max-tokens 64] [--set max_batch_size=64]
+        [--llama-server <llama.cpp>/build/bin/llama-server --gguf smollm2-q8_0.gguf]   # the anchor beside ours
 
 Workload: chat completions (``client.chat.completions.create``, the model's own template), seeded short user turns
 of a few kinds (questions, instructions, small talk), greedy, exactly ``--max-tokens`` new tokens each
 (``ignore_eos``), ``requests-per-user x c`` requests at concurrency c (at least 8) from c client threads. Caches off:
 the result cache (``result_cache_size`` 0) and prefix caching (``enable_prefix_caching`` false), so every token is
-computed. The server's CPU seconds are read from /proc (user + system, its whole process). Prints the CPU flags,
+computed. The server's CPU seconds are read from /proc (user + system, its whole process). ``--llama-server`` adds
+llama.cpp's own server on the same model (one parallel slot per user, prompt cache off), the same client and
+prompts, one system after another. Prints the CPU flags,
 the load average and, per artifact, each level's tokens/s as a multiple of its own c1 in the same run; writes
 ``benchmarks/results/sweep.json``.
 """
@@ -16,6 +19,7 @@ the load average and, per artifact, each level's tokens/s as a multiple of its o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -53,10 +57,52 @@ def rss_mib(pid: int) -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run_level(artifact: Path, c: int, requests: int, max_tokens: int, overrides: dict) -> dict:
+@contextlib.contextmanager
+def llama_server(binary: Path, gguf: Path, slots: int, max_tokens: int):
+    """llama.cpp's own ``llama-server`` on ``gguf`` with ``slots`` parallel slots (continuous batching), its
+    context split between them (256 tokens of prompt and output each, plus ``max_tokens``), 2 threads, on a free
+    127.0.0.1 port; yields (base URL, process). The anchor of docs/benchmarks.md, never a dependency."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = slots * (256 + max_tokens)
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+           "-c", str(ctx), "-t", str(os.cpu_count() or 2), "-tb", str(os.cpu_count() or 2), "--no-webui",
+           "-b", "2048", "-ub", "512", "--cache-reuse", "0", "--no-cache-prompt"]
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not come up: {' '.join(cmd)}\n{log.read_text()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.unlink(missing_ok=True)
+
+
+def run_level(artifact: Path, c: int, requests: int, max_tokens: int, overrides: dict,
+              llama: Path | None = None) -> dict:
     import openai
 
-    with running_server(artifact, overrides) as (url, proc):
+    server = llama_server(llama, artifact, c, max_tokens) if llama else running_server(artifact, overrides)
+    with server as (url, proc):
         name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
 
@@ -93,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-user", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="a ServeConfig field")
+    p.add_argument("--llama-server", type=Path, default=None, metavar="BIN",
+                   help="also llama.cpp's llama-server on --gguf, one slot per user (docs/benchmarks.md: the build)")
+    p.add_argument("--gguf", type=Path, default=None, help="the same model for --llama-server (e.g. Q8_0)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sweep.json")
     a = p.parse_args(argv)
     arts = {}
@@ -105,10 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     head = {"cpu_flags": cpu_flags(), "cores": os.cpu_count(), "load_average": os.getloadavg()[0],
             "overrides": overrides, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(f"CPU flags: {head['cpu_flags']}; cores {head['cores']}; load average {head['load_average']:.1f}; {overrides}")
-    rows: dict[str, list[dict]] = {n: [] for n in arts}
+    systems = {n: (p, None) for n, p in arts.items()}
+    if a.llama_server:
+        if not (a.gguf and a.gguf.is_file() and a.llama_server.is_file()):
+            p.error("--llama-server needs the binary and --gguf, the model file it serves")
+        systems["llama-server"] = (a.gguf, a.llama_server)
+    rows: dict[str, list[dict]] = {n: [] for n in systems}
     for c in a.concurrency:
-        for name, path in arts.items():
-            r = run_level(path, c, max(8, a.requests_per_user * c), a.max_tokens, overrides)
+        for name, (path, llama) in systems.items():
+            r = run_level(path, c, max(8, a.requests_per_user * c), a.max_tokens, overrides, llama)
             base = rows[name][0]["tokens_per_s"] if rows[name] else r["tokens_per_s"]
             r["x_c1"] = round(r["tokens_per_s"] / base, 2)
             rows[name].append(r)
@@ -116,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['tokens_per_cpu_s']:6.1f} tok/CPU-s  peak RSS {r['peak_rss_mib']:5d} MiB  load {r['load']}",
                   flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({**head, "artifacts": {n: str(p) for n, p in arts.items()}, "rows": rows}, indent=1))
+    a.out.write_text(json.dumps({**head, "artifacts": {n: str(p) for n, (p, _) in systems.items()}, "rows": rows},
+                                indent=1))
     print(f"wrote {a.out}")
     return 0
 
