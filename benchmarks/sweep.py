@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.burst import cpu_flags
-from loadtest.serve_bench import running_server
+from loadtest.serve_bench import running_server, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPICS = ("the tides", "a sourdough starter", "binary search", "the French revolution", "photosynthesis",
@@ -77,16 +77,7 @@ def llama_server(binary: Path, gguf: Path, slots: int, max_tokens: int):
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not come up: {' '.join(cmd)}\n{log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_ready(url, proc, 300, log, path="/health")
         yield url, proc
     finally:
         proc.terminate()

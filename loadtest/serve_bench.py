@@ -60,19 +60,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, log_path: Path | None) -> None:
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, log_path: Path | None,
+               path: str = "/ready") -> None:
+    """Poll ``url + path`` until it answers 200; ServerStartError with the log's tail if ``proc`` exits first or
+    ``timeout_s`` passes (also for other servers: llama.cpp's answers on /health)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-2000:] if log_path else ""
             raise ServerStartError(f"the server exited with status {proc.returncode} before it was ready:\n{tail}")
         try:
-            if httpx.get(url + "/ready", timeout=5).status_code == 200:
+            if httpx.get(url + path, timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise ServerStartError(f"{url}/ready did not answer 200 within {timeout_s:.0f} s")
+    raise ServerStartError(f"{url}{path} did not answer 200 within {timeout_s:.0f} s")
 
 
 def _warmup(url: str) -> None:
@@ -137,7 +140,7 @@ def running_server(artifact_dir: Path, overrides: dict | None = None,
         log_path = Path(log.name)
         proc = subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_ready(url, proc, ready_timeout_s, log_path)
+        wait_ready(url, proc, ready_timeout_s, log_path)
         yield url, proc
     finally:
         if proc.poll() is None:
