@@ -34,20 +34,14 @@ from pathlib import Path
 
 import httpx
 
+from loadtest.serve_bench import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "replicas.json"
 
 WORDS = ("library shelf atlas map history river mountain city index catalogue reader loan desk floor archive "
          "journal article volume edition chapter author title subject record request renewal fine card hour "
          "opening closing weekday weekend reference manuscript periodical newspaper microfilm study room").split()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.burst import cpu_flags
-from loadtest.serve_bench import running_server, wait_ready
+from loadtest.serve_bench import free_port, running_server, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPICS = ("the tides", "a sourdough starter", "binary search", "the French revolution", "photosynthesis",
@@ -62,12 +62,9 @@ def llama_server(binary: Path, gguf: Path, slots: int, max_tokens: int):
     """llama.cpp's own ``llama-server`` on ``gguf`` with ``slots`` parallel slots (continuous batching), its
     context split between them (256 tokens of prompt and output each, plus ``max_tokens``), 2 threads, on a free
     127.0.0.1 port; yields (base URL, process). The anchor of docs/benchmarks.md, never a dependency."""
-    import socket
     import subprocess
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ctx = slots * (256 + max_tokens)
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
            "-c", str(ctx), "-t", str(os.cpu_count() or 2), "-tb", str(os.cpu_count() or 2), "--no-webui",

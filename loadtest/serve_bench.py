@@ -54,7 +54,8 @@ def _check_overrides(overrides: dict) -> None:
     ServeConfig(**overrides)   # validate values now, with pydantic's message, not inside the subprocess
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the benchmarks' servers bind there)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -128,7 +129,7 @@ def running_server(artifact_dir: Path, overrides: dict | None = None,
     tail if it does not come up."""
     overrides = dict(overrides or {})
     _check_overrides(overrides)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "serve", "--model", str(artifact_dir), "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning"]

@@ -169,7 +169,7 @@ class Runner(RunnerBase):
         self.dtype, self.past_names, self.present_names = kv_spec(manifest)
         super().__init__(artifact_dir, manifest, num_blocks, block_size, providers, intra_op_threads, ort_spinning)
         self.output_names = ["logits", *self.present_names]
-        n_kv = 2 * self.num_layers
+        n_kv = self.n_kv
         self.pool = kv_zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), self.dtype)
         # row_tokens: the positions the two past buffers may hold together (None: unbounded, as before). ORT's
         # present outputs are as large again during a call, which is why the engine gives each half of the share.
@@ -177,7 +177,6 @@ class Runner(RunnerBase):
         self._decode_buf = _PastBuffer(n_kv, self.kv_heads, self.head_dim, block_size, self.dtype, row_tokens)
         self._prefill_buf = _PastBuffer(n_kv, self.kv_heads, self.head_dim, block_size, self.dtype, row_tokens)
         self._decode_buf.peer, self._prefill_buf.peer = self._prefill_buf, self._decode_buf
-        self.bytes_per_token = n_kv * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
 
     def kv_bytes(self) -> int:
         """Bytes held for K/V now: the pool plus the per-step past buffers."""

@@ -69,11 +69,9 @@ class GqaRunner(RunnerBase):
             log.warning("GqaRunner binds host memory; on %s every call copies the KV rows (unverified path)",
                         self.provider)
         self.has_logits_to_keep = "logits_to_keep" in {i.name for i in self.session.get_inputs()}
-        n_kv = 2 * self.num_layers
-        self.n_kv = n_kv
+        n_kv = self.n_kv
         self.pool = kv_zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), self.dtype)
         self.max_slots = int(max_batch_size)
-        self.bytes_per_token = n_kv * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
         # None = the old unbounded behaviour (every slot at the longest length), for direct users of the runner.
         self.row_tokens = int(row_tokens) if row_tokens else self.max_slots * self.max_len
         if self.row_tokens < 1:

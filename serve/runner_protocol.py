@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from serve.kv_budget import KVCacheSpec
 from serve.onnx_session import artifact_session
 
 
@@ -76,6 +77,8 @@ class RunnerBase:
         self.kv_heads = int(manifest["num_kv_heads"])
         self.head_dim = int(manifest["head_dim"])
         self.vocab_size = int(manifest["vocab_size"])
+        self.n_kv = 2 * self.num_layers  # one K and one V tensor per layer
+        self.bytes_per_token = KVCacheSpec.from_manifest(manifest).bytes_per_token
         self.num_blocks = num_blocks
         self.block_size = block_size
         if open_session:

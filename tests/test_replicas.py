@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from collections import Counter
@@ -23,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from loadtest.serve_bench import free_port
 from serve.api import create_app
 from serve.background import BackgroundServer
 from serve.config import ServeConfig
@@ -46,12 +46,6 @@ def cfg(**kw) -> ServeConfig:
     kw.setdefault("kv_memory_mb", 8)
     kw.setdefault("intra_op_threads", 1)  # as each replica: the same reductions, the same greedy tokens
     return ServeConfig(**kw)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
