@@ -5,15 +5,15 @@ The forms, in the order they are tried (``AUTO_FORMS``):
 - ``weight_only``: MatMulNBits 8-bit block-wise weights; with ``accuracy_level`` 4 ORT quantizes the
   activations per block of 32 inside the kernel and multiplies in int8 (VNNI where the CPU has it), so it
   is W8A8 at a finer grain than per token, in one kernel per linear;
-- ``dynamic`` with per-token activations (+ SmoothQuant as configured): W8A8 written as ONNX ops, about
-  a dozen small nodes per linear around MatMulInteger.
+- ``dynamic`` with per-token activations (+ SmoothQuant as configured): W8A8 written as ONNX ops, five
+  small nodes per shared input and MatMulIntegerToFloat + Mul per (packed) product.
 
 Each form runs the accuracy-aware loop of compress/quantize/relax.py (``quantize_with_acceptance``) on the selection
 split; the accepted ones are then timed against each other at batch 1 (decode steps interleaved, so load
 on a shared machine hits them alike), and the fastest is renamed to ``out_dir``. With
 ``quantize.auto_concurrency`` N > 1 (the deployment expects N users at once) the choice is the most decode
 tokens/s with N requests decoding together on the serving engine instead: weight-only MatMulNBits is the faster
-kernel for one row, per-token W8A8's MatMulInteger several times faster from 8 rows up (docs/benchmarks.md); forms within
+kernel for one row, per-token W8A8's integer product several times faster from 8 rows up (docs/benchmarks.md); forms within
 ``quantize.auto_speed_tolerance`` of the fastest count as tied, and the lowest selection-split perplexity
 among them wins (timing noise on a shared box must not flip the choice to the less accurate form). When
 none passes, the last form's rejected artifact is kept, as a single-method run would keep it. The gate's

@@ -114,17 +114,23 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
     ORT's dynamic quantization (DynamicQuantizeLinear) uses one range per call, i.e. per tensor over the
     whole batch x sequence; per-token ranges keep a token with outliers from crushing its neighbours
     (measured with torch fake-quant: perplexity 17.2 per-token vs 26.3 per-tensor). Per group sharing an input:
-      s = max|x|_last axis / 127 ([..., 1]); xq = Cast<uint8>(Round(x / s) + 128)  (zero point 128)
-      per linear: y = Cast<float>(MatMulInteger(xq, Wq)) * w_scale * s
-    on the activation's own rank: MatMulInteger broadcasts like MatMul, so no Shape/Reshape/Slice/Concat around it
-    (5 of 17 nodes per linear before; each a pass with a thread hand-off, ~10 % of a batch-1 step, docs/benchmarks.md).
+      m = max(max|x|_last axis, eps) ([..., 1]); xq = QuantizeLinear(x / m, 1/127, zero point 128) (uint8)
+    and the linears reading it as one packed product (gate/up: weights concatenated along N, then one Split):
+      y = MatMulIntegerToFloat(xq, Wq, 1/127, w_scale, 128) * m
+    5 nodes per group and 2 (+ a Split) per packed product, on the activation's own rank (MatMulInteger broadcasts
+    like MatMul: no Shape/Reshape around it). Each node is a pass with a thread hand-off, and at 32-64 rows these
+    elementwise passes cost more than the integer GEMMs (docs/benchmarks.md, run 10): the previous form's
+    Div/Round/Add/Cast chain and MatMulInteger/Cast/Mul/Mul were 8 + 4 per linear.
+    uint8 with a fixed zero point 128: ORT's s8 x s8 MatMulInteger is a slow path (5 ms vs 0.02 ms for u8 x s8
+    at 1x576x1536 on this CPU).
     """
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     todo = {l.node: l for l in linears}
-    done: dict[str, tuple[str, str, str]] = {}
-    new_nodes = []
-    drop: set[str] = set()
+    by_input: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        if n.name in todo:
+            by_input.setdefault(n.input[0], []).append(n)
     consts_added: set[str] = set(inits)  # a second call (the tied lm_head) reuses the first call's constants
 
     def const(name: str, arr: np.ndarray) -> str:
@@ -142,42 +148,50 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
                                     keepdims=1, name=name)
         return helper.make_node("ReduceMax", [x], [out], axes=[-1], keepdims=1, name=name)
 
+    inv127 = np.array(1.0 / 127.0, np.float32)
+    new_nodes = []
+    drop: set[str] = set()
     for n in g.node:
-        l = todo.get(n.name)
-        if l is None:
+        if n.name not in todo:
             new_nodes.append(n)
             continue
         a = n.input[0]
-        w_name = n.input[1]
-        w = tensor_array(inits[w_name])
-        if a not in done:
-            p = f"{a}_ptq"
-            new_nodes += [
-                helper.make_node("Abs", [a], [f"{p}_abs"], name=f"{p}_Abs"),
-                row_max(f"{p}_abs", f"{p}_amax", f"{p}_ReduceMax"),
-                helper.make_node("Max", [f"{p}_amax", const("ptq_eps", np.array(1e-8, np.float32))], [f"{p}_amax_pos"], name=f"{p}_Max"),
-                helper.make_node("Div", [f"{p}_amax_pos", const("ptq_127", np.array(127.0, np.float32))], [f"{p}_scale"], name=f"{p}_Scale"),
-                helper.make_node("Div", [a, f"{p}_scale"], [f"{p}_scaled"], name=f"{p}_Div"),
-                helper.make_node("Round", [f"{p}_scaled"], [f"{p}_round"], name=f"{p}_Round"),
-                # uint8 with a fixed zero point 128: ORT's s8 x s8 MatMulInteger is a slow path (5 ms vs 0.02 ms
-                # for u8 x s8 at 1x576x1536 on this CPU); the per-row scale stays outside the integer MatMul.
-                helper.make_node("Add", [f"{p}_round", const("ptq_128f", np.array(128.0, np.float32))], [f"{p}_shifted"], name=f"{p}_Shift"),
-                helper.make_node("Cast", [f"{p}_shifted"], [f"{p}_q"], to=TensorProto.UINT8, name=f"{p}_Cast"),
-            ]
-            done[a] = (f"{p}_q", f"{p}_scale")
-        xq, xs = done[a]
-        q, scale = _weight_qdq(w, per_channel, reduce_range)
-        o = n.output[0]
-        qn, sn = f"{w_name}_quantized", f"{w_name}_scale"
-        g.initializer.extend([numpy_helper.from_array(q, qn), numpy_helper.from_array(scale.reshape(-1).astype(np.float32), sn)])
+        group = by_input.pop(a, None)
+        if group is None:
+            continue  # packed into its group's first linear
+        p = f"{a}_ptq"
         new_nodes += [
-            helper.make_node("MatMulInteger", [xq, qn, const("ptq_zp128", np.array(128, np.uint8))], [f"{o}_i32"], name=f"{n.name}_MatMulInteger"),
-            helper.make_node("Cast", [f"{o}_i32"], [f"{o}_f"], to=TensorProto.FLOAT, name=f"{n.name}_Cast"),
-            helper.make_node("Mul", [f"{o}_f", sn], [f"{o}_w"], name=f"{n.name}_MulW"),
-            helper.make_node("Mul", [f"{o}_w", xs], [o], name=f"{n.name}_MulX"),
+            helper.make_node("Abs", [a], [f"{p}_abs"], name=f"{p}_Abs"),
+            row_max(f"{p}_abs", f"{p}_amax", f"{p}_ReduceMax"),
+            helper.make_node("Max", [f"{p}_amax", const("ptq_eps", np.array(1e-8, np.float32))], [f"{p}_m"], name=f"{p}_Max"),
+            helper.make_node("Div", [a, f"{p}_m"], [f"{p}_unit"], name=f"{p}_Div"),
+            helper.make_node("QuantizeLinear", [f"{p}_unit", const("ptq_inv127", inv127), const("ptq_zp128", np.array(128, np.uint8))],
+                             [f"{p}_q"], name=f"{p}_Quantize"),
         ]
-        drop.add(w_name)
+        qs, ss = [], []
+        for m in group:
+            q, scale = _weight_qdq(tensor_array(inits[m.input[1]]), per_channel, reduce_range)
+            qs.append(q)
+            ss.append(np.broadcast_to(scale.reshape(-1), (q.shape[1],)).astype(np.float32))
+            drop.add(m.input[1])
+        head = group[0]
+        w_name = head.input[1] if len(group) == 1 else f"{head.input[1]}_packed{len(group)}"
+        qn, sn = f"{w_name}_quantized", f"{w_name}_scale"
+        g.initializer.extend([numpy_helper.from_array(np.concatenate(qs, axis=1), qn),
+                              numpy_helper.from_array(np.concatenate(ss), sn)])
+        o = head.output[0] if len(group) == 1 else f"{head.name}_packed{len(group)}_out"
+        new_nodes += [
+            helper.make_node("MatMulIntegerToFloat", [f"{p}_q", qn, const("ptq_inv127", inv127), sn,
+                                                      const("ptq_zp128", np.array(128, np.uint8))],
+                             [f"{o}_unit"], name=f"{head.name}_MatMulIntegerToFloat", domain=_MS_DOMAIN),
+            helper.make_node("Mul", [f"{o}_unit", f"{p}_m"], [o], name=f"{head.name}_MulRow"),
+        ]
+        if len(group) > 1:
+            sizes = const(f"{o}_split", np.array([q.shape[1] for q in qs], np.int64))
+            new_nodes.append(helper.make_node("Split", [o, sizes], [m.output[0] for m in group], axis=-1,
+                                              name=f"{head.name}_Split"))
     _replace_nodes(g, new_nodes, drop)
+    _ensure_ms_opset(model)
 
 
 def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accuracy_level: int = 4,
