@@ -17,10 +17,11 @@ Storage
 
 Calls
   Decode rows (1 new token) run in one call over slots ``0..B-1``: a decode row whose slot is
-  not below B moves there (copied from its old slot, else gathered from the pool). Prefill chunks
-  run one per call, batch 1 on their own slot (GroupQueryAttention with a past takes
-  ``sequence_length > 1`` only at batch 1), asking for the last position's logits only
-  (``logits_to_keep`` = 1).
+  not below B moves there (copied from its old slot, else gathered from the pool). Prompts that
+  start at position 0 (no prefix hit, first chunk) run together in one call on adjacent slots,
+  right-padded (GroupQueryAttention's batch of first prompts). Other prefill chunks run one per
+  call, batch 1 on their own slot (GroupQueryAttention with a past takes ``sequence_length > 1``
+  only at batch 1). Prefill calls ask for the last positions' logits only (``logits_to_keep``).
 
 Memory bound (docs/serving.md, "One KV budget")
   The rows hold at most ``row_tokens`` positions in all (``slots x cap <= row_tokens``), a share of
@@ -93,6 +94,7 @@ class GqaRunner(RunnerBase):
         self._tick = 0
         self.gathered_tokens = 0  # positions copied from the pool into rows (prefix hits, refills)
         self.moved_tokens = 0  # positions copied between rows (a decode row moving below B)
+        self.batched_prompts = 0  # prompts that ran in a call with other first prompts (_run_first_prompts)
 
     # ---- memory ----------------------------------------------------------------------------
     def kv_bytes(self) -> int:
@@ -249,6 +251,13 @@ class GqaRunner(RunnerBase):
             for k, r in enumerate(decode):
                 i = index[id(r)]
                 out[i] = logits[k][None].copy() if r.all_logits else logits[k].copy() if r.want_logits else None
+        fresh = [r for r in prefill if r.start == 0 and not r.all_logits]
+        rest = [r for r in prefill if r.start > 0 or r.all_logits]
+        base = self._fresh_slots(len(fresh), len(decode), rest) if len(fresh) > 1 else None
+        if base is not None:
+            for r, lg in zip(fresh, self._run_first_prompts(base, fresh)):
+                out[index[id(r)]] = lg if r.want_logits else None
+            prefill = rest
         for r in prefill:
             slot = self._slot_for_prefill(r, len(decode))
             self._fill(slot, r)
@@ -258,11 +267,11 @@ class GqaRunner(RunnerBase):
         return out
 
     def _bind_and_run(self, kv: np.ndarray, input_ids: np.ndarray, seqlens_k: np.ndarray, logits: np.ndarray,
-                      keep: int | None) -> None:
+                      keep: int | None, total: int | None = None) -> None:
         binding = self.session.io_binding()
         binding.bind_cpu_input("input_ids", input_ids)
         binding.bind_cpu_input("seqlens_k", seqlens_k)
-        binding.bind_cpu_input("total_sequence_length", np.array(int(seqlens_k.max()) + 1, np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(total or int(seqlens_k.max()) + 1, np.int32))
         if self.has_logits_to_keep:
             binding.bind_cpu_input("logits_to_keep", np.array([keep or 0], np.int64))
         shape = [kv.shape[1], self.kv_heads, self.cap, self.head_dim]
@@ -321,6 +330,55 @@ class GqaRunner(RunnerBase):
             self.slot_valid[i] = s + 1
         return logits[:, 0, :]
 
+    def _fresh_slots(self, n: int, reserved: int, others: list[RunRow]) -> int | None:
+        """The first slot of ``n`` adjacent slots at or above ``reserved`` (the decode rows' range) that hold none
+        of ``others`` (this step's other prefill rows, which keep their slots); None when there is no such run."""
+        keep = {s for s in range(reserved, self.slots) if self.slot_key[s] in {r.key for r in others}}
+        for base in range(reserved, self.slots - n + 1):
+            if not keep.intersection(range(base, base + n)):
+                return base
+        return None
+
+    def _run_first_prompts(self, base: int, rows: list[RunRow]) -> list[np.ndarray]:
+        """Prompts that start at position 0, in one call on slots [base, base + n): right-padded to the longest,
+        ``seqlens_k`` = each length - 1, total_sequence_length = the padded length, which GroupQueryAttention
+        reads as a batch of first prompts (each row attends within its own length). One call instead of one per
+        prompt: at 32 users a wave of new requests was 32 batch-1 calls, each paying the step's fixed cost (the
+        weights read once per call). The padding's K/V lands beyond each row's length, where the next decode
+        write and ``seqlens_k`` keep it from being read; it is not written back to the pool.
+        Returns each row's last-position logits."""
+        n = len(rows)
+        lens = [len(r.token_ids) for r in rows]
+        S = max(lens)
+        self.batched_prompts += n
+        ids = np.zeros((n, S), np.int64)
+        for b, r in enumerate(rows):
+            ids[b, :lens[b]] = r.token_ids
+            self.slot_key[base + b], self.slot_valid[base + b], self.slot_used[base + b] = r.key, 0, self._tick
+        # the positions from the shortest row's last one on: every row's last position is among them
+        keep = S - min(lens) + 1 if self.has_logits_to_keep else None
+        logits = self._logits_buf((n, keep or S, self.vocab_size))
+        self._bind_and_run(self.kv[:, base:base + n], ids, np.array([m - 1 for m in lens], np.int32), logits, keep,
+                           total=S)
+        first = S - (keep or S)
+        out = []
+        for b, r in enumerate(rows):
+            self._write_back(base + b, r.block_table, 0, lens[b])
+            out.append(logits[b, lens[b] - 1 - first].copy())
+        return out
+
+    def _write_back(self, slot: int, block_table: Sequence[int], s: int, n: int) -> None:
+        """Copy positions [s, s + n) of the slot into the sequence's blocks; the slot then holds s + n valid."""
+        bs = self.block_size
+        pos = s
+        while pos < s + n:
+            b = block_table[pos // bs]
+            o = pos % bs
+            m = min(bs - o, s + n - pos)
+            self.pool[:, b, :, o:o + m, :] = self.kv[:, slot, :, pos:pos + m, :]
+            pos += m
+        self.slot_valid[slot] = s + n
+
     def _run_prefill(self, slot: int, r: RunRow) -> np.ndarray:
         n, s = len(r.token_ids), r.start
         ids = np.asarray(r.token_ids, dtype=np.int64).reshape(1, n)
@@ -328,13 +386,5 @@ class GqaRunner(RunnerBase):
         keep = (n if r.all_logits else 1) if self.has_logits_to_keep else None
         logits = self._logits_buf((1, keep or n, self.vocab_size))
         self._bind_and_run(self.kv[:, slot:slot + 1], ids, np.array([s + n - 1], np.int32), logits, keep)
-        bs = self.block_size
-        pos = s
-        while pos < s + n:
-            b = r.block_table[pos // bs]
-            o = pos % bs
-            m = min(bs - o, s + n - pos)
-            self.pool[:, b, :, o:o + m, :] = self.kv[:, slot, :, pos:pos + m, :]
-            pos += m
-        self.slot_valid[slot] = s + n
+        self._write_back(slot, r.block_table, s, n)
         return logits[0]  # [kept positions, vocab]

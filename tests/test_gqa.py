@@ -147,6 +147,20 @@ def test_engine_gqa_equals_standard(tiny_artifact, gqa_artifact):
           f"calls {eng.runner.calls}, gathered {eng.runner.gathered_tokens}, moved {eng.runner.moved_tokens}")
     assert worst < 1e-4
     assert isinstance(eng.runner, GqaRunner)
+    assert eng.runner.batched_prompts > 0  # some steps ran several first prompts in one call
+
+
+def test_first_prompts_in_one_call(tiny_artifact, gqa_artifact):
+    """Eight prompts of 3 to 40 tokens admitted in one step run as one right-padded call: the same logits as
+    the standard runner's one call per prompt, then the same decode."""
+    reqs = [(p, 6) for p in prompts(8, 3, 40, seed=11)]
+    cfg = dict(enable_prefix_caching=False, max_batch_size=8, max_num_batched_tokens=512)
+    _, want, ref = run_engine(tiny_artifact, reqs, **cfg)
+    eng, got, rows = run_engine(gqa_artifact, reqs, **cfg)
+    assert got == want
+    assert max(float(np.abs(rows[k] - ref[k]).max()) for k in ref) < 1e-4
+    assert eng.runner.batched_prompts == 8
+    assert eng.runner.calls == 1 + 5  # one prefill call, then five decode steps of all eight
 
 
 def test_prefix_hits_copy_cached_blocks(tiny_artifact, gqa_artifact):
