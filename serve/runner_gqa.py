@@ -38,13 +38,16 @@ Memory bound (docs/serving.md, "One KV budget")
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from serve.kv_memory import kv_zeros
+from serve.onnx_session import artifact_session
 from serve.runner import CPU, CUDA, RunnerBase, RunnerError, RunRow, kv_spec
 
 log = logging.getLogger(__name__)
@@ -57,7 +60,8 @@ class GqaRunner(RunnerBase):
 
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
                  providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: str = "during_runs",
-                 max_batch_size: int = 16, max_model_len: int | None = None, row_tokens: int | None = None):
+                 max_batch_size: int = 16, max_model_len: int | None = None, row_tokens: int | None = None,
+                 decode_split_rows: int = 0):
         layout = manifest.get("attention_layout")
         if layout != "gqa":
             raise RunnerError(f"attention layout {layout!r}: GqaRunner runs 'gqa' artifacts (serve.runner.Runner runs 'standard')")
@@ -89,8 +93,15 @@ class GqaRunner(RunnerBase):
         # The decode call's IOBinding and its input arrays, kept while the rows' buffer, the batch size and the
         # logits buffer stay the same: rebinding 2 x layers K/V pointers every token cost ~1 ms on this CPU.
         self._decode_key: tuple | None = None
-        self._decode_binding = None
-        self._decode_inputs: dict[str, np.ndarray] = {}
+        self._decode_parts: list[tuple] = []
+        # From this many decode rows on, two halves at once on a single-threaded session (see _halves)
+        threads = intra_op_threads or len(os.sched_getaffinity(0))
+        self._half_threads = max(1, threads // 2)
+        self.decode_split_rows = int(decode_split_rows) if self.provider == CPU and threads >= 2 else 0
+        self._artifact = (artifact_dir, manifest)
+        self._half_session = None
+        self._half_exec: ThreadPoolExecutor | None = None
+        self.split_steps = 0  # decode steps run as two halves
         self._tick = 0
         self.gathered_tokens = 0  # positions copied from the pool into rows (prefix hits, refills)
         self.moved_tokens = 0  # positions copied between rows (a decode row moving below B)
@@ -286,39 +297,68 @@ class GqaRunner(RunnerBase):
         self.run_seconds += time.perf_counter() - t
         self.calls += 1
 
-    def _decode_call(self, B: int, logits: np.ndarray):
-        """The decode binding for ``B`` rows (made when the rows' buffer, B or the logits buffer changed) and its
-        input arrays, which the caller fills in place before each run."""
-        key = (self.kv.ctypes.data, self.kv.shape, B, logits.ctypes.data, logits.shape)
+    def _halves(self):
+        """The session for split decode steps: half the intra-op threads, run by two threads at once (this one and
+        a worker), each on half the rows. On 2 cores (one thread each) that beat one call on two threads by 5-8 %
+        in wall time and ~10 % in CPU time at 32-64 rows (docs/benchmarks.md, run 10): the ~300 small ops of a
+        step no longer hand work between threads. It costs a second copy of the weights, so it is made when a
+        batch first needs it."""
+        if self._half_session is None:
+            self._half_session = artifact_session(*self._artifact, [CPU], self._half_threads,
+                                                  spinning="off" if self._half_threads == 1 else "during_runs")
+            self._half_exec = ThreadPoolExecutor(1, thread_name_prefix="decode-half")
+        return self._half_session
+
+    def _decode_call(self, B: int, logits: np.ndarray) -> list[tuple]:
+        """The decode bindings for ``B`` rows: [(session, binding, inputs, lo, hi)], one part, or two halves from
+        ``decode_split_rows`` rows on. Made when the rows' buffer, B or the logits buffer changed; the caller
+        fills the input arrays in place before each run."""
+        split = bool(self.decode_split_rows) and B >= self.decode_split_rows
+        key = (self.kv.ctypes.data, self.kv.shape, B, logits.ctypes.data, logits.shape, split)
         if key != self._decode_key:
-            view = self.kv[:, :B]
-            assert view[0].flags.c_contiguous
-            inputs = {"input_ids": np.zeros((B, 1), np.int64), "seqlens_k": np.zeros(B, np.int32),
-                      "total_sequence_length": np.zeros((), np.int32)}
-            if self.has_logits_to_keep:
-                inputs["logits_to_keep"] = np.zeros(1, np.int64)  # 0: every position, which is the one
-            binding = self.session.io_binding()
-            for name, arr in inputs.items():
-                binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-            shape = [B, self.kv_heads, self.cap, self.head_dim]
-            for j, (pin, pout) in enumerate(zip(self.past_names, self.present_names)):
-                ptr = view[j].ctypes.data
-                binding.bind_input(pin, "cpu", 0, self.dtype, shape, ptr)
-                binding.bind_output(pout, "cpu", 0, self.dtype, shape, ptr)
-            binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-            self._decode_key, self._decode_binding, self._decode_inputs = key, binding, inputs
-        return self._decode_binding, self._decode_inputs
+            cuts = [(0, B // 2), (B // 2, B)] if split else [(0, B)]
+            session = self._halves() if split else self.session
+            parts = []
+            for lo, hi in cuts:
+                view = self.kv[:, lo:hi]
+                assert view[0].flags.c_contiguous
+                n = hi - lo
+                inputs = {"input_ids": np.zeros((n, 1), np.int64), "seqlens_k": np.zeros(n, np.int32),
+                          "total_sequence_length": np.zeros((), np.int32)}
+                if self.has_logits_to_keep:
+                    inputs["logits_to_keep"] = np.zeros(1, np.int64)  # 0: every position, which is the one
+                binding = session.io_binding()
+                for name, arr in inputs.items():
+                    binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+                shape = [n, self.kv_heads, self.cap, self.head_dim]
+                for j, (pin, pout) in enumerate(zip(self.past_names, self.present_names)):
+                    ptr = view[j].ctypes.data
+                    binding.bind_input(pin, "cpu", 0, self.dtype, shape, ptr)
+                    binding.bind_output(pout, "cpu", 0, self.dtype, shape, ptr)
+                out = logits[lo:hi]
+                binding.bind_output("logits", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+                parts.append((session, binding, inputs, lo, hi))
+            self._decode_key, self._decode_parts = key, parts
+        return self._decode_parts
 
     def _run_decode(self, rows: list[RunRow]) -> np.ndarray:
         B = len(rows)
         starts = np.array([r.start for r in rows], dtype=np.int64)
         logits = self._logits_buf((B, 1, self.vocab_size))
-        binding, inputs = self._decode_call(B, logits)
-        inputs["input_ids"][:, 0] = [r.token_ids[0] for r in rows]
-        inputs["seqlens_k"][:] = starts
-        inputs["total_sequence_length"][()] = int(starts.max()) + 1
+        parts = self._decode_call(B, logits)
+        ids = [r.token_ids[0] for r in rows]
+        for _, _, inputs, lo, hi in parts:
+            inputs["input_ids"][:, 0] = ids[lo:hi]
+            inputs["seqlens_k"][:] = starts[lo:hi]
+            inputs["total_sequence_length"][()] = int(starts[lo:hi].max()) + 1
         t = time.perf_counter()
-        self.session.run_with_iobinding(binding)
+        if len(parts) == 1:
+            parts[0][0].run_with_iobinding(parts[0][1])
+        else:  # onnxruntime releases the GIL while it runs: the halves run on both cores at once
+            other = self._half_exec.submit(parts[1][0].run_with_iobinding, parts[1][1])
+            parts[0][0].run_with_iobinding(parts[0][1])
+            other.result()
+            self.split_steps += 1
         self.run_seconds += time.perf_counter() - t
         self.calls += 1
         # Write the new K/V back to the pool, row by row: a basic-indexed strided copy per row is 3-10x faster

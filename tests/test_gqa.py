@@ -150,6 +150,19 @@ def test_engine_gqa_equals_standard(tiny_artifact, gqa_artifact):
     assert eng.runner.batched_prompts > 0  # some steps ran several first prompts in one call
 
 
+def test_split_decode_equals_one_call(tiny_artifact, gqa_artifact):
+    """Decode steps of 3 to 8 rows run as two halves on the single-threaded session: the standard runner's
+    tokens and logits."""
+    rng = np.random.default_rng(4)
+    reqs = [(p, int(rng.integers(2, 20))) for p in prompts(12, 2, 30, seed=9)]
+    cfg = dict(enable_prefix_caching=False, max_batch_size=8, max_num_batched_tokens=64)
+    _, want, ref = run_engine(tiny_artifact, reqs, **cfg)
+    eng, got, rows = run_engine(gqa_artifact, reqs, decode_split_rows=3, **cfg)
+    assert got == want
+    assert max(float(np.abs(rows[k] - ref[k]).max()) for k in ref) < 1e-4
+    assert eng.runner.split_steps > 0 and eng.runner.decode_split_rows == 3
+
+
 def test_first_prompts_in_one_call(tiny_artifact, gqa_artifact):
     """Eight prompts of 3 to 40 tokens admitted in one step run as one right-padded call: the same logits as
     the standard runner's one call per prompt, then the same decode."""
