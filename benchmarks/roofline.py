@@ -1,7 +1,7 @@
 """A roofline for this machine: memory read bandwidth and INT8 GEMM throughput from small ONNX Runtime
 microbenchmarks, and an artifact's decode step at batch 1/8/32 placed against both.
 
-    python -m benchmarks.roofline --artifact <INT8 gqa artifact> [--batches 1 8 32] [--threads 0]
+    python -m benchmarks.roofline --artifact <INT8 gqa artifact> [--batches 1 8 32] [--threads 0] [--prompt-tokens 96]
 
 - Read bandwidth: ``ReduceSum`` over a 256 MiB float32 tensor (reads it once, writes 4 bytes), the way a
   decode step reads its weights; best of 5.
@@ -10,9 +10,12 @@ microbenchmarks, and an artifact's decode step at batch 1/8/32 placed against bo
   K = N = 2048: ops/s = 2·M·K·N / t. fp32 ``MatMul`` beside it.
 - Decode step: the engine in manual mode with B requests decoding together; the time inside ``session.run``
   per step, and the whole step (scheduling, runner inputs, sampling, detokenizing).
-- Floor and roof for one step: weight bytes / read bandwidth (every weight read once per step, whatever B),
-  and 2 · weight parameters · B / INT8 ops/s at the matching M. The fraction of each reached is floor / step
-  and roof / step; what is left is the rest of the graph (norms, attention, dynamic quantization) and the host.
+- Floor and roof for one step: the bytes a step must read / read bandwidth, and 2 · weight parameters · B /
+  INT8 ops/s at the matching M. A step reads every weight once, whatever B, and each row's K/V for its whole
+  context (B x context x the KV bytes per token: fp32 K and V of every layer); the prompts are
+  ``--prompt-tokens`` long, so the context is about that plus the 15 steps before the middle of the timed ones.
+  The fraction of each reached is floor / step and roof / step; what is left is the rest of the graph (norms,
+  attention's compute, dynamic quantization) and the host.
 
 Prints the CPU flags and the load average: on a shared machine read the figures with the load.
 """
@@ -30,7 +33,8 @@ from onnx import TensorProto, helper
 
 from benchmarks.burst import cpu_flags
 
-MATMUL_OPS = {"MatMul", "MatMulInteger", "QLinearMatMul", "MatMulNBits", "Gemm", "DynamicQuantizeMatMul"}
+MATMUL_OPS = {"MatMul", "MatMulInteger", "MatMulIntegerToFloat", "QLinearMatMul", "MatMulNBits", "Gemm",
+              "DynamicQuantizeMatMul"}
 
 
 def _session(model: onnx.ModelProto, threads: int):
@@ -126,20 +130,21 @@ def weight_figures(artifact: Path) -> tuple[int, int]:
     return read, params
 
 
-def decode_step(artifact: Path, batch: int, threads: int, steps: int = 24) -> tuple[float, float]:
-    """(seconds inside session.run per decode step, seconds per whole step) with ``batch`` rows decoding."""
+def decode_step(artifact: Path, batch: int, threads: int, steps: int = 24, prompt_tokens: int = 96) -> tuple[float, float]:
+    """(seconds inside session.run per decode step, seconds per whole step) with ``batch`` rows decoding, each
+    after a prompt of ``prompt_tokens``."""
     from serve.config import ServeConfig
     from serve.engine import Engine
     from serve.runner import CPU
     from serve.sampling import SamplingParams
 
-    cfg = ServeConfig(providers=[CPU], max_batch_size=batch, max_num_batched_tokens=max(256, batch * 32),
-                      kv_memory_mb=512, intra_op_threads=threads, enable_prefix_caching=False,
+    cfg = ServeConfig(providers=[CPU], max_batch_size=batch, max_num_batched_tokens=max(256, batch * prompt_tokens),
+                      kv_memory_mb=1024, intra_op_threads=threads, enable_prefix_caching=False,
                       verify_artifact=False)
     eng = Engine(artifact, cfg, start=False)
     rng = np.random.default_rng(0)
     for _ in range(batch):
-        eng.add_request(rng.integers(100, 40000, size=16).tolist(),
+        eng.add_request(rng.integers(100, 40000, size=prompt_tokens).tolist(),
                         SamplingParams.greedy(steps + 40, ignore_eos=True))
     while any(s.num_uncomputed > 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()  # prefill until every row decodes
@@ -160,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--artifact", type=Path, required=True)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: onnxruntime's default)")
+    p.add_argument("--prompt-tokens", type=int, default=96, help="each row's prompt: the K/V context it decodes over")
     a = p.parse_args(argv)
     print(f"CPU flags: {cpu_flags()}; cores {os.cpu_count()}; load average {os.getloadavg()[0]:.1f}")
     bw = read_bandwidth(a.threads)
@@ -172,15 +178,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"GEMM M={m:<3} K=N=2048: INT8 MatMulInteger {i8 / 1e9:7.1f} GOPS   8-bit MatMulNBits {nb / 1e9:7.1f} GOPS"
               f"   fp32 MatMul {f32 / 1e9:7.1f} GFLOPS")
     read, params = weight_figures(a.artifact)
-    print(f"{a.artifact}: a decode step reads {read / 2**20:.1f} MiB of weights; {params / 1e6:.1f} M matmul parameters")
-    print(f"{'batch':>5} {'graph ms':>9} {'step ms':>8} {'floor ms':>9} {'roof ms':>8} {'of floor':>9} {'of roof':>8}"
-          f" {'tok/s':>7}")
+    from serve.artifact import read_manifest
+    from serve.kv_budget import KVCacheSpec
+
+    kv_token = KVCacheSpec.from_manifest(read_manifest(a.artifact, verify=False)).bytes_per_token
+    context = a.prompt_tokens + 3 + 12  # the prompt, the warm-up steps, half the timed ones
+    print(f"{a.artifact}: a decode step reads {read / 2**20:.1f} MiB of weights and {kv_token / 1024:.1f} KiB of K/V per "
+          f"row and position (context ~{context}); {params / 1e6:.1f} M matmul parameters")
+    print(f"{'batch':>5} {'graph ms':>9} {'step ms':>8} {'K/V MiB':>8} {'floor ms':>9} {'roof ms':>8} {'of floor':>9}"
+          f" {'of roof':>8} {'tok/s':>7}")
     for b in a.batches:
-        run, wall = decode_step(a.artifact, b, a.threads)
-        floor = read / bw
+        run, wall = decode_step(a.artifact, b, a.threads, prompt_tokens=a.prompt_tokens)
+        kv_read = b * context * kv_token
+        floor = (read + kv_read) / bw
         roof = 2 * params * b / int8[b]
-        print(f"{b:>5} {run * 1e3:9.2f} {wall * 1e3:8.2f} {floor * 1e3:9.2f} {roof * 1e3:8.2f} {floor / run:9.0%} "
-              f"{roof / run:8.0%} {b / wall:7.0f}")
+        print(f"{b:>5} {run * 1e3:9.2f} {wall * 1e3:8.2f} {kv_read / 2**20:8.1f} {floor * 1e3:9.2f} {roof * 1e3:8.2f} "
+              f"{floor / run:9.0%} {roof / run:8.0%} {b / wall:7.0f}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -236,6 +236,10 @@ class QuantizeConfig(Section):
     # auto: how many requests the deployment expects to decode at once. 1 keeps the form fastest for one user;
     # N > 1 the one with the most tokens/s at N rows on the serving engine (both forms' rates are logged).
     auto_concurrency: int = Field(1, ge=1, le=256)
+    # auto: more concurrency levels at which both forms' tokens/s are measured on the serving engine and logged
+    # (auto_<form>_tokens_per_s_b<N>, and a tokens/s-against-users plot), so the MLflow run shows the whole trade,
+    # not only 1 and auto_concurrency; e.g. [8, 32, 64]. The choice is still made at auto_concurrency.
+    auto_profile: list[int] = Field(default_factory=list)
     calibration: Literal["minmax", "entropy", "percentile"] = "minmax"
     # dynamic only: "tensor" = ORT's DynamicQuantizeLinear (one range per call); "token" = one range per row.
     activation_granularity: Literal["tensor", "token"] = "tensor"

@@ -9,9 +9,10 @@ from prefect import task
 
 from compress.config import PipelineConfig
 from compress.quantize import choose_quant_form, quantize_artifact, quantize_with_acceptance
+from compress.quantize.choice import profile_figure
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_splits
-from tasks.tracking import child_run, log_json, log_metrics, log_params
+from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
 
 
 @task(name="quantize", cache_key_fn=cache_key_fn, persist_result=True)
@@ -51,6 +52,9 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
         log_metrics(metrics)
         if choice is not None:
             log_params({"quantize_auto_chosen": choice.chosen or "none"})
+            fig = profile_figure(choice.forms, choice.chosen) if run is not None else None
+            if fig is not None:
+                log_figure(fig, "auto_forms_tokens_per_s.png")
         if run is not None:
             log_json({"float_linears": report.float_linears, "sensitivity": report.sensitivity, "trials": trials,
                       "auto_forms": choice.forms if choice else None},

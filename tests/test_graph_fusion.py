@@ -121,10 +121,11 @@ def test_quantize_auto_for_many_users_keeps_the_form_with_the_most_tokens_per_s_
     """quantize.auto_concurrency N > 1: both forms timed on the serving engine at batch 1 and at N (logged); the kept
     one has the most tokens/s at N, forms within the tolerance tying on perplexity."""
     from compress.config import AcceptConfig, QuantizeConfig
-    from compress.quantize.choice import choose_quant_form
+    from compress.quantize.choice import choose_quant_form, profile_figure
 
     acfg = AcceptConfig(enabled=True, max_perplexity_ratio=1.5, min_top1_agreement=0.5, relax_trials=0)
-    qcfg = QuantizeConfig(method="auto", quantize_embedding=True, smoothquant_alpha=None, auto_concurrency=8)
+    qcfg = QuantizeConfig(method="auto", quantize_embedding=True, smoothquant_alpha=None, auto_concurrency=8,
+                          auto_profile=[4])
     choice = choose_quant_form(fused_artifact, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, acfg)
     forms = choice.forms
     assert all(f["accepted"] and f["tokens_per_s_b1"] > 0 and f["tokens_per_s_b8"] > 0 for f in forms.values())
@@ -135,3 +136,6 @@ def test_quantize_auto_for_many_users_keeps_the_form_with_the_most_tokens_per_s_
     assert choice.chosen == min(tied, key=lambda n: (ppl[n], -at8[n]))
     m = choice.metrics()
     assert m["auto_weight_only_tokens_per_s_b8"] == at8["weight_only"] and "auto_dynamic_token_tokens_per_s_b1" in m
+    assert all(f["tokens_per_s_b4"] > 0 for f in forms.values())  # the profile's extra level, measured and logged
+    fig = profile_figure(forms, choice.chosen)
+    assert [len(line.get_xdata()) for line in fig.axes[0].get_lines()] == [3, 3]  # 1, 4 and 8 users per form

@@ -107,6 +107,39 @@ def engine_tokens_per_s(artifacts: dict[str, Path], batch: int, steps: int = 16,
     return {n: batch * rounds * steps / sec for n, sec in spent.items()}
 
 
+def profile_levels(qcfg: QuantizeConfig) -> list[int]:
+    """The concurrency levels ``auto`` measures on the serving engine: 1, auto_concurrency and auto_profile
+    (only 1 when neither asks for more)."""
+    return sorted({1, qcfg.auto_concurrency, *qcfg.auto_profile})
+
+
+def profile_figure(forms: dict[str, dict], chosen: str | None):
+    """Tokens/s against concurrent users for each form (the ``tokens_per_s_b<N>`` figures), or None when fewer
+    than two levels were measured."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    curves = {n: sorted((int(k.removeprefix("tokens_per_s_b")), v) for k, v in f.items()
+                        if k.startswith("tokens_per_s_b")) for n, f in forms.items()}
+    if max((len(c) for c in curves.values()), default=0) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n, pts in curves.items():
+        if pts:
+            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o",
+                    label=n + (" (kept)" if n == chosen else ""), linewidth=2.5 if n == chosen else 1.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests decoding together")
+    ax.set_ylabel("decode tokens/s (serving engine)")
+    ax.set_title("quantize.method auto: the INT8 forms by concurrency")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
 def pick_form(ms_per_step: dict[str, float], perplexity: dict[str, float], tolerance: float) -> str:
     """The fastest form, where every form within ``tolerance`` (a share) of the fastest step time ties with it
     and the lowest perplexity among the tied wins (then the faster)."""
@@ -141,14 +174,16 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
         for n, ms in speed.items():
             record[n]["decode_ms_per_step"] = ms
         ppl = {n: results[n].metrics["perplexity"] for n in accepted}
-        if qcfg.auto_concurrency > 1:
-            # The deployment declared many users at once: the form with the most tokens/s at that batch, measured
-            # on the serving engine; the batch-1 rate beside it, so the run shows the trade (docs/quantization.md).
+        levels = profile_levels(qcfg)
+        if len(levels) > 1:
+            # The deployment's concurrency profile: every form's tokens/s at each level on the serving engine, so
+            # the run shows the trade (docs/quantization.md); the choice is the most tokens/s at auto_concurrency.
             by_batch = {b: engine_tokens_per_s({n: results[n].artifact for n in accepted}, b, threads=threads)
-                        for b in sorted({1, qcfg.auto_concurrency})}
+                        for b in levels}
             for b, tps in by_batch.items():
                 for n, v in tps.items():
                     record[n][f"tokens_per_s_b{b}"] = v
+        if qcfg.auto_concurrency > 1:
             at = by_batch[qcfg.auto_concurrency]
             chosen = pick_form({n: 1000.0 / v for n, v in at.items()}, ppl, qcfg.auto_speed_tolerance)
         else:
