@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 # The KV shape, dtype table and budget arithmetic live in serve/kv_budget.py; importable from here as before.
 from serve.kv_budget import (  # noqa: F401
@@ -90,6 +90,9 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # hash -> block id, for every hashed block (used or evictable)
         self._tables: dict[Hashable, list[int]] = {}
         self._chains: dict[Hashable, list[bytes]] = {}  # per sequence: hashes of its committed full blocks
+        # Called with the sequence id before its blocks are released (the engine tells its runner: a runner that
+        # holds K/V not yet written to the blocks must drop it then, never write it into reused blocks).
+        self.on_free: Callable[[Hashable], None] | None = None
         # counters (monotonic)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found cached
@@ -258,6 +261,8 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             raise KVCacheError(f"sequence {seq_id!r} has no block table (double free?)")
+        if self.on_free is not None:
+            self.on_free(seq_id)
         self._chains.pop(seq_id, None)
         for b in reversed(table):
             self._release(b)

@@ -6,7 +6,10 @@ and block manager do not change.
 Storage
   ``pool`` [2 x layers, num_blocks, kv_heads, block_size, head_dim]: the block pool, exactly as
   in the standard runner; it stays the source of truth, so prefix caching, preemption and
-  recompute work unchanged. Every new K/V is written back to it after the call.
+  recompute work unchanged. A prompt's K/V is written to it after its call; a decode row's K/V
+  when the row fills a block (one copy per block instead of one per token), and a row's unwritten
+  tail before anything overwrites or drops the row. A sequence the engine frees (``release``) is
+  dropped with its tail: its blocks may already belong to another sequence.
   ``kv`` [2 x layers, slots, kv_heads, cap, head_dim]: one row ("slot") per sequence; ``kv[j, :B]``
   is a contiguous [B, kv_heads, cap, head_dim] tensor bound as layer j's past *and* present, so
   GroupQueryAttention appends the new K/V in place at ``seqlens_k`` and reads the past where it
@@ -87,6 +90,10 @@ class GqaRunner(RunnerBase):
         self.slot_key: list[Hashable | None] = []
         self.slot_valid: list[int] = []
         self.slot_used: list[int] = []  # step counter of the last use, for LRU
+        # Decode K/V reaches the pool a block at a time (see _flush): per slot, how many of its valid positions the
+        # pool already holds, and the occupant's block table (the engine's live list) to write the rest with.
+        self.slot_flushed: list[int] = []
+        self.slot_table: list[Sequence[int] | None] = []
         self.reshapes = 0
         self.peak_kv_bytes = self.kv_bytes()  # most KV bytes (pool + rows) held at once, copies included
         self._logits = np.zeros(0, np.float32)
@@ -150,6 +157,7 @@ class GqaRunner(RunnerBase):
         self._reshape(*self._layout(rows, need))
 
     def _reshape(self, slots: int, cap: int) -> None:
+        self._flush_all()  # what a reshape drops or truncates is then in the pool, the source of truth
         old, n_old = self.kv, self.slots
         shape = (self.n_kv, slots, self.kv_heads, cap, self.head_dim)
         new_bytes = int(np.prod(shape)) * np.dtype(self.dtype).itemsize
@@ -167,8 +175,11 @@ class GqaRunner(RunnerBase):
             self.slot_valid = [min(v, cap) for v in self.slot_valid[:m]] + [0] * (slots - m)
             self.slot_key = self.slot_key[:m] + [None] * (slots - m)
             self.slot_used = self.slot_used[:m] + [0] * (slots - m)
+            self.slot_flushed = [min(f, cap) for f in self.slot_flushed[:m]] + [0] * (slots - m)
+            self.slot_table = self.slot_table[:m] + [None] * (slots - m)
         else:  # refilled from the pool when next used
             self.slot_valid, self.slot_key, self.slot_used = [0] * slots, [None] * slots, [0] * slots
+            self.slot_flushed, self.slot_table = [0] * slots, [None] * slots
         del old
         self.kv, self.slots, self.cap = new, slots, cap
         self.reshapes += 1
@@ -194,12 +205,19 @@ class GqaRunner(RunnerBase):
 
     def _fill(self, slot: int, r: RunRow) -> None:
         """Make the slot hold r's sequence up to r.start (keeps what is already valid there)."""
-        valid = self.slot_valid[slot] if self.slot_key[slot] == r.key else 0
-        valid = min(valid, r.start)
+        mine = self.slot_key[slot] == r.key
+        if not mine:
+            self._flush(slot)  # the occupant's unwritten positions go to its blocks before they are overwritten
+        valid = min(self.slot_valid[slot] if mine else 0, r.start)
+        flushed = min(self.slot_flushed[slot] if mine else 0, valid)
         if valid < r.start:
             self._gather(slot, r, valid)
+            if flushed == valid:  # [0, valid) was in the pool, and [valid, start) came from it
+                flushed = r.start
         self.slot_key[slot] = r.key
         self.slot_valid[slot] = r.start
+        self.slot_flushed[slot] = flushed
+        self.slot_table[slot] = r.block_table
         self.slot_used[slot] = self._tick
 
     def _place_decode(self, rows: list[RunRow]) -> None:
@@ -220,11 +238,13 @@ class GqaRunner(RunnerBase):
             t = free.pop(0)
             s = where.get(r.key)
             if s is not None:  # s >= B: copy the valid prefix within the buffer (cheaper than the pool)
+                self._flush(t)
                 n = min(self.slot_valid[s], r.start)
                 self.kv[:, t, :, :n] = self.kv[:, s, :, :n]
                 self.moved_tokens += n
                 self.slot_key[t], self.slot_valid[t] = r.key, n
-                self.slot_key[s], self.slot_valid[s] = None, 0
+                self.slot_flushed[t], self.slot_table[t] = min(self.slot_flushed[s], n), self.slot_table[s]
+                self._clear(s)
             target[i] = t
         # Reorder so that rows[i] sits in slot i (the batch row of the call).
         order = sorted(range(B), key=lambda i: target[i])
@@ -361,13 +381,16 @@ class GqaRunner(RunnerBase):
             self.split_steps += 1
         self.run_seconds += time.perf_counter() - t
         self.calls += 1
-        # Write the new K/V back to the pool, row by row: a basic-indexed strided copy per row is 3-10x faster
-        # than one fancy-indexed copy of the whole batch (numpy's advanced indexing around a slice).
-        bs, kv, pool = self.block_size, self.kv, self.pool
+        # The new K/V stays in the rows until its block is full, then the block's positions go to the pool in one
+        # copy (_flush): writing each position as it came was one strided copy per row per step, 7 % of a server
+        # step at 32 users (docs/benchmarks.md run 10). Prefix caching publishes only full blocks, and a slot's
+        # unwritten tail is flushed before anything overwrites or drops it.
+        bs = self.block_size
         for i, r in enumerate(rows):
-            s = r.start
-            pool[:, r.block_table[s // bs], :, s % bs, :] = kv[:, i, :, s, :]
-            self.slot_valid[i] = s + 1
+            self.slot_valid[i] = r.start + 1
+            self.slot_table[i] = r.block_table
+            if (r.start + 1) % bs == 0:
+                self._flush(i)
         return logits[:, 0, :]
 
     def _fresh_slots(self, n: int, reserved: int, others: list[RunRow]) -> int | None:
@@ -394,7 +417,9 @@ class GqaRunner(RunnerBase):
         ids = np.zeros((n, S), np.int64)
         for b, r in enumerate(rows):
             ids[b, :lens[b]] = r.token_ids
+            self._flush(base + b)
             self.slot_key[base + b], self.slot_valid[base + b], self.slot_used[base + b] = r.key, 0, self._tick
+            self.slot_flushed[base + b], self.slot_table[base + b] = 0, r.block_table
         # the positions from the shortest row's last one on: every row's last position is among them
         keep = S - min(lens) + 1 if self.has_logits_to_keep else None
         logits = self._logits_buf((n, keep or S, self.vocab_size))
@@ -407,8 +432,29 @@ class GqaRunner(RunnerBase):
             out.append(logits[b, lens[b] - 1 - first].copy())
         return out
 
+    def _flush(self, slot: int) -> None:
+        """Write the slot's valid positions that the pool does not hold yet into its occupant's blocks."""
+        f, v = self.slot_flushed[slot], self.slot_valid[slot]
+        if self.slot_key[slot] is not None and f < v:
+            self._write_back(slot, self.slot_table[slot], f, v - f)
+
+    def _flush_all(self) -> None:
+        for slot in range(self.slots):
+            self._flush(slot)
+
+    def _clear(self, slot: int) -> None:
+        self.slot_key[slot], self.slot_valid[slot], self.slot_flushed[slot], self.slot_table[slot] = None, 0, 0, None
+
+    def release(self, key: Hashable) -> None:
+        """The engine freed ``key``'s blocks (finished, cancelled or preempted): its slot's content is dead, and
+        its unwritten positions must never be flushed into blocks that may already belong to another sequence."""
+        for slot, k in enumerate(self.slot_key):
+            if k == key:
+                self._clear(slot)
+
     def _write_back(self, slot: int, block_table: Sequence[int], s: int, n: int) -> None:
-        """Copy positions [s, s + n) of the slot into the sequence's blocks; the slot then holds s + n valid."""
+        """Copy positions [s, s + n) of the slot into the sequence's blocks; the slot then holds s + n valid, all
+        of them in the pool."""
         bs = self.block_size
         pos = s
         while pos < s + n:
@@ -418,6 +464,7 @@ class GqaRunner(RunnerBase):
             self.pool[:, b, :, o:o + m, :] = self.kv[:, slot, :, pos:pos + m, :]
             pos += m
         self.slot_valid[slot] = s + n
+        self.slot_flushed[slot] = s + n
 
     def _run_prefill(self, slot: int, r: RunRow) -> np.ndarray:
         n, s = len(r.token_ids), r.start
@@ -426,5 +473,6 @@ class GqaRunner(RunnerBase):
         keep = (n if r.all_logits else 1) if self.has_logits_to_keep else None
         logits = self._logits_buf((1, keep or n, self.vocab_size))
         self._bind_and_run(self.kv[:, slot:slot + 1], ids, np.array([s + n - 1], np.int32), logits, keep)
+        self._flush(slot)  # a decode tail before this chunk (not expected: chunks come before decoding)
         self._write_back(slot, r.block_table, s, n)
         return logits[0]  # [kept positions, vocab]

@@ -67,6 +67,10 @@ class ModelRunner(Protocol):
         """Give back K/V memory beyond what the running sequences need; ``longest`` is the longest running
         sequence's length (0: nothing runs). Called between steps."""
 
+    def release(self, key: Hashable) -> None:
+        """The engine is freeing the blocks of the sequence ``key`` (finished, cancelled or preempted): whatever
+        the runner still holds for it is dead and must not be written into those blocks."""
+
 
 class RunnerBase:
     """The manifest's dimensions, the session and the counters, as every runner sets them up."""
@@ -87,6 +91,9 @@ class RunnerBase:
         self.calls = 0
         self.run_seconds = 0.0
         self.step_seconds = 0.0
+
+    def release(self, key: Hashable) -> None:
+        """Nothing to drop: these runners write every new K/V into the blocks in the step that made it."""
 
     def k_cache(self, layer: int):
         return self.pool[2 * layer]

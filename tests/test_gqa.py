@@ -60,6 +60,9 @@ class Tap:
 def run_engine(art, reqs, first_alone=False, **cfg):
     cfg.setdefault("providers", [CPU])
     eng = Engine(art, ServeConfig(**cfg), start=False)
+    released, release = [], eng.runner.release
+    eng.runner.release = lambda key: (released.append(key), release(key))
+    eng.released = released  # the sequences whose blocks the engine freed, as the runner heard of them
     with Tap() as tap:
         handles = []
         for k, (p, n) in enumerate(reqs):
@@ -188,6 +191,46 @@ def test_prefix_hits_copy_cached_blocks(tiny_artifact, gqa_artifact):
     assert eng.runner.gathered_tokens > 0  # the hits reached the rows by copying blocks into them
 
 
+def test_next_turn_reuses_blocks_its_answer_filled(tiny_artifact, gqa_artifact):
+    """Decode K/V reaches the pool a block at a time: a second turn whose prompt is the first turn's prompt and
+    answer hits the blocks the answer filled (published while the first request ran), with the logits of the
+    standard runner, which writes every position as it comes."""
+    first = prompts(1, 10, 10, seed=12)[0]
+    eng, (answer,), _ = run_engine(gqa_artifact, [(first, 23)], enable_prefix_caching=True, block_size=4)
+    second = first + answer + prompts(1, 3, 3, seed=13)[0]
+    reqs = [(first, 23), (second, 8)]
+    _, want, ref = run_engine(tiny_artifact, reqs, first_alone=True, enable_prefix_caching=False, block_size=4)
+    eng, got, rows = run_engine(gqa_artifact, reqs, first_alone=True, enable_prefix_caching=True, block_size=4)
+    assert got == want
+    assert max(float(np.abs(rows[k] - ref[k]).max()) for k in ref) < 1e-4
+    # 33 tokens of the second prompt are in 8 full blocks, 5 of them filled by the first request's decode steps
+    assert eng.block_manager.prefix_hits >= 32
+
+
+def test_released_sequence_never_writes_into_reused_blocks(gqa_artifact):
+    """A sequence freed with K/V still only in its row (a partial block) is released by the engine: when its row
+    is later overwritten, nothing is written into the blocks, which by then belong to another sequence."""
+    from serve.artifact import read_manifest
+    from serve.runner_protocol import RunRow
+
+    r = GqaRunner(gqa_artifact, read_manifest(gqa_artifact, verify=False), num_blocks=8, block_size=4,
+                  providers=[CPU], max_batch_size=2, decode_split_rows=0)
+    r.execute([RunRow("A", [0, 1, 2], 0, list(range(10, 15))), RunRow("D", [6, 7], 0, list(range(50, 54)))])
+    a = r.slot_key.index("A")
+    for pos in range(5, 9):  # position 7 fills block 1 (flushed); position 8 sits in block 2, not yet written
+        r.execute([RunRow("A", [0, 1, 2], pos, [20 + pos])])
+        a = r.slot_key.index("A")
+    assert r.slot_flushed[a] == 8 and r.slot_valid[a] == 9
+    r.release("A")  # the engine freed A's blocks: block 2 goes to B
+    r.execute([RunRow("B", [2, 3], 0, list(range(30, 36)))])
+    b = r.slot_key.index("B")
+    written = r.pool[:, 2].copy()
+    assert np.array_equal(written, r.kv[:, b, :, 0:4, :])  # B's first block, written by its prefill
+    r.execute([RunRow("C", [4, 5], 0, list(range(40, 46)))])  # takes the least recently used row
+    assert set(r.slot_key) == {"B", "C"}
+    assert np.array_equal(r.pool[:, 2], written)  # B's block is untouched
+
+
 def test_eviction_and_preemption(tiny_artifact, gqa_artifact):
     """A 12-block pool and 3 KV rows for 10 requests: rows are evicted and refilled, sequences preempted."""
     reqs = [(p, 20) for p in prompts(10, 3, 20, seed=7)]
@@ -197,6 +240,8 @@ def test_eviction_and_preemption(tiny_artifact, gqa_artifact):
     assert got == want
     assert eng.stats().preemptions > 0
     assert eng.runner.gathered_tokens > 0  # rows refilled from the pool after eviction or preemption
+    # every finish and every preemption freed blocks, and the runner heard of each (its K/V there is dead)
+    assert len(eng.released) == len(reqs) + eng.stats().preemptions == len(set(eng.released))
 
 
 @pytest.mark.parametrize("method", ["weight_only", "static", "dynamic_token"])
