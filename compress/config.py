@@ -240,6 +240,11 @@ class QuantizeConfig(Section):
     # (auto_<form>_tokens_per_s_b<N>, and a tokens/s-against-users plot), so the MLflow run shows the whole trade,
     # not only 1 and auto_concurrency; e.g. [8, 32, 64]. The choice is still made at auto_concurrency.
     auto_profile: list[int] = Field(default_factory=list)
+    # The K/V cache the served graph keeps (gqa layout): "float32", or "int8" with per-channel scales calibrated on
+    # the calib split (compress/quantize/kv_int8.py): a quarter of the bytes per position, and attention over it
+    # 2-2.4x faster on the CPU EP, which is what batched decode is bound by (docs/benchmarks.md run 10). The accept
+    # stage gates the artifact with its int8 cache. CPU EP only: ORT's CUDA kernel takes int8 caches with fp16 queries.
+    kv_cache: Literal["float32", "int8"] = "float32"
     calibration: Literal["minmax", "entropy", "percentile"] = "minmax"
     # dynamic only: "tensor" = ORT's DynamicQuantizeLinear (one range per call); "token" = one range per row.
     activation_granularity: Literal["tensor", "token"] = "tensor"

@@ -26,7 +26,7 @@ DTYPE_BYTES: dict[str, float] = {
     "float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
     "float8": 1, "fp8": 1, "int8": 1, "uint8": 1, "int4": 0.5,
 }
-SERVED_KV_DTYPES = ("float32", "float16")
+SERVED_KV_DTYPES = ("float32", "float16", "int8")
 
 # Dense copies of a row's K/V per position kept beside the block pool, by attention layout: gqa's in-place rows
 # (1); standard's past buffers plus ORT's present outputs of the same size while a call runs (2). The paged

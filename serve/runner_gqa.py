@@ -109,6 +109,8 @@ class GqaRunner(RunnerBase):
         self._half_session = None
         self._half_exec: ThreadPoolExecutor | None = None
         self.split_steps = 0  # decode steps run as two halves
+        if self.decode_split_rows and self.max_slots >= self.decode_split_rows:
+            self._halves()  # at start-up, not in the middle of serving (a session load is a pause of its own)
         self._tick = 0
         self.gathered_tokens = 0  # positions copied from the pool into rows (prefix hits, refills)
         self.moved_tokens = 0  # positions copied between rows (a decode row moving below B)
@@ -321,8 +323,8 @@ class GqaRunner(RunnerBase):
         """The session for split decode steps: half the intra-op threads, run by two threads at once (this one and
         a worker), each on half the rows. On 2 cores (one thread each) that beat one call on two threads by 5-8 %
         in wall time and ~10 % in CPU time at 32-64 rows (docs/benchmarks.md, run 10): the ~300 small ops of a
-        step no longer hand work between threads. It costs a second copy of the weights, so it is made when a
-        batch first needs it."""
+        step no longer hand work between threads. It costs a second copy of the weights, so it is made only when
+        max_batch_size reaches decode_split_rows."""
         if self._half_session is None:
             self._half_session = artifact_session(*self._artifact, [CPU], self._half_threads,
                                                   spinning="off" if self._half_threads == 1 else "during_runs")

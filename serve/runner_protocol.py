@@ -12,6 +12,8 @@ session once, for every runner.
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +22,14 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from serve.kv_budget import KVCacheSpec
-from serve.onnx_session import artifact_session
+from serve.onnx_session import CPU, artifact_session
 
 
 class RunnerError(RuntimeError):
     pass
 
+
+log = logging.getLogger(__name__)
 
 @dataclass
 class RunRow:
@@ -85,6 +89,10 @@ class RunnerBase:
         self.bytes_per_token = KVCacheSpec.from_manifest(manifest).bytes_per_token
         self.num_blocks = num_blocks
         self.block_size = block_size
+        if manifest.get("kv_dtype") == "int8" and list(providers) != [CPU]:
+            # ORT's CUDA GroupQueryAttention reads an int8 cache only with fp16/bf16 queries; these graphs are fp32
+            log.info("int8 K/V cache (quantize.kv_cache): the CPU execution provider serves it")
+            providers = [CPU]
         if open_session:
             self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads, spinning=ort_spinning)
             self.provider = self.session.get_providers()[0]

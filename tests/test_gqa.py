@@ -244,6 +244,42 @@ def test_eviction_and_preemption(tiny_artifact, gqa_artifact):
     assert len(eng.released) == len(reqs) + eng.stats().preemptions == len(set(eng.released))
 
 
+def test_int8_kv_cache(gqa_artifact, tiny_splits, tmp_path):
+    """quantize.kv_cache int8: GroupQueryAttention keeps an int8 cache with calibrated per-channel scales; logits
+    stay near the float32 cache's, and the engine's batched tokens equal batch-1 greedy on the same artifact."""
+    import onnx
+    from onnx import TensorProto
+
+    from compress.artifact import read_manifest
+    from compress.drivers import load_lm
+    from compress.quantize import quantize_artifact
+
+    base = QuantizeConfig(method="weight_only", smoothquant_alpha=None, quantize_embedding=False)
+    quantize_artifact(gqa_artifact, tmp_path / "f32", tiny_splits.calib, base)
+    rep = quantize_artifact(gqa_artifact, tmp_path / "i8", tiny_splits.calib, base.model_copy(update={"kv_cache": "int8"}))
+    assert read_manifest(tmp_path / "i8")["kv_dtype"] == "int8"  # and every file's sha256 checks
+    assert rep.settings["kv_cache_layers"] == 2 and rep.settings["kv_key_absmax_p50_max"][1] > 0
+    g = onnx.load(str(tmp_path / "i8" / "model.onnx"), load_external_data=False).graph
+    past = [i for i in g.input if i.name.startswith("past_key_values.")]
+    assert past and all(i.type.tensor_type.elem_type == TensorProto.INT8 for i in past)
+    blocks = tiny_splits.eval[:4]
+    f32 = load_lm(tmp_path / "f32", verify=False).prefill_batch(blocks)
+    i8 = load_lm(tmp_path / "i8", verify=False).prefill_batch(blocks)
+    rel = float(np.abs(i8 - f32).max() / np.abs(f32).max())
+    agree = float((i8.argmax(-1) == f32.argmax(-1)).mean())
+    print(f"int8 K/V against float32 K/V: max rel logit diff {rel:.4f}, top-1 agreement {agree:.3f}")
+    assert rel < 0.05 and agree > 0.95
+    reqs = [(p, 8) for p in prompts(6, 3, 30, seed=21)]
+    eng, got, _ = run_engine(tmp_path / "i8", reqs, enable_prefix_caching=True, max_batch_size=6, block_size=4,
+                             max_num_batched_tokens=64)
+    lm = load_lm(tmp_path / "i8", verify=False)
+    assert got == [lm.greedy(p, 8) for p, _ in reqs]
+    assert eng.runner.pool.dtype == np.int8 and eng.runner.bytes_per_token * 4 == \
+        load_lm(tmp_path / "f32", verify=False).num_layers * 2 * eng.runner.kv_heads * eng.runner.head_dim * 4
+    with pytest.raises(Exception, match="calib split"):
+        quantize_artifact(gqa_artifact, tmp_path / "x", None, base.model_copy(update={"kv_cache": "int8"}))
+
+
 @pytest.mark.parametrize("method", ["weight_only", "static", "dynamic_token"])
 def test_quantize_gqa_artifact(tiny_artifact, gqa_artifact, tiny_splits, tmp_path, method):
     """INT8 selects the same 14 linears by name and drifts from fp32 as much as the standard graph does.

@@ -37,6 +37,7 @@ from compress.artifact import read_manifest, write_manifest
 from compress.quantize.calibration import ActStats, Linear, find_linears
 from compress.config import QuantizeConfig
 from compress.export.graph_fusion import pack_siblings
+from compress.quantize.kv_int8 import int8_kv_artifact
 from compress.quantize.graph import (QuantizeError, dynamic_per_tensor, insert_dynamic_per_token, insert_qdq, pow2_block,
                                   quantize_tied_embedding, save_model, weight_only)
 from compress.quantize.prepare import calibrate_and_smooth
@@ -270,6 +271,13 @@ class Quantizer:
         fields = {k: v for k, v in self.manifest.items() if k not in ("files", "manifest_version")}
         fields["quantization"] = settings
         fields["source_artifact_sha256"] = self.manifest.get("files", {}).get(onnx_file, {}).get("sha256")
+        if cfg.kv_cache == "int8":
+            if self.calib is None or len(self.calib) == 0:
+                raise QuantizeError("quantize.kv_cache int8 calibrates its scales on the calib split: pass calib_blocks "
+                                    "(the pipeline does), or set quantize.kv_cache: float32")
+            write_manifest(tmp, fields)  # the float32-KV graph, loadable, to calibrate the cache scales on
+            settings.update(int8_kv_artifact(tmp, self.calib, onnx_file))
+            fields["kv_dtype"] = "int8"
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
