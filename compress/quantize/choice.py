@@ -131,6 +131,9 @@ def profile_figure(forms: dict[str, dict], chosen: str | None):
             ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o",
                     label=n + (" (kept)" if n == chosen else ""), linewidth=2.5 if n == chosen else 1.5)
     ax.set_xscale("log", base=2)
+    levels = sorted({b for pts in curves.values() for b, _ in pts})
+    ax.set_xticks(levels, [str(b) for b in levels])
+    ax.minorticks_off()
     ax.set_xlabel("requests decoding together")
     ax.set_ylabel("decode tokens/s (serving engine)")
     ax.set_title("quantize.method auto: the INT8 forms by concurrency")
