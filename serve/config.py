@@ -70,8 +70,8 @@ class ServeConfig(Section):
     # each step; "off" never spins (best when other work shares the cores). true/false mean always/off.
     # docs/serving.md, "The event loop under bursts", and docs/benchmarks.md run 8 have the figures.
     ort_spinning: Literal["off", "during_runs", "always"] = "during_runs"
-    # From this many decode rows on (0 = never), a gqa step on the CPU runs as two halves at once on a second,
-    # single-threaded session: 5-8 % more tokens/s and ~10 % less CPU per token at 32-64 rows on 2 cores; the
+    # From this many decode rows on (0 = never), a gqa step on the CPU runs as two halves at once on a second
+    # session with half the threads: 5-16 % more tokens/s and 10-25 % less CPU per token at 32-64 rows on 2 cores; the
     # second session is a second copy of the weights (made at start-up when max_batch_size reaches this size).
     # docs/benchmarks.md run 10.
     decode_split_rows: int = Field(16, ge=0)
