@@ -154,8 +154,8 @@ def test_engine_gqa_equals_standard(tiny_artifact, gqa_artifact):
 
 
 def test_split_decode_equals_one_call(tiny_artifact, gqa_artifact):
-    """Decode steps of 3 to 8 rows run as two halves on the single-threaded session: the standard runner's
-    tokens and logits."""
+    """Decode steps of 3 to 8 rows, and steps' new prompts, run as two halves on the split session: the standard
+    runner's tokens and logits."""
     rng = np.random.default_rng(4)
     reqs = [(p, int(rng.integers(2, 20))) for p in prompts(12, 2, 30, seed=9)]
     cfg = dict(enable_prefix_caching=False, max_batch_size=8, max_num_batched_tokens=64)
@@ -164,6 +164,7 @@ def test_split_decode_equals_one_call(tiny_artifact, gqa_artifact):
     assert got == want
     assert max(float(np.abs(rows[k] - ref[k]).max()) for k in ref) < 1e-4
     assert eng.runner.split_steps > 0 and eng.runner.decode_split_rows == 3
+    assert eng.runner.split_prompt_calls > 0  # new prompts of a step, shorter and longer half at once
 
 
 def test_first_prompts_in_one_call(tiny_artifact, gqa_artifact):
