@@ -59,7 +59,8 @@ class ModelRunner(Protocol):
 
     def execute(self, rows: Sequence[RunRow]) -> list[np.ndarray | None]:
         """Compute the rows' new tokens and store their K/V; per row the last position's logits ([vocab]),
-        every new position's ([n, vocab]) for ``all_logits``, None where ``want_logits`` is False."""
+        every new position's ([n, vocab]) for ``all_logits``, None where ``want_logits`` is False. The arrays may be
+        views of the runner's buffers, valid until the next ``execute``: use them before calling it again."""
 
     def kv_bytes(self) -> int:
         """Bytes held for K/V now (pool and whatever dense copies the layout keeps)."""
