@@ -313,6 +313,11 @@ class GqaRunner(RunnerBase):
         binding.bind_cpu_input("total_sequence_length", np.array(total or int(seqlens_k.max()) + 1, np.int32))
         if self.has_logits_to_keep:
             binding.bind_cpu_input("logits_to_keep", np.array([keep or 0], np.int64))
+        self._bind_rows(binding, kv, logits)
+        return binding
+
+    def _bind_rows(self, binding, kv: np.ndarray, logits: np.ndarray) -> None:
+        """Bind the rows ``kv`` [n_kv, n, ...] as every layer's past and present, and ``logits`` as the output."""
         shape = [kv.shape[1], self.kv_heads, self.cap, self.head_dim]
         for j, (pin, pout) in enumerate(zip(self.past_names, self.present_names)):
             ptr = kv[j].ctypes.data
@@ -320,7 +325,6 @@ class GqaRunner(RunnerBase):
             binding.bind_input(pin, "cpu", 0, self.dtype, shape, ptr)
             binding.bind_output(pout, "cpu", 0, self.dtype, shape, ptr)
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        return binding
 
     def _bind_and_run(self, kv: np.ndarray, input_ids: np.ndarray, seqlens_k: np.ndarray, logits: np.ndarray,
                       keep: int | None, total: int | None = None) -> None:
@@ -332,8 +336,8 @@ class GqaRunner(RunnerBase):
 
     def _halves(self):
         """The session for split decode steps: half the intra-op threads, run by two threads at once (this one and
-        a worker), each on half the rows. On 2 cores (one thread each) that beat one call on two threads by 5-8 %
-        in wall time and ~10 % in CPU time at 32-64 rows (docs/benchmarks.md, run 10): the ~300 small ops of a
+        a worker), each on half the rows. On 2 cores (one thread each) that beat one call on two threads by 5-16 %
+        in wall time and 10-25 % in CPU time at 32-64 rows (docs/benchmarks.md, run 10): the ~300 small ops of a
         step no longer hand work between threads. It costs a second copy of the weights, so it is made only when
         max_batch_size reaches decode_split_rows."""
         if self._half_session is None:
@@ -363,13 +367,7 @@ class GqaRunner(RunnerBase):
                 binding = session.io_binding()
                 for name, arr in inputs.items():
                     binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-                shape = [n, self.kv_heads, self.cap, self.head_dim]
-                for j, (pin, pout) in enumerate(zip(self.past_names, self.present_names)):
-                    ptr = view[j].ctypes.data
-                    binding.bind_input(pin, "cpu", 0, self.dtype, shape, ptr)
-                    binding.bind_output(pout, "cpu", 0, self.dtype, shape, ptr)
-                out = logits[lo:hi]
-                binding.bind_output("logits", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+                self._bind_rows(binding, view, logits[lo:hi])
                 parts.append((session, binding, inputs, lo, hi))
             self._decode_key, self._decode_parts = key, parts
         return self._decode_parts

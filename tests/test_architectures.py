@@ -150,7 +150,6 @@ def test_distillation_steps(family, models, tiny_splits, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_static_int8(family, artifacts, tiny_splits, tmp_path):
     from compress.artifact import read_manifest
-    from compress.evaluate.onnx_eval import prefill_logits
     from compress.quantize.quantizer import quantize_artifact
 
     folder, _ = artifacts(family)
@@ -159,12 +158,18 @@ def test_static_int8(family, artifacts, tiny_splits, tmp_path):
     rep = quantize_artifact(folder, tmp_path / "int8", tiny_splits.calib, cfg)
     assert read_manifest(tmp_path / "int8", verify=True)["quantization"]["method"] == "static"
     assert rep.quantized_linears >= 8 and rep.bytes_after < rep.bytes_before
-    blocks = tiny_splits.eval[:4]
-    ref, got = prefill_logits(folder, blocks), prefill_logits(tmp_path / "int8", blocks)
-    agree = float((ref.argmax(-1) == got.argmax(-1)).mean())
-    rel = float(np.abs(got - ref).mean() / np.abs(ref).mean())
+    got, agree, rel = _against_fp32(folder, tmp_path / "int8", tiny_splits.eval[:4])
     print(f"{family}: int8 {rep.quantized_linears} linears, top-1 {agree:.3f}, rel err {rel:.4f}")
     assert np.isfinite(got).all() and agree > 0.85 and rel < 0.1
+
+
+def _against_fp32(folder, candidate, blocks) -> tuple[np.ndarray, float, float]:
+    """The candidate's prefill logits on ``blocks``, their top-1 agreement with the fp32 artifact's and the mean
+    relative error."""
+    from compress.evaluate.onnx_eval import prefill_logits
+
+    ref, got = prefill_logits(folder, blocks), prefill_logits(candidate, blocks)
+    return got, float((ref.argmax(-1) == got.argmax(-1)).mean()), float(np.abs(got - ref).mean() / np.abs(ref).mean())
 
 
 def _requests() -> list[tuple[list[int], int]]:
@@ -225,7 +230,6 @@ def test_int8_kv_cache(family, artifacts, tiny_splits, tmp_path):
     """quantize.kv_cache int8 on every family's gqa graph (sliding windows, softcap, q/k norms, partial rotary, MHA):
     logits near the float32 cache's, and batched serving equal to each request served alone."""
     from compress.artifact import read_manifest
-    from compress.evaluate.onnx_eval import prefill_logits
     from compress.quantize.quantizer import quantize_artifact
 
     folder, exporter = artifacts(family)
@@ -234,10 +238,7 @@ def test_int8_kv_cache(family, artifacts, tiny_splits, tmp_path):
                          kv_cache="int8")
     rep = quantize_artifact(folder, tmp_path / "kv8", tiny_splits.calib, cfg)
     assert read_manifest(tmp_path / "kv8", verify=True)["kv_dtype"] == "int8" and rep.settings["kv_cache_layers"] >= 2
-    blocks = tiny_splits.eval[:4]
-    ref, got = prefill_logits(folder, blocks), prefill_logits(tmp_path / "kv8", blocks)
-    agree = float((ref.argmax(-1) == got.argmax(-1)).mean())
-    rel = float(np.abs(got - ref).mean() / np.abs(ref).mean())
+    got, agree, rel = _against_fp32(folder, tmp_path / "kv8", tiny_splits.eval[:4])
     print(f"{family}: int8 K/V (and weight-only int8) against fp32: top-1 {agree:.3f}, rel err {rel:.4f}")
     assert np.isfinite(got).all() and agree > 0.85 and rel < 0.1
     reqs = _requests()

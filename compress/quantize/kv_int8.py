@@ -25,12 +25,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compress.quantize.graph import QuantizeError
 
+CALIB_BLOCKS = 16  # calib blocks the scales are taken from (16 x 128 tokens for the demo)
 KV_MARGIN = 1.25  # headroom over the calibration maximum: clipping an unseen outlier costs more than a coarser step
 _MS_DOMAIN = "com.microsoft"
 _SCALE_INPUTS = (12, 13)  # k_scale, v_scale (9-11: position_ids, attention_bias, head_sink, left empty)
 
 
-def kv_absmax(artifact_dir: str | Path, blocks: np.ndarray, max_blocks: int = 16) -> dict[str, np.ndarray]:
+def kv_absmax(artifact_dir: str | Path, blocks: np.ndarray, max_blocks: int = CALIB_BLOCKS) -> dict[str, np.ndarray]:
     """Per past input name (``past_key_values.<i>.key`` / ``.value``): the largest |value| the artifact writes into
     that cache on ``blocks`` (at most ``max_blocks`` of them), [kv_heads, head_dim]."""
     from compress.drivers import load_lm
@@ -102,6 +103,6 @@ def int8_kv_artifact(artifact_dir: str | Path, blocks: np.ndarray, onnx_file: st
     k = np.concatenate([v.reshape(-1) for name, v in absmax.items() if name.endswith(".key")])
     v = np.concatenate([v.reshape(-1) for name, v in absmax.items() if name.endswith(".value")])
     return {"kv_cache": f"int8 per channel (calibrated max x {margin})", "kv_cache_layers": n,
-            "kv_cache_calib_blocks": int(min(len(blocks), 16)),
+            "kv_cache_calib_blocks": int(min(len(blocks), CALIB_BLOCKS)),
             "kv_key_absmax_p50_max": [float(np.median(k)), float(k.max())],
             "kv_value_absmax_p50_max": [float(np.median(v)), float(v.max())]}
