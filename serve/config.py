@@ -51,7 +51,18 @@ class ServeConfig(Section):
     # Rows decoding together. 64: every INT8 form's tokens/s still rose from 32 to 64 rows (docs/benchmarks.md run 9);
     # the KV rows are allocated for the traffic there is, not for this many (serve/runner_gqa.py).
     max_batch_size: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(512, ge=1)
+    # Tokens one step computes (decodes + prompt chunks); 2048 as vLLM's online server. 32 chat prompts (~1,300
+    # tokens) then run in one batched call: at 512 a wave of them took four calls, each reading every weight
+    # (docs/benchmarks.md run 11). Lower it (256-512) when inter-token latency under long prompts matters more.
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    # Prompt coalescing (the engine's own loop; a manual-mode caller adds its requests before stepping): once
+    # requests arrive within admit_quiet_ms of each other (a burst; one user alone is never held), new ones wait
+    # until none has arrived for admit_quiet_ms, at most admit_max_delay_ms after the oldest, so the burst runs as
+    # one batched prompt call instead of a call per few requests (each call reads every weight once). Not held
+    # when the waiting prompts already fill the free rows or the token budget. 0 = admit at the next step.
+    # docs/serving.md, "Prompt coalescing"; docs/benchmarks.md run 11.
+    admit_quiet_ms: float = Field(8.0, ge=0)
+    admit_max_delay_ms: float = Field(100.0, ge=0)
     # None = the model's max positions from the manifest (a larger value is capped to it), lowered to what the
     # KV budget holds for one sequence (logged). Set explicitly, a value the budget cannot hold fails start-up.
     max_model_len: int | None = Field(None, ge=2)

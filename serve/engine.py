@@ -128,6 +128,9 @@ class Engine:
         if self.running:
             return
         self._stop = False
+        # Coalescing only where requests arrive while the engine steps; a manual-mode caller adds its own first.
+        self.scheduler.admit_quiet_s = self.config.admit_quiet_ms / 1e3
+        self.scheduler.admit_max_delay_s = self.config.admit_max_delay_ms / 1e3
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -286,10 +289,12 @@ class Engine:
                 log.exception("engine loop error")
                 n = 0
             if n == 0:
-                # Work exists but nothing could be scheduled (should be rare): do not spin.
+                # Work exists but nothing was scheduled: new requests held to coalesce a burst (until the hold
+                # ends or another arrives), or (rare) nothing fits: do not spin.
                 with self._cv:
                     if not self._stop:
-                        self._cv.wait(0.005)
+                        until = self.scheduler.admit_hold_until()
+                        self._cv.wait(max(until - time.monotonic(), 1e-4) if until is not None else 0.005)
 
     # ---- KV memory -------------------------------------------------------------------------
     def kv_bytes(self) -> int:

@@ -15,6 +15,12 @@ Policy, per step (a token budget ``max_num_batched_tokens`` and at most ``max_ba
    once a request has waited ``max_wait_s``, nothing is admitted ahead of it (P99 guard).
    No admission happens in a step that had to preempt, and admission keeps a small
    watermark of free blocks so new sequences do not immediately force preemptions.
+4. **Coalescing** (``admit_quiet_s`` > 0, set by the engine's own loop): when requests come
+   in bursts (the newest within ``admit_quiet_s`` of the one before it, or most of the last
+   eight so), new ones wait until the newest is ``admit_quiet_s`` old, at most
+   ``admit_max_delay_s`` after the oldest waiting one, unless the waiting prompts already fill
+   the free rows or the step's token budget. A burst of arrivals then becomes one batched
+   prompt call (``admit_hold_until`` says until when; the decodes keep running meanwhile).
 
 Preemption: when a running sequence needs a block and none is free, the youngest running
 sequence (latest arrival; possibly the one asking) is preempted: its blocks are released
@@ -36,6 +42,7 @@ fit the model's context, the whole KV pool or the KV rows (HTTP 400).
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
 import time
@@ -151,7 +158,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int = 512, max_batch_size: int = 16,
                  max_waiting: int = 64, max_wait_s: float = 2.0, max_model_len: int = 2048,
                  policy: str = "fcfs", watermark: float = 0.01, clock: Callable[[], float] = time.monotonic,
-                 max_row_tokens: int | None = None):
+                 max_row_tokens: int | None = None, admit_quiet_s: float = 0.0, admit_max_delay_s: float = 0.0):
         if policy not in ("fcfs", "shortest_first"):
             raise ValueError(f"scheduling policy {policy!r}: allowed are 'fcfs', 'shortest_first'")
         self.bm = block_manager
@@ -162,6 +169,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.policy = policy
         self.max_row_tokens = max_row_tokens
+        self.admit_quiet_s = admit_quiet_s
+        self.admit_max_delay_s = admit_max_delay_s
+        # the gaps between the last arrivals (requests added, not requeued ones): is a burst on?
+        self._last_arrival, self._gaps = float("-inf"), collections.deque(maxlen=8)
         self.watermark_blocks = int(block_manager.num_blocks * watermark)
         self.clock = clock
         self.waiting: list[SequenceState] = []
@@ -200,6 +211,8 @@ class Scheduler:
             raise self.queue_full_error()
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        self._gaps.append(seq.arrival - self._last_arrival)
+        self._last_arrival = seq.arrival
 
     @property
     def num_waiting(self) -> int:
@@ -275,6 +288,25 @@ class Scheduler:
         out.num_tokens = sum(r.num_tokens for r in out.scheduled)
         return out
 
+    def _bursty(self) -> bool:
+        """Requests come in bursts: the newest came within admit_quiet_s of the one before, or most recent ones did
+        (then the first request of the next burst waits for the rest too). A user alone is never held."""
+        gaps = self._gaps
+        return bool(gaps) and (gaps[-1] < self.admit_quiet_s or sorted(gaps)[len(gaps) // 2] < self.admit_quiet_s)
+
+    def admit_hold_until(self, now: float | None = None) -> float | None:
+        """The clock time until which waiting requests are held back to coalesce a burst; None: admit now."""
+        if self.admit_quiet_s <= 0 or not self.waiting or not self._bursty():
+            return None
+        now = self.clock() if now is None else now
+        if len(self.waiting) >= self.max_batch_size - len(self.running):
+            return None  # the burst already fills the rows: waiting longer gains nothing
+        if sum(s.num_uncomputed for s in self.waiting) >= self.max_num_batched_tokens:
+            return None
+        until = min(max(s.arrival for s in self.waiting) + self.admit_quiet_s,
+                    min(s.arrival for s in self.waiting) + self.admit_max_delay_s)
+        return until if until > now else None
+
     def _waiting_order(self, now: float) -> list[SequenceState]:
         aged = [s for s in self.waiting if now - s.arrival >= self.max_wait_s]
         rest = [s for s in self.waiting if now - s.arrival < self.max_wait_s]
@@ -287,6 +319,8 @@ class Scheduler:
 
     def _admit(self, rows: dict[int, ScheduledSeq], budget: int, longest: int = 0) -> int:
         now = self.clock()
+        if self.admit_hold_until(now) is not None:
+            return budget
         bs = self.bm.block_size
         for seq in self._waiting_order(now):
             if budget <= 0 or len(rows) >= self.max_batch_size:

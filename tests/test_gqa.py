@@ -180,6 +180,45 @@ def test_first_prompts_in_one_call(tiny_artifact, gqa_artifact):
     assert eng.runner.calls == 1 + 5  # one prefill call, then five decode steps of all eight
 
 
+def test_a_burst_of_arrivals_runs_as_one_prompt_call(gqa_artifact):
+    """The engine's own loop (start=True): after a burst has been seen, the next burst's requests, sent a few ms
+    apart from client threads, are admitted together once arrivals pause: one first-prompt call for all of
+    them; with coalescing off the same arrivals trickle into several calls. Outputs equal batch 1."""
+    import threading
+    import time
+
+    reqs = prompts(6, 5, 20, seed=21)
+
+    def burst(eng):
+        handles, threads = [], []
+        for p in reqs:
+            t = threading.Thread(target=lambda p=p: handles.append(
+                eng.add_request(p, SamplingParams.greedy(4, ignore_eos=True))))
+            t.start()
+            threads.append(t)
+            time.sleep(0.004)
+        for t in threads:
+            t.join()
+        return {tuple(h.prompt_ids): h.result(60).output_ids for h in handles}
+
+    def serve(quiet_ms):
+        cfg = ServeConfig(providers=[CPU], verify_artifact=False, enable_prefix_caching=False, max_batch_size=8,
+                          admit_quiet_ms=quiet_ms, admit_max_delay_ms=2000, decode_split_rows=0)
+        with Engine(gqa_artifact, cfg) as eng:
+            burst(eng)  # the first burst: its first request came alone
+            calls0, batched0 = eng.runner.calls, eng.runner.batched_prompts
+            out = burst(eng)
+            return out, eng.runner.calls - calls0, eng.runner.batched_prompts - batched0
+
+    out, calls, batched = serve(quiet_ms=60.0)
+    assert batched == 6 and calls == 1 + 3  # one prompt call for all six, then three decode steps
+    with Engine(gqa_artifact, ServeConfig(providers=[CPU], verify_artifact=False), start=False) as alone:
+        ref = {tuple(p): alone.generate(p, SamplingParams.greedy(4, ignore_eos=True)) for p in reqs}
+    assert out == ref
+    _, calls_off, _ = serve(quiet_ms=0.0)
+    assert calls_off > calls
+
+
 def test_prefix_hits_copy_cached_blocks(tiny_artifact, gqa_artifact):
     shared = prompts(1, 40, 40, seed=5)[0]
     reqs = [(shared + tail, 10) for tail in prompts(6, 1, 9, seed=6)]

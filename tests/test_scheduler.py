@@ -244,3 +244,84 @@ def test_prefix_hit_skips_computed_tokens_but_keeps_one():
     # 12 tokens = 3 full blocks, but the last token must be computed for its logits -> 2 blocks reused
     assert row.start == 8 and row.num_tokens == 4 and row.samples
     assert row.seq.num_cached_prompt_tokens == 8
+
+
+# ---- prompt coalescing ----------------------------------------------------------------------
+def _coalescing(**kw):
+    s, clock = make(num_blocks=256, max_num_batched_tokens=2048, max_batch_size=8,
+                    admit_quiet_s=0.008, admit_max_delay_s=0.1, **kw)
+    return s, clock
+
+
+def _arrive(s, clock, rid, t, n_prompt=6):
+    clock.t = t
+    s.add(seq(rid, n_prompt, max_tokens=50, arrival=t))
+
+
+def test_a_request_that_comes_alone_is_admitted_at_once():
+    s, clock = _coalescing()
+    _arrive(s, clock, "a", 1.0)
+    assert s.admit_hold_until() is None
+    assert [r.seq.request_id for r in s.schedule().scheduled] == ["a"]
+    _arrive(s, clock, "b", 1.5)  # 500 ms later: still no burst
+    assert [r.seq.request_id for r in s.schedule().scheduled if r.seq.request_id == "b"] == ["b"]
+
+
+def test_a_burst_is_held_until_arrivals_pause_then_admitted_together():
+    s, clock = _coalescing()
+    _arrive(s, clock, "r0", 1.0)
+    first = s.schedule()  # came alone: admitted, nothing said a burst was coming
+    assert [r.seq.request_id for r in first.scheduled] == ["r0"]
+    fake_step(s, first)
+    for i in range(1, 5):  # 3 ms apart: a burst
+        _arrive(s, clock, f"r{i}", 1.0 + 0.003 * i)
+        until = s.admit_hold_until()
+        assert until == pytest.approx(clock.t + 0.008)
+        out = s.schedule()
+        assert [r.seq.request_id for r in out.scheduled] == ["r0"], "the running decode goes on, nobody admitted"
+        fake_step(s, out)
+    clock.t += 0.008  # quiet: the burst is over
+    assert s.admit_hold_until() is None
+    assert sorted(r.seq.request_id for r in s.schedule().scheduled) == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def test_the_next_burst_waits_from_its_first_request_and_never_past_the_max_delay():
+    s, clock = make(num_blocks=1024, max_num_batched_tokens=2048, max_batch_size=64, admit_quiet_s=0.008,
+                    admit_max_delay_s=0.1)
+    for i in range(6):
+        _arrive(s, clock, f"a{i}", 1.0 + 0.002 * i)
+    clock.t = 1.02
+    assert len(s.schedule().scheduled) == 6
+    _arrive(s, clock, "b0", 3.0)  # 2 s later, but the recent arrivals were a burst: hold the first one too
+    assert s.admit_hold_until() == pytest.approx(3.008)
+    released, i = None, 0
+    while released is None:  # arrivals every 5 ms, never pausing for 8: released at the oldest's max delay
+        i += 1
+        clock.t = 3.0 + 0.005 * i
+        if s.admit_hold_until() is None:
+            released = clock.t
+        else:
+            _arrive(s, clock, f"b{i}", clock.t)
+    assert released == pytest.approx(3.1)
+    assert len([r for r in s.schedule().scheduled if r.seq.request_id.startswith("b")]) == 20
+
+
+def test_coalescing_never_holds_a_burst_that_fills_the_rows_or_the_budget():
+    s, clock = _coalescing()
+    for i in range(8):  # max_batch_size 8: the rows are full
+        _arrive(s, clock, f"r{i}", 1.0 + 0.001 * i)
+    assert s.admit_hold_until() is None
+    assert len(s.schedule().scheduled) == 8
+    s2, clock2 = make(num_blocks=256, max_num_batched_tokens=16, max_batch_size=8, admit_quiet_s=0.008,
+                      admit_max_delay_s=0.1)
+    _arrive(s2, clock2, "x", 1.0, n_prompt=10)
+    _arrive(s2, clock2, "y", 1.001, n_prompt=10)  # 20 prompt tokens > the budget of 16
+    assert s2.admit_hold_until() is None
+
+
+def test_coalescing_is_off_by_default():
+    s, clock = make(num_blocks=256, max_num_batched_tokens=2048, max_batch_size=8)
+    for i in range(3):
+        _arrive(s, clock, f"r{i}", 1.0 + 0.001 * i)
+    assert s.admit_hold_until() is None
+    assert len(s.schedule().scheduled) == 3
