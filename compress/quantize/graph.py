@@ -115,12 +115,15 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
     whole batch x sequence; per-token ranges keep a token with outliers from crushing its neighbours
     (measured with torch fake-quant: perplexity 17.2 per-token vs 26.3 per-tensor). Per group sharing an input:
       m = max(max|x|_last axis, eps) ([..., 1]); xq = QuantizeLinear(x / m, 1/127, zero point 128) (uint8)
-    and the linears reading it as one packed product (gate/up: weights concatenated along N, then one Split):
+    and each linear reading it as
       y = MatMulIntegerToFloat(xq, Wq, 1/127, w_scale, 128) * m
-    5 nodes per group and 2 (+ a Split) per packed product, on the activation's own rank (MatMulInteger broadcasts
-    like MatMul: no Shape/Reshape around it). Each node is a pass with a thread hand-off, and at 32-64 rows these
-    elementwise passes cost more than the integer GEMMs (docs/benchmarks.md, run 10): the previous form's
-    Div/Round/Add/Cast chain and MatMulInteger/Cast/Mul/Mul were 8 + 4 per linear.
+    5 nodes per group and 2 per linear, on the activation's own rank (MatMulInteger broadcasts like MatMul: no
+    Shape/Reshape around it). Each node is a pass with a thread hand-off, and at 32-64 rows these elementwise passes
+    cost more than the integer GEMMs (docs/benchmarks.md, run 10): the first form's Div/Round/Add/Cast chain and
+    MatMulInteger/Cast/Mul/Mul were 8 + 4 per linear. Format 3 packed linears sharing an input (gate/up) into one
+    product and split it after; the Split was a copy of the whole product, and two products reading the same
+    quantized input are 8 % faster on 32 batched prompts, 2 % on a 32-row decode step (format 4, docs/benchmarks.md
+    run 11).
     uint8 with a fixed zero point 128: ORT's s8 x s8 MatMulInteger is a slow path (5 ms vs 0.02 ms for u8 x s8
     at 1x576x1536 on this CPU).
     """
@@ -168,28 +171,19 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
             helper.make_node("QuantizeLinear", [f"{p}_unit", const("ptq_inv127", inv127), const("ptq_zp128", np.array(128, np.uint8))],
                              [f"{p}_q"], name=f"{p}_Quantize"),
         ]
-        qs, ss = [], []
-        for m in group:
+        for m in group:  # one integer product each, all reading the shared quantized input
             q, scale = _weight_qdq(tensor_array(inits[m.input[1]]), per_channel, reduce_range)
-            qs.append(q)
-            ss.append(np.broadcast_to(scale.reshape(-1), (q.shape[1],)).astype(np.float32))
+            qn, sn = f"{m.input[1]}_quantized", f"{m.input[1]}_scale"
+            g.initializer.extend([numpy_helper.from_array(q, qn), numpy_helper.from_array(
+                np.broadcast_to(scale.reshape(-1), (q.shape[1],)).astype(np.float32), sn)])
             drop.add(m.input[1])
-        head = group[0]
-        w_name = head.input[1] if len(group) == 1 else f"{head.input[1]}_packed{len(group)}"
-        qn, sn = f"{w_name}_quantized", f"{w_name}_scale"
-        g.initializer.extend([numpy_helper.from_array(np.concatenate(qs, axis=1), qn),
-                              numpy_helper.from_array(np.concatenate(ss), sn)])
-        o = head.output[0] if len(group) == 1 else f"{head.name}_packed{len(group)}_out"
-        new_nodes += [
-            helper.make_node("MatMulIntegerToFloat", [f"{p}_q", qn, const("ptq_inv127", inv127), sn,
-                                                      const("ptq_zp128", np.array(128, np.uint8))],
-                             [f"{o}_unit"], name=f"{head.name}_MatMulIntegerToFloat", domain=_MS_DOMAIN),
-            helper.make_node("Mul", [f"{o}_unit", f"{p}_m"], [o], name=f"{head.name}_MulRow"),
-        ]
-        if len(group) > 1:
-            sizes = const(f"{o}_split", np.array([q.shape[1] for q in qs], np.int64))
-            new_nodes.append(helper.make_node("Split", [o, sizes], [m.output[0] for m in group], axis=-1,
-                                              name=f"{head.name}_Split"))
+            o = m.output[0]
+            new_nodes += [
+                helper.make_node("MatMulIntegerToFloat", [f"{p}_q", qn, const("ptq_inv127", inv127), sn,
+                                                          const("ptq_zp128", np.array(128, np.uint8))],
+                                 [f"{o}_unit"], name=f"{m.name}_MatMulIntegerToFloat", domain=_MS_DOMAIN),
+                helper.make_node("Mul", [f"{o}_unit", f"{p}_m"], [o], name=f"{m.name}_MulRow"),
+            ]
     _replace_nodes(g, new_nodes, drop)
     _ensure_ms_opset(model)
 
