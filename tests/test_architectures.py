@@ -225,21 +225,23 @@ def test_tiny_family_model_source(tmp_path):
         resolve_source("tiny-gpt3", None, tmp_path)
 
 
+@pytest.mark.parametrize("scales", ["channel", "tensor"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_int8_kv_cache(family, artifacts, tiny_splits, tmp_path):
-    """quantize.kv_cache int8 on every family's gqa graph (sliding windows, softcap, q/k norms, partial rotary, MHA):
-    logits near the float32 cache's, and batched serving equal to each request served alone."""
+def test_int8_kv_cache(family, scales, artifacts, tiny_splits, tmp_path):
+    """quantize.kv_cache int8 on every family's gqa graph (sliding windows, softcap, q/k norms, partial rotary, MHA),
+    with per-channel and per-tensor scales: logits near the float32 cache's, and batched serving equal to each
+    request served alone."""
     from compress.artifact import read_manifest
     from compress.quantize.quantizer import quantize_artifact
 
     folder, exporter = artifacts(family)
     assert exporter == "gqa"
     cfg = QuantizeConfig(enabled=True, method="weight_only", quantize_embedding=False, smoothquant_alpha=None,
-                         kv_cache="int8")
+                         kv_cache="int8", kv_cache_scales=scales)
     rep = quantize_artifact(folder, tmp_path / "kv8", tiny_splits.calib, cfg)
     assert read_manifest(tmp_path / "kv8", verify=True)["kv_dtype"] == "int8" and rep.settings["kv_cache_layers"] >= 2
     got, agree, rel = _against_fp32(folder, tmp_path / "kv8", tiny_splits.eval[:4])
-    print(f"{family}: int8 K/V (and weight-only int8) against fp32: top-1 {agree:.3f}, rel err {rel:.4f}")
+    print(f"{family}: int8 K/V per {scales} (and weight-only int8) against fp32: top-1 {agree:.3f}, rel err {rel:.4f}")
     assert np.isfinite(got).all() and agree > 0.85 and rel < 0.1
     reqs = _requests()
     together = _engine_outputs(tmp_path / "kv8", reqs, max_batch_size=4)

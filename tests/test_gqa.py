@@ -284,9 +284,11 @@ def test_eviction_and_preemption(tiny_artifact, gqa_artifact):
     assert len(eng.released) == len(reqs) + eng.stats().preemptions == len(set(eng.released))
 
 
-def test_int8_kv_cache(gqa_artifact, tiny_splits, tmp_path):
-    """quantize.kv_cache int8: GroupQueryAttention keeps an int8 cache with calibrated per-channel scales; logits
-    stay near the float32 cache's, and the engine's batched tokens equal batch-1 greedy on the same artifact."""
+@pytest.mark.parametrize("scales", ["channel", "tensor"])
+def test_int8_kv_cache(gqa_artifact, tiny_splits, tmp_path, scales):
+    """quantize.kv_cache int8: GroupQueryAttention keeps an int8 cache with calibrated per-channel (or per-tensor)
+    scales; logits stay near the float32 cache's, and the engine's batched tokens equal batch-1 greedy on the same
+    artifact."""
     import onnx
     from onnx import TensorProto
 
@@ -296,10 +298,18 @@ def test_int8_kv_cache(gqa_artifact, tiny_splits, tmp_path):
 
     base = QuantizeConfig(method="weight_only", smoothquant_alpha=None, quantize_embedding=False)
     quantize_artifact(gqa_artifact, tmp_path / "f32", tiny_splits.calib, base)
-    rep = quantize_artifact(gqa_artifact, tmp_path / "i8", tiny_splits.calib, base.model_copy(update={"kv_cache": "int8"}))
+    rep = quantize_artifact(gqa_artifact, tmp_path / "i8", tiny_splits.calib,
+                            base.model_copy(update={"kv_cache": "int8", "kv_cache_scales": scales}))
     assert read_manifest(tmp_path / "i8")["kv_dtype"] == "int8"  # and every file's sha256 checks
     assert rep.settings["kv_cache_layers"] == 2 and rep.settings["kv_key_absmax_p50_max"][1] > 0
+    assert rep.settings["kv_cache"].startswith(f"int8 per {scales}")
     g = onnx.load(str(tmp_path / "i8" / "model.onnx"), load_external_data=False).graph
+    inits = {i.name: i for i in g.initializer}
+    for node in (n for n in g.node if n.op_type == "GroupQueryAttention"):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["k_quant_type"] == attrs["v_quant_type"] == (b"PER_CHANNEL" if scales == "channel" else b"PER_TENSOR")
+        n_scales = [int(np.prod(inits[node.input[i]].dims)) for i in (12, 13)]
+        assert (n_scales[0] == n_scales[1] > 1) if scales == "channel" else n_scales == [1, 1], n_scales
     past = [i for i in g.input if i.name.startswith("past_key_values.")]
     assert past and all(i.type.tensor_type.elem_type == TensorProto.INT8 for i in past)
     blocks = tiny_splits.eval[:4]

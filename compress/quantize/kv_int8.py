@@ -1,7 +1,8 @@
 """An int8 K/V cache for the gqa graph: GroupQueryAttention stores its past/present as int8, one scale per channel.
 
 ONNX Runtime's CPU GroupQueryAttention (1.31) reads an int8 cache with a float scale per KV head and channel
-(``k_quant_type``/``v_quant_type`` ``PER_CHANNEL``, ``kv_cache_bit_width`` 8, the scales as inputs 12 and 13): it
+(``k_quant_type``/``v_quant_type`` ``PER_CHANNEL``, ``kv_cache_bit_width`` 8, the scales as inputs 12 and 13), or
+one per tensor (``PER_TENSOR``: coarser, and the faster kernel on this CPU; ``quantize.kv_cache_scales``): it
 quantizes each new K/V as it writes it (``q = clamp(round(x / scale), -128, 127)``) and dequantizes inside its
 dot products. A position then costs a quarter of float32's bytes, and attention, which reads every row's K/V
 each step and is half of a 64-row decode step on float32 (docs/benchmarks.md run 10), runs 2-2.4x faster.
@@ -54,9 +55,14 @@ def kv_absmax(artifact_dir: str | Path, blocks: np.ndarray, max_blocks: int = CA
     return dict(zip(lm.past_names, amax))
 
 
-def kv_to_int8(model: onnx.ModelProto, absmax: dict[str, np.ndarray], margin: float = KV_MARGIN) -> int:
-    """In place: every GroupQueryAttention keeps an int8 cache with per-channel scales from ``absmax`` (by past
-    input name). Returns the number of nodes rewritten."""
+def kv_to_int8(model: onnx.ModelProto, absmax: dict[str, np.ndarray], margin: float = KV_MARGIN,
+               scales: str = "channel") -> int:
+    """In place: every GroupQueryAttention keeps an int8 cache with scales from ``absmax`` (by past input name),
+    per KV head and channel (``scales`` "channel") or one per tensor ("tensor": the largest of them). Returns the
+    number of nodes rewritten."""
+    if scales not in ("channel", "tensor"):
+        raise QuantizeError(f"quantize.kv_cache_scales {scales!r}: allowed are 'channel', 'tensor'")
+    quant_type = "PER_CHANNEL" if scales == "channel" else "PER_TENSOR"
     g = model.graph
     n = 0
     int8_names: set[str] = set()
@@ -72,13 +78,15 @@ def kv_to_int8(model: onnx.ModelProto, absmax: dict[str, np.ndarray], margin: fl
         inputs = list(node.input) + [""] * (14 - len(node.input))
         for slot, name in zip(_SCALE_INPUTS, (past_k, past_v)):
             a = np.maximum(absmax[name].astype(np.float32) * margin, 1e-6)
+            if scales == "tensor":
+                a = a.max(keepdims=True)
             scale_name = f"{name}_int8_scale"
             g.initializer.append(numpy_helper.from_array((a / 127.0).reshape(-1).astype(np.float32), scale_name))
             inputs[slot] = scale_name
         del node.input[:]
         node.input.extend(inputs)
-        node.attribute.extend([helper.make_attribute("k_quant_type", "PER_CHANNEL"),
-                               helper.make_attribute("v_quant_type", "PER_CHANNEL"),
+        node.attribute.extend([helper.make_attribute("k_quant_type", quant_type),
+                               helper.make_attribute("v_quant_type", quant_type),
                                helper.make_attribute("kv_cache_bit_width", 8)])
         int8_names.update({past_k, past_v, *node.output[1:3]})
         n += 1
@@ -89,20 +97,20 @@ def kv_to_int8(model: onnx.ModelProto, absmax: dict[str, np.ndarray], margin: fl
 
 
 def int8_kv_artifact(artifact_dir: str | Path, blocks: np.ndarray, onnx_file: str = "model.onnx",
-                     margin: float = KV_MARGIN) -> dict:
+                     margin: float = KV_MARGIN, scales: str = "channel") -> dict:
     """Rewrite the artifact's graph (weights untouched) for an int8 cache calibrated on ``blocks``. The caller
     writes the manifest (``kv_dtype: int8``) afterwards. Returns a summary for the quantization settings."""
     artifact_dir = Path(artifact_dir)
     absmax = kv_absmax(artifact_dir, blocks)
     path = artifact_dir / onnx_file
     model = onnx.load(str(path), load_external_data=False)
-    n = kv_to_int8(model, absmax, margin)
+    n = kv_to_int8(model, absmax, margin, scales)
     if n == 0:
         raise QuantizeError("quantize.kv_cache int8: the graph has no GroupQueryAttention")
     onnx.save(model, str(path))  # the weights stay in their external file, which the graph still names
     k = np.concatenate([v.reshape(-1) for name, v in absmax.items() if name.endswith(".key")])
     v = np.concatenate([v.reshape(-1) for name, v in absmax.items() if name.endswith(".value")])
-    return {"kv_cache": f"int8 per channel (calibrated max x {margin})", "kv_cache_layers": n,
+    return {"kv_cache": f"int8 per {scales} (calibrated max x {margin})", "kv_cache_layers": n,
             "kv_cache_calib_blocks": int(min(len(blocks), CALIB_BLOCKS)),
             "kv_key_absmax_p50_max": [float(np.median(k)), float(k.max())],
             "kv_value_absmax_p50_max": [float(np.median(v)), float(v.max())]}

@@ -277,7 +277,7 @@ class Quantizer:
                 raise QuantizeError("quantize.kv_cache int8 calibrates its scales on the calib split: pass calib_blocks "
                                     "(the pipeline does), or set quantize.kv_cache: float32")
             write_manifest(tmp, fields)  # the float32-KV graph, loadable, to calibrate the cache scales on
-            settings.update(int8_kv_artifact(tmp, self.calib, onnx_file))
+            settings.update(int8_kv_artifact(tmp, self.calib, onnx_file, scales=cfg.kv_cache_scales))
             fields["kv_dtype"] = "int8"
         if out_dir.exists():
             shutil.rmtree(out_dir)
