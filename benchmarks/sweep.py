@@ -4,6 +4,7 @@ and peak RSS, one fresh server per (artifact, level), artifacts interleaved at e
     python -m benchmarks.sweep --artifact wo8=<weight-only> --artifact w8a8=<W8A8> [--concurrency 1 8 32 64]
         [--requests-per-user 3] [--max-tokens 64] [--set max_batch_size=64]
         [--llama-server <llama.cpp>/build/bin/llama-server --gguf smollm2-q8_0.gguf]   # the anchor beside ours
+        [--source w8a8_then=<git worktree of an older commit>]   # that artifact served by that tree's server
 
 Workload: chat completions (``client.chat.completions.create``, the model's own template), seeded short user turns
 of a few kinds (questions, instructions, small talk), greedy, exactly ``--max-tokens`` new tokens each
@@ -86,10 +87,11 @@ def llama_server(binary: Path, gguf: Path, slots: int, max_tokens: int):
 
 
 def run_level(artifact: Path, c: int, requests: int, max_tokens: int, overrides: dict,
-              llama: Path | None = None) -> dict:
+              llama: Path | None = None, source: Path | None = None) -> dict:
     import openai
 
-    server = llama_server(llama, artifact, c, max_tokens) if llama else running_server(artifact, overrides)
+    server = (llama_server(llama, artifact, c, max_tokens) if llama
+              else running_server(artifact, overrides, source=source))
     with server as (url, proc):
         name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
@@ -130,18 +132,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", type=Path, default=None, metavar="BIN",
                    help="also llama.cpp's llama-server on --gguf, one slot per user (docs/benchmarks.md: the build)")
     p.add_argument("--gguf", type=Path, default=None, help="the same model for --llama-server (e.g. Q8_0)")
+    p.add_argument("--source", action="append", default=[], metavar="NAME=DIR",
+                   help="serve the artifact NAME with the server of the source tree DIR (e.g. a git worktree of the "
+                        "commit an issue was filed against: the server as it was, in the same run)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sweep.json")
     a = p.parse_args(argv)
     arts = {}
     for spec in a.artifact:
         name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
-        arts[name or Path(path).name] = Path(path)
+        arts[name or Path(path).name] = Path(path).resolve()  # a --source tree runs from its own folder
     overrides = {"result_cache_size": 0, "enable_prefix_caching": False, "max_batch_size": max(a.concurrency),
                  "kv_memory_mb": 1024}
     overrides.update({k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)})
     head = {"cpu_flags": cpu_flags(), "cores": os.cpu_count(), "load_average": os.getloadavg()[0],
             "overrides": overrides, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(f"CPU flags: {head['cpu_flags']}; cores {head['cores']}; load average {head['load_average']:.1f}; {overrides}")
+    sources = dict(spec.split("=", 1) for spec in a.source)
+    unknown = set(sources) - set(arts)
+    if unknown:
+        p.error(f"--source names no --artifact: {sorted(unknown)}")
     systems = {n: (p, None) for n, p in arts.items()}
     if a.llama_server:
         if not (a.gguf and a.gguf.is_file() and a.llama_server.is_file()):
@@ -150,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[dict]] = {n: [] for n in systems}
     for c in a.concurrency:
         for name, (path, llama) in systems.items():
-            r = run_level(path, c, max(8, a.requests_per_user * c), a.max_tokens, overrides, llama)
+            src = Path(sources[name]) if name in sources else None
+            r = run_level(path, c, max(8, a.requests_per_user * c), a.max_tokens, overrides, llama, src)
             base = rows[name][0]["tokens_per_s"] if rows[name] else r["tokens_per_s"]
             r["x_c1"] = round(r["tokens_per_s"] / base, 2)
             rows[name].append(r)
@@ -158,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['tokens_per_cpu_s']:6.1f} tok/CPU-s  peak RSS {r['peak_rss_mib']:5d} MiB  load {r['load']}",
                   flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({**head, "artifacts": {n: str(p) for n, (p, _) in systems.items()}, "rows": rows},
-                                indent=1))
+    a.out.write_text(json.dumps({**head, "artifacts": {n: str(p) for n, (p, _) in systems.items()},
+                                 "sources": sources, "rows": rows}, indent=1))
     print(f"wrote {a.out}")
     return 0
 

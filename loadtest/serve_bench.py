@@ -123,10 +123,11 @@ def benchmark_artifact(artifact_dir: Path, workload: list[dict], concurrency: in
 
 @contextlib.contextmanager
 def running_server(artifact_dir: Path, overrides: dict | None = None,
-                   ready_timeout_s: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
+                   ready_timeout_s: float = 300.0, source: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m serve`` on ``artifact_dir`` in a subprocess on a free 127.0.0.1 port, ready to serve:
     yields (base URL, process); stops it (SIGTERM, then kill) on exit. ServerStartError with the log's
-    tail if it does not come up."""
+    tail if it does not come up. ``source``: the source tree whose ``serve`` runs (default this one; e.g. a
+    ``git worktree`` of an older commit, to measure the server as it was)."""
     overrides = dict(overrides or {})
     _check_overrides(overrides)
     port = free_port()
@@ -135,11 +136,12 @@ def running_server(artifact_dir: Path, overrides: dict | None = None,
            "--log-level", "warning"]
     for k, v in overrides.items():
         cmd += ["--set", f"serve.{k}={json.dumps(v)}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+    root = Path(source).resolve() if source else _ROOT
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.NamedTemporaryFile("w+b", prefix="bench-server-", suffix=".log", delete=False) as log:
         log_path = Path(log.name)
-        proc = subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(url, proc, ready_timeout_s, log_path)
         yield url, proc
