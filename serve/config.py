@@ -66,7 +66,9 @@ class ServeConfig(Section):
     # None = the model's max positions from the manifest (a larger value is capped to it), lowered to what the
     # KV budget holds for one sequence (logged). Set explicitly, a value the budget cannot hold fails start-up.
     max_model_len: int | None = Field(None, ge=2)
-    max_waiting: int = Field(64, ge=1)
+    # Requests waiting for a row before new ones get 429. Above max_batch_size: a whole batch of users answered at
+    # once comes back at once, and with 64 of each, a wave at 64 users was shed while it queued (run 11).
+    max_waiting: int = Field(256, ge=1)
     max_wait_s: float = Field(2.0, gt=0)
     # Order of the waiting queue for requests younger than max_wait_s.
     scheduling_policy: Literal["fcfs", "shortest_first"] = "fcfs"

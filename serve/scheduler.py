@@ -299,8 +299,8 @@ class Scheduler:
         if self.admit_quiet_s <= 0 or not self.waiting or not self._bursty():
             return None
         now = self.clock() if now is None else now
-        if len(self.waiting) >= self.max_batch_size - len(self.running):
-            return None  # the burst already fills the rows: waiting longer gains nothing
+        if len(self.waiting) >= min(self.max_batch_size - len(self.running), self.max_waiting // 2):
+            return None  # the burst fills the rows (waiting longer gains nothing) or half the queue (429s come next)
         if sum(s.num_uncomputed for s in self.waiting) >= self.max_num_batched_tokens:
             return None
         until = min(max(s.arrival for s in self.waiting) + self.admit_quiet_s,

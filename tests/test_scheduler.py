@@ -319,6 +319,17 @@ def test_coalescing_never_holds_a_burst_that_fills_the_rows_or_the_budget():
     assert s2.admit_hold_until() is None
 
 
+def test_coalescing_never_holds_half_the_waiting_queue():
+    """Held requests count against serve.max_waiting, where the HTTP layer sheds with 429s: released at half."""
+    s, clock = make(num_blocks=256, max_num_batched_tokens=2048, max_batch_size=64, max_waiting=8,
+                    admit_quiet_s=0.008, admit_max_delay_s=0.1)
+    for i in range(3):
+        _arrive(s, clock, f"r{i}", 1.0 + 0.001 * i)
+    assert s.admit_hold_until() is not None
+    _arrive(s, clock, "r3", 1.003)
+    assert s.admit_hold_until() is None  # 4 waiting = half of 8
+
+
 def test_coalescing_is_off_by_default():
     s, clock = make(num_blocks=256, max_num_batched_tokens=2048, max_batch_size=8)
     for i in range(3):
