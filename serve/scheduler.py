@@ -19,7 +19,7 @@ Policy, per step (a token budget ``max_num_batched_tokens`` and at most ``max_ba
    in bursts (the newest within ``admit_quiet_s`` of the one before it, or most of the last
    eight so), new ones wait until the newest is ``admit_quiet_s`` old, at most
    ``admit_max_delay_s`` after the oldest waiting one, unless the waiting prompts already fill
-   the free rows or the step's token budget. A burst of arrivals then becomes one batched
+   the free rows, the step's token budget or half the waiting queue. A burst then becomes one batched
    prompt call (``admit_hold_until`` says until when; the decodes keep running meanwhile).
 
 Preemption: when a running sequence needs a block and none is free, the youngest running
