@@ -264,3 +264,38 @@ def test_compare_with_genai_times_ours_and_genai_on_the_same_prompts(tiny_artifa
     assert m["bench_batch1_tok_per_s_vs_genai"] == pytest.approx(m["bench_batch1_tok_per_s"] / m["genai_batch1_tok_per_s"])
     assert all(np.isfinite(v) and v > 0 for v in m.values()), m
     assert set(res["cpu"]) >= {"avx2", "avx512_vnni", "model", "cpus"}
+
+
+def test_sweep_serves_each_artifact_from_its_own_source_tree(tiny_artifact, tmp_path):
+    """benchmarks.sweep through the openai SDK: exactly --max-tokens per request, x c1 from its own c1, and
+    --source runs that artifact's server from another checkout (here a git worktree of HEAD)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from benchmarks import sweep
+
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                                                     capture_output=True).returncode:
+        pytest.skip("not a git checkout: no worktree to serve from")
+    tree = tmp_path / "then"
+    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(tree), "HEAD"], check=True,
+                   capture_output=True)
+    try:
+        out = tmp_path / "sweep.json"
+        assert sweep.main(["--artifact", f"now={tiny_artifact}", "--artifact", f"then={tiny_artifact}",
+                           "--source", f"then={tree}", "--concurrency", "1", "2", "--requests-per-user", "1",
+                           "--max-tokens", "4", "--set", 'providers=["CPUExecutionProvider"]',
+                           "--out", str(out)]) == 0
+    finally:
+        subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    res = json.loads(out.read_text())
+    assert res["sources"] == {"then": str(tree)}
+    for name in ("now", "then"):
+        c1, c2 = res["rows"][name]
+        assert (c1["c"], c1["requests"], c1["output_tokens"]) == (1, 8, 32)
+        assert c2["output_tokens"] == 4 * c2["requests"] and c1["x_c1"] == 1.0
+        assert c2["x_c1"] == pytest.approx(c2["tokens_per_s"] / c1["tokens_per_s"], abs=0.01)
+    with pytest.raises(SystemExit):
+        sweep.main(["--artifact", f"now={tiny_artifact}", "--source", "nope=/tmp", "--out", str(out)])
