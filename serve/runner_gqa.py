@@ -334,6 +334,16 @@ class GqaRunner(RunnerBase):
         self.run_seconds += time.perf_counter() - t
         self.calls += 1
 
+    def _run(self, calls: list[tuple]) -> None:
+        """Run [(session, binding)]: one here, or two at once, the second on the worker thread (onnxruntime releases
+        the GIL while it runs, so the halves use both cores)."""
+        t = time.perf_counter()
+        other = self._half_exec.submit(calls[1][0].run_with_iobinding, calls[1][1]) if len(calls) == 2 else None
+        calls[0][0].run_with_iobinding(calls[0][1])
+        if other is not None:
+            other.result()
+        self.run_seconds += time.perf_counter() - t
+
     def _halves(self):
         """The session for split decode steps: half the intra-op threads, run by two threads at once (this one and
         a worker), each on half the rows. On 2 cores (one thread each) that beat one call on two threads by 5-16 %
@@ -382,15 +392,8 @@ class GqaRunner(RunnerBase):
             inputs["input_ids"][:, 0] = ids[lo:hi]
             inputs["seqlens_k"][:] = starts[lo:hi]
             inputs["total_sequence_length"][()] = int(starts[lo:hi].max()) + 1
-        t = time.perf_counter()
-        if len(parts) == 1:
-            parts[0][0].run_with_iobinding(parts[0][1])
-        else:  # onnxruntime releases the GIL while it runs: the halves run on both cores at once
-            other = self._half_exec.submit(parts[1][0].run_with_iobinding, parts[1][1])
-            parts[0][0].run_with_iobinding(parts[0][1])
-            other.result()
-            self.split_steps += 1
-        self.run_seconds += time.perf_counter() - t
+        self._run([(session, binding) for session, binding, *_ in parts])
+        self.split_steps += int(len(parts) == 2)
         self.calls += 1
         # The new K/V stays in the rows until its block is full, then the block's positions go to the pool in one
         # copy (_flush): writing each position as it came was one strided copy per row per step, 7 % of a server
@@ -447,16 +450,10 @@ class GqaRunner(RunnerBase):
             seqlens = np.array([m - 1 for m in lens], np.int32)
             binding = self._bind(self.kv[:, base + k0:base + k0 + len(g)], ids, seqlens, logits, keep, S,
                                  self._half_session if split else None)
+            # (ids, seqlens) ride along: the binding points at them until the call has run
             calls.append((binding, g, k0, lens, logits, S - (keep or S), (ids, seqlens)))
-        t = time.perf_counter()
-        if split:  # onnxruntime releases the GIL: both halves at once, one thread each
-            other = self._half_exec.submit(self._half_session.run_with_iobinding, calls[1][0])
-            self._half_session.run_with_iobinding(calls[0][0])
-            other.result()
-            self.split_prompt_calls += 1
-        else:
-            self.session.run_with_iobinding(calls[0][0])
-        self.run_seconds += time.perf_counter() - t
+        self._run([(self._half_session if split else self.session, c[0]) for c in calls])
+        self.split_prompt_calls += int(split)
         self.calls += len(calls)
         out: list[np.ndarray | None] = [None] * n
         for _, g, k0, lens, logits, first, _ in calls:

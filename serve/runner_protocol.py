@@ -13,7 +13,6 @@ session once, for every runner.
 from __future__ import annotations
 
 import logging
-
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ class RunnerError(RuntimeError):
 
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class RunRow:
