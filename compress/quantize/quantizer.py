@@ -141,6 +141,10 @@ class Quantizer:
     def __init__(self, src_artifact: str | Path, calib_blocks: np.ndarray | None, cfg: QuantizeConfig,
                  threads: int | None = None, on_event: Callable[[str, dict], None] | None = None,
                  calibration_cache: str | Path | None = None):
+        if cfg.kv_cache == "int8" and (calib_blocks is None or len(calib_blocks) == 0):
+            # before any work: the cache scales are calibrated last, on the written graph
+            raise QuantizeError("quantize.kv_cache int8 calibrates its scales on the calib split: pass calib_blocks "
+                                "(the pipeline does), or set quantize.kv_cache: float32")
         if cfg.method == "auto":
             raise QuantizeError("quantize.method 'auto' picks among forms in the quantize stage "
                                 "(compress.quantize.choice.choose_quant_form); give Quantizer a concrete method")
@@ -273,9 +277,6 @@ class Quantizer:
         fields["quantization"] = settings
         fields["source_artifact_sha256"] = self.manifest.get("files", {}).get(onnx_file, {}).get("sha256")
         if cfg.kv_cache == "int8":
-            if self.calib is None or len(self.calib) == 0:
-                raise QuantizeError("quantize.kv_cache int8 calibrates its scales on the calib split: pass calib_blocks "
-                                    "(the pipeline does), or set quantize.kv_cache: float32")
             write_manifest(tmp, fields)  # the float32-KV graph, loadable, to calibrate the cache scales on
             settings.update(int8_kv_artifact(tmp, self.calib, onnx_file, scales=cfg.kv_cache_scales))
             fields["kv_dtype"] = "int8"
