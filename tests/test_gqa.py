@@ -3,6 +3,8 @@ prefix hits, slot eviction/preemption, INT8 quantization of the gqa artifact."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -430,3 +432,19 @@ def test_pruned_student_builds_and_passes_golden(tiny, tiny_splits, tmp_path):
     report = compare_onnx(tmp_path / "student", record_golden(student, tok, GoldenConfig().prompts, 8, 8))
     assert report.passed, report.failures
     assert report.metrics()["golden_max_abs_error"] < 1e-4
+
+
+def test_prompt_profile_times_the_servers_batched_prompt_call(gqa_artifact, tiny_artifact, tmp_path):
+    """benchmarks.prompt_profile: the call of a wave's first prompts (sorted, right-padded), timed and split by op."""
+    from benchmarks import prompt_profile
+
+    out = tmp_path / "pp.json"
+    assert prompt_profile.main(["--artifact", f"g={gqa_artifact}", "--prompts", "3", "--runs", "2", "--profile",
+                                "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"]["g"]
+    lens = sorted(len(p) for p in prompt_profile.chat_prompts(gqa_artifact, 3))
+    assert (r["tokens"], r["padded_tokens"]) == (sum(lens), 3 * lens[-1])
+    assert r["median_ms"] > 0 and len(r["runs_ms"]) == 2
+    assert r["op_ms"]["GroupQueryAttention"] > 0 and "MatMul" in r["op_ms"]
+    with pytest.raises(SystemExit, match="attention layout 'standard'"):
+        prompt_profile.main(["--artifact", f"s={tiny_artifact}"])
