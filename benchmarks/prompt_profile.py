@@ -8,7 +8,7 @@ prompts (benchmarks/sweep.py) in the artifact's own template, sorted by length, 
 K/V bound in place as past and present. At 32 users the server runs two such calls of 16 at once, one thread
 each, so ``--prompts 16 --threads 1`` is one of them. Artifacts alternate run by run, so load hits them alike.
 Prints the CPU flags, the median ms per call and, with ``--profile``, ORT's kernel time per op type per call
-(the warm-up call included: ORT profiles a session from its first run).
+(the warm-up call left out).
 """
 
 from __future__ import annotations
@@ -91,14 +91,18 @@ class PromptCall:
         self.session.run_with_iobinding(binding)
         return time.perf_counter() - t
 
-    def op_times(self, calls: int) -> dict[str, float]:
-        """ms per call by op type from ORT's profile (ends profiling)."""
+    def op_times(self) -> dict[str, float]:
+        """ms per call by op type from ORT's profile, the first (warm-up) call left out (ends profiling)."""
         path = self.session.end_profiling()
-        per_op: collections.Counter = collections.Counter()
-        for e in json.loads(Path(path).read_text()):
-            if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
-                per_op[e["args"]["op_name"]] += e["dur"]
+        events = json.loads(Path(path).read_text())
         os.unlink(path)
+        runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
+        warm_end = runs[0][1] if runs else 0
+        per_op: collections.Counter = collections.Counter()
+        for e in events:
+            if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= warm_end:
+                per_op[e["args"]["op_name"]] += e["dur"]
+        calls = max(len(runs) - 1, 1)
         return {op: us / calls / 1e3 for op, us in per_op.most_common()}
 
 
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             out[name] = {"median_ms": round(ms[len(ms) // 2], 1), "runs_ms": [round(t, 1) for t in ms],
                          "prompts": a.prompts, "tokens": c.tokens, "padded_tokens": c.padded, "threads": a.threads}
             if a.profile:
-                out[name]["op_ms"] = {k: round(v, 2) for k, v in c.op_times(a.runs + 1).items()}
+                out[name]["op_ms"] = {k: round(v, 2) for k, v in c.op_times().items()}
     for name, r in out.items():
         print(f"{name}: {r['median_ms']} ms per call ({r['prompts']} prompts, {r['tokens']} tokens, "
               f"{r['padded_tokens']} padded, {r['threads']} thread(s))")
