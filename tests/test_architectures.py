@@ -241,8 +241,37 @@ def test_int8_kv_cache(family, scales, artifacts, tiny_splits, tmp_path):
     rep = quantize_artifact(folder, tmp_path / "kv8", tiny_splits.calib, cfg)
     assert read_manifest(tmp_path / "kv8", verify=True)["kv_dtype"] == "int8" and rep.settings["kv_cache_layers"] >= 2
     got, agree, rel = _against_fp32(folder, tmp_path / "kv8", tiny_splits.eval[:4])
-    print(f"{family}: int8 K/V per {scales} (and weight-only int8) against fp32: top-1 {agree:.3f}, rel err {rel:.4f}")
+    print(f"{family}: int8 K/V per {scales} (and weight-only int8) against fp32: top-1 {agree:.3f}, rel err {rel:.4f}, "
+          f"K evened out in {rep.settings['kv_cache_equalized_layers']} of {rep.settings['kv_cache_layers']} layers")
     assert np.isfinite(got).all() and agree > 0.85 and rel < 0.1
     reqs = _requests()
     together = _engine_outputs(tmp_path / "kv8", reqs, max_batch_size=4)
     assert together == [_engine_outputs(tmp_path / "kv8", [r], max_batch_size=1)[0] for r in reqs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_key_equalization_keeps_the_float_model(family, artifacts, tiny_splits, tmp_path):
+    """K's channels evened out for a per-tensor int8 cache (compress/quantize/kv_equalize.py): wherever Q and K come
+    straight from products (packed or apart, with a bias, partial or full rotary) the logits stay bit for bit; the
+    families with q/k norms are left as they are."""
+    import shutil
+
+    import onnx
+
+    from compress.drivers import load_lm
+    from compress.quantize.kv_equalize import equalize_keys
+    from compress.quantize.kv_int8 import kv_absmax
+
+    folder, _ = artifacts(family)
+    absmax = kv_absmax(folder, tiny_splits.calib[:2])
+    # the tiny models' channels are near even: spread the ranges so that every layer gets factors other than 1
+    spread = {k: v * np.where(np.arange(v.shape[1]) % 7 == 0, 16.0, 1.0) if k.endswith(".key") else v
+              for k, v in absmax.items()}
+    out = tmp_path / "eq"
+    shutil.copytree(folder, out)
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    n, _ = equalize_keys(model, spread, out)
+    onnx.save(model, str(out / "model.onnx"))
+    assert n == (0 if family in ("qwen3", "gemma3") else sum(k.endswith(".key") for k in absmax))
+    ids = [int(t) for t in tiny_splits.eval[0][:40]]
+    assert np.array_equal(load_lm(folder, verify=False).prefill(ids)[0], load_lm(out, verify=False).prefill(ids)[0])

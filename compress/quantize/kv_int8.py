@@ -13,7 +13,8 @@ blocks did not show; a value beyond that is clipped. The accept stage then gates
 
 - ``kv_absmax``: run the artifact's own prefill on the blocks and read its caches.
 - ``kv_to_int8``: the graph rewrite (inputs/outputs declared int8, attributes, scale initializers).
-- ``int8_kv_artifact``: both, on an artifact folder (its manifest then says ``kv_dtype: int8``).
+- ``int8_kv_artifact``: both, on an artifact folder (its manifest then says ``kv_dtype: int8``); per tensor, K's
+  channels are evened out first (compress/quantize/kv_equalize.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from compress.quantize.graph import QuantizeError
+from compress.quantize.kv_equalize import equalize_keys
 
 CALIB_BLOCKS = 16  # calib blocks the scales are taken from (16 x 128 tokens for the demo)
 KV_MARGIN = 1.25  # headroom over the calibration maximum: clipping an unseen outlier costs more than a coarser step
@@ -104,6 +106,8 @@ def int8_kv_artifact(artifact_dir: str | Path, blocks: np.ndarray, onnx_file: st
     absmax = kv_absmax(artifact_dir, blocks)
     path = artifact_dir / onnx_file
     model = onnx.load(str(path), load_external_data=False)
+    # one scale per tensor is set by K's largest channels: even them out first (exact; compress/quantize/kv_equalize.py)
+    equalized, absmax = equalize_keys(model, absmax, artifact_dir) if scales == "tensor" else (0, absmax)
     n = kv_to_int8(model, absmax, margin, scales)
     if n == 0:
         raise QuantizeError("quantize.kv_cache int8: the graph has no GroupQueryAttention")
@@ -111,6 +115,7 @@ def int8_kv_artifact(artifact_dir: str | Path, blocks: np.ndarray, onnx_file: st
     k = np.concatenate([v.reshape(-1) for name, v in absmax.items() if name.endswith(".key")])
     v = np.concatenate([v.reshape(-1) for name, v in absmax.items() if name.endswith(".value")])
     return {"kv_cache": f"int8 per {scales} (calibrated max x {margin})", "kv_cache_layers": n,
+            "kv_cache_equalized_layers": equalized,
             "kv_cache_calib_blocks": int(min(len(blocks), CALIB_BLOCKS)),
             "kv_key_absmax_p50_max": [float(np.median(k)), float(k.max())],
             "kv_value_absmax_p50_max": [float(np.median(v)), float(v.max())]}
