@@ -47,7 +47,8 @@ from serve.onnx_external import inline_bytes, load_lazy, spill
 MODEL_FILE = "model.onnx"
 # 2: per-token W8A8 without the Shape/Reshape/Slice/Concat around each linear, and its tied lm_head in int8.
 # 3: one QuantizeLinear per shared input, one MatMulIntegerToFloat per packed group. 4: one per linear, no Split.
-QUANT_FORMAT = 4
+# 5: a per-tensor int8 K/V cache evens out K's channels first (kv_equalize.py).
+QUANT_FORMAT = 5
 # Smoothed weights held in memory beyond this go to a scratch file (Quantizer.prepare).
 SPILL_BYTES = 256 << 20
 
