@@ -14,7 +14,8 @@ computed. The server's CPU seconds are read from /proc (user + system, its whole
 llama.cpp's own server on the same model (one parallel slot per user, prompt cache off), the same client and
 prompts, one system after another. Prints the CPU flags,
 the load average and, per artifact, each level's tokens/s as a multiple of its own c1 in the same run; writes
-``benchmarks/results/sweep.json``.
+``benchmarks/results/sweep.json``. ``--repeats N`` runs the whole sequence N times (the systems' order rotated) and
+reports medians, with each round's own x c1 beside them.
 """
 
 from __future__ import annotations
@@ -121,6 +122,28 @@ def run_level(artifact: Path, c: int, requests: int, max_tokens: int, overrides:
             "peak_rss_mib": round(max(peak)), "load": round(os.getloadavg()[0], 1)}
 
 
+def medians(rounds: list[dict[str, list[dict]]]) -> dict[str, list[dict]]:
+    """Per system and level over the rounds: median tokens/s and tokens per CPU-second, the largest peak RSS, x c1 of
+    the medians, and each round's own x c1 (its c1 and its level measured in the same round)."""
+    import statistics
+
+    out: dict[str, list[dict]] = {}
+    for name in rounds[0]:
+        levels = []
+        for i, first in enumerate(rounds[0][name]):
+            rs = [rnd[name][i] for rnd in rounds]
+            levels.append({"c": first["c"], "requests": first["requests"],
+                           "output_tokens": int(statistics.median(r["output_tokens"] for r in rs)),
+                           "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rs), 1),
+                           "tokens_per_cpu_s": round(statistics.median(r["tokens_per_cpu_s"] for r in rs), 1),
+                           "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
+                           "x_c1_rounds": [r["x_c1"] for r in rs]})
+        for lv in levels:
+            lv["x_c1"] = round(lv["tokens_per_s"] / levels[0]["tokens_per_s"], 2)
+        out[name] = levels
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__.split("\n")[0])
     p.add_argument("--artifact", action="append", required=True, metavar="NAME=PATH",
@@ -135,8 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", action="append", default=[], metavar="NAME=DIR",
                    help="serve the artifact NAME with the server of the source tree DIR (e.g. a git worktree of the "
                         "commit an issue was filed against: the server as it was, in the same run)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every (system, level) this many times, the systems' order rotated each round; the figures "
+                        "are the medians (this 2-core VM moves them +-5 %% from one run to the next)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sweep.json")
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error(f"--repeats {a.repeats}: at least 1")
     arts = {}
     for spec in a.artifact:
         name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
@@ -156,20 +184,35 @@ def main(argv: list[str] | None = None) -> int:
         if not (a.gguf and a.gguf.is_file() and a.llama_server.is_file()):
             p.error("--llama-server needs the binary and --gguf, the model file it serves")
         systems["llama-server"] = (a.gguf, a.llama_server)
-    rows: dict[str, list[dict]] = {n: [] for n in systems}
-    for c in a.concurrency:
-        for name, (path, llama) in systems.items():
-            src = Path(sources[name]) if name in sources else None
-            r = run_level(path, c, max(8, a.requests_per_user * c), a.max_tokens, overrides, llama, src)
-            base = rows[name][0]["tokens_per_s"] if rows[name] else r["tokens_per_s"]
-            r["x_c1"] = round(r["tokens_per_s"] / base, 2)
-            rows[name].append(r)
-            print(f"{name:>10} c{c:<3} {r['tokens_per_s']:7.1f} tok/s ({r['x_c1']:5.2f}x c1)  "
-                  f"{r['tokens_per_cpu_s']:6.1f} tok/CPU-s  peak RSS {r['peak_rss_mib']:5d} MiB  load {r['load']}",
-                  flush=True)
+    rounds: list[dict[str, list[dict]]] = []
+    for k in range(a.repeats):
+        names = list(systems)
+        order = names[k % len(names):] + names[:k % len(names)]  # nobody always goes first
+        runs: dict[str, list[dict]] = {n: [] for n in systems}
+        for c in a.concurrency:
+            for name in order:
+                path, llama = systems[name]
+                src = Path(sources[name]) if name in sources else None
+                r = run_level(path, c, max(8, a.requests_per_user * c), a.max_tokens, overrides, llama, src)
+                base = runs[name][0]["tokens_per_s"] if runs[name] else r["tokens_per_s"]
+                r["x_c1"] = round(r["tokens_per_s"] / base, 2)
+                runs[name].append(r)
+                tag = f"[{k + 1}/{a.repeats}] " if a.repeats > 1 else ""
+                print(f"{tag}{name:>10} c{c:<3} {r['tokens_per_s']:7.1f} tok/s ({r['x_c1']:5.2f}x c1)  "
+                      f"{r['tokens_per_cpu_s']:6.1f} tok/CPU-s  peak RSS {r['peak_rss_mib']:5d} MiB  load {r['load']}",
+                      flush=True)
+        rounds.append(runs)
+    rows = rounds[0] if a.repeats == 1 else medians(rounds)
+    if a.repeats > 1:
+        print("medians over the rounds (x c1: of the medians; per round in brackets):")
+        for name, levels in rows.items():
+            for r in levels:
+                print(f"{name:>10} c{r['c']:<3} {r['tokens_per_s']:7.1f} tok/s ({r['x_c1']:5.2f}x c1 {r['x_c1_rounds']})  "
+                      f"{r['tokens_per_cpu_s']:6.1f} tok/CPU-s")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({**head, "artifacts": {n: str(p) for n, (p, _) in systems.items()},
-                                 "sources": sources, "rows": rows}, indent=1))
+                                 "sources": sources, "repeats": a.repeats, "rows": rows,
+                                 **({"rounds": rounds} if a.repeats > 1 else {})}, indent=1))
     print(f"wrote {a.out}")
     return 0
 

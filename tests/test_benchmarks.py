@@ -299,3 +299,27 @@ def test_sweep_serves_each_artifact_from_its_own_source_tree(tiny_artifact, tmp_
         assert c2["x_c1"] == pytest.approx(c2["tokens_per_s"] / c1["tokens_per_s"], abs=0.01)
     with pytest.raises(SystemExit):
         sweep.main(["--artifact", f"now={tiny_artifact}", "--source", "nope=/tmp", "--out", str(out)])
+
+
+def test_sweep_repeats_report_medians_and_each_rounds_ratio(tiny_artifact, tmp_path):
+    """--repeats: every (system, level) runs once per round; the rows are the medians, x c1 of the medians, and each
+    round's own ratio of its level to its c1."""
+    import statistics
+
+    from benchmarks import sweep
+
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--artifact", f"a={tiny_artifact}", "--artifact", f"b={tiny_artifact}", "--concurrency", "1",
+                       "2", "--requests-per-user", "1", "--max-tokens", "3", "--repeats", "3",
+                       "--set", 'providers=["CPUExecutionProvider"]', "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["repeats"] == 3 and len(res["rounds"]) == 3
+    for name in ("a", "b"):
+        c1, c2 = res["rows"][name]
+        per_round = [rnd[name] for rnd in res["rounds"]]
+        assert c2["tokens_per_s"] == pytest.approx(statistics.median(r[1]["tokens_per_s"] for r in per_round), abs=0.1)
+        assert c2["x_c1"] == pytest.approx(c2["tokens_per_s"] / c1["tokens_per_s"], abs=0.01)
+        assert c2["x_c1_rounds"] == [r[1]["x_c1"] for r in per_round] and c1["x_c1_rounds"] == [1.0] * 3
+        assert all(r[1]["output_tokens"] == 3 * r[1]["requests"] for r in per_round)
+    with pytest.raises(SystemExit):
+        sweep.main(["--artifact", f"a={tiny_artifact}", "--repeats", "0", "--out", str(out)])
