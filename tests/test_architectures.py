@@ -254,24 +254,13 @@ def test_key_equalization_keeps_the_float_model(family, artifacts, tiny_splits, 
     """K's channels evened out for a per-tensor int8 cache (compress/quantize/kv_equalize.py): wherever Q and K come
     straight from products (packed or apart, with a bias, partial or full rotary) the logits stay bit for bit; the
     families with q/k norms are left as they are."""
-    import shutil
-
-    import onnx
+    from key_spread import equalized_copy
 
     from compress.drivers import load_lm
-    from compress.quantize.kv_equalize import equalize_keys
-    from compress.quantize.kv_int8 import kv_absmax
 
     folder, _ = artifacts(family)
-    absmax = kv_absmax(folder, tiny_splits.calib[:2])
-    # the tiny models' channels are near even: spread the ranges so that every layer gets factors other than 1
-    spread = {k: v * np.where(np.arange(v.shape[1]) % 7 == 0, 16.0, 1.0) if k.endswith(".key") else v
-              for k, v in absmax.items()}
     out = tmp_path / "eq"
-    shutil.copytree(folder, out)
-    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    n, _ = equalize_keys(model, spread, out)
-    onnx.save(model, str(out / "model.onnx"))
+    n, absmax, _, _ = equalized_copy(folder, tiny_splits.calib[:2], out)
     assert n == (0 if family in ("qwen3", "gemma3") else sum(k.endswith(".key") for k in absmax))
     ids = [int(t) for t in tiny_splits.eval[0][:40]]
     assert np.array_equal(load_lm(folder, verify=False).prefill(ids)[0], load_lm(out, verify=False).prefill(ids)[0])

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import onnx
 import pytest
 
 from compress.config import QuantizeConfig
 from compress.export.gqa import build_gqa_artifact
-from compress.quantize.kv_equalize import equalize_keys, pair_factors
+from compress.quantize.kv_equalize import pair_factors
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +36,14 @@ def test_pair_factors_are_powers_of_two_shared_by_rotary_pairs():
 def test_equalized_graph_computes_the_same_logits_and_the_predicted_ranges(gqa_fp32, tiny_splits, tmp_path):
     """Powers of two fold into the packed Q|K|V weight's columns exactly: prefill logits bit for bit, and the K
     ranges the equalized graph writes are the calibrated ones divided by the factors."""
+    from key_spread import equalized_copy
+
     from compress.drivers import load_lm
     from compress.quantize.kv_int8 import kv_absmax
 
-    absmax = kv_absmax(gqa_fp32, tiny_splits.calib[:4])
-    # the tiny model's channels are near even: spread them so every layer gets factors other than 1
-    spread = {k: v * np.where(np.arange(v.shape[1]) % 7 == 0, 16.0, 1.0) if k.endswith(".key") else v
-              for k, v in absmax.items()}
     out = tmp_path / "eq"
-    shutil.copytree(gqa_fp32, out)
-    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    n, predicted = equalize_keys(model, spread, out)
-    layers = sum(k.endswith(".key") for k in absmax)
-    assert n == layers
-    onnx.save(model, str(out / "model.onnx"))
+    n, absmax, spread, predicted = equalized_copy(gqa_fp32, tiny_splits.calib[:4], out)
+    assert n == sum(k.endswith(".key") for k in absmax)
     ids = [int(t) for t in tiny_splits.eval[0][:48]]
     ref = load_lm(gqa_fp32, verify=False).prefill(ids)[0]
     got = load_lm(out, verify=False).prefill(ids)[0]
