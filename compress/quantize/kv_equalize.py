@@ -73,8 +73,9 @@ def _column_edits(tensor: str, f: np.ndarray, graph: tuple[dict, dict, dict], ba
                 return None
             edits.append((consts[0], b * f))
             cur = next(i for i in node.input if i not in inits)
-        elif node.op_type == "Mul" and node.domain in ("", "ai.onnx") and not any(i in inits for i in node.input):
-            cur = node.input[0]  # the per-row scale of per-token W8A8: [..., 1], commutes with a column scale
+        elif node.op_type == "Mul" and node.domain in ("", "ai.onnx") and len(node.input) == 2 \
+                and getattr(prod.get(node.input[1]), "op_type", None) in ("Max", "ReduceMax"):
+            cur = node.input[0]  # the per-row scale of per-token W8A8 (a row maximum, [..., 1]) commutes with a column scale
         elif node.op_type == "MatMulIntegerToFloat" and node.domain == _MS_DOMAIN:
             s = _const(node.input[3], inits, base_dir)
             if s is None or uses[node.input[3]] != 1:
