@@ -55,7 +55,7 @@ def _const(name: str, inits: dict, base_dir: Path) -> np.ndarray | None:
 
 def _column_edits(tensor: str, f: np.ndarray, graph: tuple[dict, dict, dict], base_dir: Path) -> list | None:
     """The constants that multiply output column n of the product behind ``tensor`` by f[n], as [(name, new
-    value)]; None when the chain is not one this knows or a constant on it is shared. ``graph``: (producer by
+    value)] in the constants' own dtypes; None when the chain is not one this knows or a constant on it is shared. ``graph``: (producer by
     output, uses per tensor, initializer by name)."""
     prod, uses, inits = graph
     edits: list[tuple[str, np.ndarray]] = []
@@ -71,7 +71,7 @@ def _column_edits(tensor: str, f: np.ndarray, graph: tuple[dict, dict, dict], ba
             b = _const(consts[0], inits, base_dir)
             if b.shape[-1:] != f.shape:
                 return None
-            edits.append((consts[0], b * f))
+            edits.append((consts[0], (b * f).astype(b.dtype)))
             cur = next(i for i in node.input if i not in inits)
         elif node.op_type == "Mul" and node.domain in ("", "ai.onnx") and len(node.input) == 2 \
                 and getattr(prod.get(node.input[1]), "op_type", None) in ("Max", "ReduceMax"):
@@ -80,29 +80,28 @@ def _column_edits(tensor: str, f: np.ndarray, graph: tuple[dict, dict, dict], ba
             s = _const(node.input[3], inits, base_dir)
             if s is None or uses[node.input[3]] != 1:
                 return None
-            edits.append((node.input[3], np.broadcast_to(s, f.shape) * f))
+            edits.append((node.input[3], (np.broadcast_to(s, f.shape) * f).astype(s.dtype)))
             break
         elif node.op_type == "MatMulNBits" and node.domain == _MS_DOMAIN:
             s = _const(node.input[2], inits, base_dir)
             if s is None or uses[node.input[2]] != 1:
                 return None
-            edits.append((node.input[2], (s.reshape(len(f), -1) * f[:, None]).reshape(s.shape)))
+            edits.append((node.input[2], (s.reshape(len(f), -1) * f[:, None]).reshape(s.shape).astype(s.dtype)))
             break
         elif node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and node.input[1] in inits:
             w = _const(node.input[1], inits, base_dir)
             if w.ndim != 2 or w.shape[1] != len(f) or uses[node.input[1]] != 1:
                 return None
-            edits.append((node.input[1], w * f))
+            edits.append((node.input[1], (w * f).astype(w.dtype)))
             break
         else:
             return None
     return edits
 
 
-def _apply(edits: list, inits: dict, base_dir: Path) -> None:
-    for name, arr in edits:
-        dtype = numpy_helper.to_array(inits[name], base_dir=str(base_dir)).dtype
-        inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=dtype), name))
+def _apply(edits: list, inits: dict) -> None:
+    for name, arr in edits:  # each new value already in its constant's dtype (_column_edits)
+        inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(arr), name))
 
 
 def equalize_keys(model: onnx.ModelProto, absmax: dict[str, np.ndarray], base_dir: str | Path) -> tuple[int, dict]:
@@ -146,7 +145,7 @@ def equalize_keys(model: onnx.ModelProto, absmax: dict[str, np.ndarray], base_di
             f = np.concatenate([fq, fk, np.ones(nkv * hd, np.float32)]).astype(np.float32)
             edits = _column_edits(node.input[0], f, graph, base_dir)
         if edits is not None:
-            _apply(edits, inits, base_dir)
+            _apply(edits, inits)
             out[key] = a / c
             n += 1
     return n, out
