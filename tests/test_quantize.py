@@ -251,6 +251,54 @@ def test_smoothquant_is_exact_in_float_and_flattens_outliers(tiny_artifact, tiny
         apply_smoothquant(onnx.load(str(tiny_artifact / "model.onnx")), q.linears, q.stats, 1.5)
 
 
+def test_tied_lm_head_of_the_per_token_form_is_smoothed_exactly(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
+    """The per-token form's tied lm_head gets SmoothQuant too: the final norm's gamma / s and the lm_head's own int8
+    copy made from E^T * s. In float the two halves cancel; the artifact carries both."""
+    import copy
+
+    from compress.quantize.smoothquant import fold_tied_lm_head, heldout_w8a8_error
+    from serve.onnx_external import tensor_array
+
+    cfg = QuantizeConfig(method="dynamic", activation_granularity="token", keep_float=[], quantize_embedding=True,
+                         smoothquant_alpha=0.5)
+    q = Quantizer(tiny_artifact, tiny_splits.calib, cfg)
+    q.prepare()
+    head, s = q.lm_head_smooth
+    assert s.shape == (64,) and float(s.max() / s.min()) > 1.5  # the scales do something
+    assert [r.linears for r in q.smooth_report].count(["lm_head"]) == 1 and q.smoothed == 7
+    # float: gamma / s with E^T * s in the lm_head gives the model's own logits
+    m = copy.deepcopy(q.model)
+    inits = {i.name: i for i in m.graph.initializer}
+    E = tensor_array(inits[head.embedding]).astype(np.float32)
+    fold_tied_lm_head(m, head, s)
+    lm = next(n for n in m.graph.node if n.op_type == "MatMul" and n.input[0] == head.tensor)
+    m.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(E.T * s[:, None]), "lm_head_T_s"))
+    lm.input[1] = "lm_head_T_s"
+    folded = np.concatenate(list(lm_for_model(m, q.manifest).prefill_batches(tiny_splits.eval, 2)))
+    np.testing.assert_allclose(folded, fp32_logits, rtol=1e-4, atol=1e-3)
+    # the artifact: gamma / s before the lm_head, and the int8 copy is E^T * s
+    rep = q.write(tmp_path / "tok")
+    assert rep.settings["lm_head_smoothquant_alpha"] == 0.5
+    out = onnx.load(str(tmp_path / "tok" / "model.onnx"))
+    oi = {i.name: numpy_helper.to_array(i) for i in out.graph.initializer}
+    norm = next(n for n in out.graph.node if n.name == head.norm)
+    gamma = tensor_array(inits[head.gamma])
+    np.testing.assert_allclose(next(oi[i] for i in norm.input if i in oi), gamma / s, rtol=1e-6)
+    mm = [n for n in out.graph.node if n.op_type == "MatMulIntegerToFloat"][-1]
+    w = oi[mm.input[1]].astype(np.float32) * oi[mm.input[3]].reshape(1, -1)
+    ref = E.T * s[:, None]
+    assert np.abs(w - ref).max() <= 0.51 * np.abs(ref).max(0).max() / 127
+    logits = prefill_logits(tmp_path / "tok", tiny_splits.eval)
+    assert _rel_err(logits, fp32_logits) < 0.05 and _agreement(logits, fp32_logits) > 0.9
+    # "auto" keeps it only where it lowers the held-out per-token error
+    qa = Quantizer(tiny_artifact, tiny_splits.calib, cfg.model_copy(update={"smoothquant_alpha": "auto"}))
+    qa.prepare()
+    r = next((r for r in qa.smooth_report if r.linears == ["lm_head"]), None)
+    if r is not None:
+        x = qa.stats[head.tensor].sample
+        assert r.w8a8_error < heldout_w8a8_error(x, [E.T.copy()], None, per_token=True)
+
+
 def test_sensitivity_scan_keeps_most_sensitive_groups_float(tiny_artifact, tiny_splits, tmp_path):
     cfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=False, sensitivity_trials=4, sensitivity_keep=2)
     events = []

@@ -190,7 +190,7 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
 
 def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accuracy_level: int = 4,
                             lm_head_per_token: bool = False, per_channel: bool = True,
-                            reduce_range: bool = False) -> bool:
+                            reduce_range: bool = False, lm_head_scales: np.ndarray | None = None) -> bool:
     """Store the embedding table once as 8-bit blocks, shared by the token Gather and a tied lm_head.
 
     Gather(E, ids)            -> GatherBlockQuantized(Eq[V, K/b, b]) -> Reshape [.., K]
@@ -198,7 +198,9 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
     lm_head_per_token (the W8A8 per-token form): the lm_head instead gets its own int8 copy [K, V], per channel,
     behind per-token activations (insert_dynamic_per_token): MatMulNBits at M = 32 rows ran ~5x slower than
     MatMulInteger on this CPU (docs/benchmarks.md), and the lm_head is a fifth of SmolLM2's weights. Costs V x K
-    bytes more (28 MiB for SmolLM2).
+    bytes more (28 MiB for SmolLM2). lm_head_scales: SmoothQuant's s for that copy's input channels (its rows are
+    multiplied by s); the caller has divided the lm_head's input by s (compress/quantize/smoothquant.py
+    fold_tied_lm_head).
     Returns False (model untouched) when the graph has no such pattern.
     """
     g = model.graph
@@ -252,7 +254,8 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
         else:
             new_nodes.append(n)
     if lm_head_per_token and lm_heads:
-        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(E.T), f"{e_name}_lm_head_T"))
+        w = E.T if lm_head_scales is None else E.T * np.asarray(lm_head_scales, np.float32)[:, None]
+        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w), f"{e_name}_lm_head_T"))
     g.ClearField("node")
     g.node.extend(new_nodes)
     drop_initializers(g, {e_name})

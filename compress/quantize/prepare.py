@@ -38,13 +38,15 @@ class Calibrated:
 def calibrate_and_smooth(model: onnx.ModelProto, linears: list[Linear], calib: np.ndarray, cfg: QuantizeConfig,
                          alpha: float | str | None, reduce_range: bool, num_kv_heads: int, head_dim: int,
                          threads: int | None = None, calibration_cache: Path | None = None,
-                         on_event: Callable[[str, dict], None] = lambda name, data: None) -> Calibrated:
+                         on_event: Callable[[str, dict], None] = lambda name, data: None,
+                         extra_tensors: tuple[str, ...] = ()) -> Calibrated:
     """Calibrate `linears` of `model` on `calib` and smooth `model` in place with `alpha` (None = no smoothing).
 
     calibration_cache: an .npz of the first pass, keyed by the calib blocks' sha256; reused when it
     matches, written when it does not.
+    extra_tensors: more activations to take statistics of (the tied lm_head's input, which is not a linear here).
     """
-    tensors = list(dict.fromkeys(l.input for l in linears))
+    tensors = list(dict.fromkeys([*(l.input for l in linears), *extra_tensors]))
     hist = cfg.method == "static" and cfg.calibration in ("entropy", "percentile")
     smooth_report: list[SmoothedTensor] = []
 

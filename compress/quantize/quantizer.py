@@ -42,13 +42,15 @@ from compress.quantize.graph import (QuantizeError, dynamic_per_tensor, insert_d
                                   quantize_tied_embedding, save_model, weight_only)
 from compress.quantize.prepare import calibrate_and_smooth
 from compress.quantize.sensitivity import sensitivity_scan
+from compress.quantize.smoothquant import fold_tied_lm_head, smooth_tied_lm_head, tied_lm_head
 from serve.onnx_external import inline_bytes, load_lazy, spill
 
 MODEL_FILE = "model.onnx"
 # 2: per-token W8A8 without the Shape/Reshape/Slice/Concat around each linear, and its tied lm_head in int8.
 # 3: one QuantizeLinear per shared input, one MatMulIntegerToFloat per packed group. 4: one per linear, no Split.
 # 5: a per-tensor int8 K/V cache evens out K's channels first (kv_equalize.py).
-QUANT_FORMAT = 5
+# 6: the per-token form's tied lm_head is smoothed too (smoothquant.py smooth_tied_lm_head).
+QUANT_FORMAT = 6
 # Smoothed weights held in memory beyond this go to a scratch file (Quantizer.prepare).
 SPILL_BYTES = 256 << 20
 
@@ -170,6 +172,7 @@ class Quantizer:
         self.inv_scales: dict[str, np.ndarray] = {}
         self.smoothed = 0
         self.smooth_report: list = []
+        self.lm_head_smooth = None  # (TiedLmHead, s): SmoothQuant for the per-token form's tied lm_head
         self.ranges: dict[str, tuple[float, float]] = {}
         self.calib_seconds = 0.0
         self.calib_sha256 = ""
@@ -194,12 +197,20 @@ class Quantizer:
         t_prepare = time.perf_counter()
         cfg = self.cfg
         if self.calib is not None and (cfg.method == "static" or self.alpha is not None):
+            head = (tied_lm_head(self.model) if self.per_token_lm_head and cfg.quantize_embedding
+                    and self.alpha is not None else None)
             c = calibrate_and_smooth(self.model, self.linears, self.calib, cfg, self.alpha, self.reduce_range,
                                      int(self.manifest["num_kv_heads"]), int(self.manifest["head_dim"]),
                                      threads=self.threads, calibration_cache=self.calibration_cache,
-                                     on_event=self.on_event)
+                                     on_event=self.on_event, extra_tensors=(head.tensor,) if head else ())
             self.stats, self.inv_scales, self.ranges, self.linears = c.stats, c.inv_scales, c.ranges, c.linears
-            self.smooth_report, self.smoothed = c.smooth_report, len(c.smooth_report)
+            self.smooth_report = list(c.smooth_report)
+            if head is not None:
+                smoothed_head = smooth_tied_lm_head(self.model, c.stats, self.alpha, self.reduce_range)
+                if smoothed_head is not None:
+                    self.lm_head_smooth = smoothed_head[:2]
+                    self.smooth_report.append(smoothed_head[2])
+            self.smoothed = len(self.smooth_report)
             self.calib_seconds, self.calib_sha256, self.calib_fed = c.seconds, c.sha256, c.blocks
             if inline_bytes(self.model) > SPILL_BYTES:
                 # SmoothQuant rewrote the weights in memory; to disk with them, or every variant's copy holds them too
@@ -239,9 +250,12 @@ class Quantizer:
         if fallback and rest and cfg.keep_float_as == "weight_only" and cfg.method != "weight_only":
             model = weight_only(model, rest, pow2_block(cfg.block_size), cfg.accuracy_level)
         if cfg.quantize_embedding if embedding is None else embedding:
-            quantize_tied_embedding(model, pow2_block(cfg.block_size), cfg.accuracy_level,
-                                    lm_head_per_token=self.per_token_lm_head, per_channel=cfg.per_channel,
-                                    reduce_range=self.reduce_range)
+            head, scales = (self.lm_head_smooth if self.per_token_lm_head and self.lm_head_smooth else (None, None))
+            done = quantize_tied_embedding(model, pow2_block(cfg.block_size), cfg.accuracy_level,
+                                           lm_head_per_token=self.per_token_lm_head, per_channel=cfg.per_channel,
+                                           reduce_range=self.reduce_range, lm_head_scales=scales)
+            if done and head is not None:
+                fold_tied_lm_head(model, head, scales)  # the other half: the lm_head's input divided by s
         # gate/up (and q/k/v where the export did not) as one MatMulNBits / MatMul each: fewer, larger
         # kernels per step; done here, after SmoothQuant no longer needs up_proj apart (compress/export/graph_fusion.py)
         pack_siblings(model)
@@ -314,6 +328,9 @@ class Quantizer:
             "calib_blocks": self.calib_fed,
             "calib_sha256": self.calib_sha256,
         }
+        if self.per_token_lm_head and cfg.quantize_embedding:
+            head = next((r for r in self.smooth_report if r.linears == ["lm_head"]), None)
+            s["lm_head_smoothquant_alpha"] = head.alpha if head else None
         if cfg.method == "static":
             s["activations"] = "uint8 asymmetric per-tensor (static)"
             s["calibration"] = cfg.calibration
