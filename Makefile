@@ -31,7 +31,7 @@ demo: setup
 	$(BIN)/compressor run --config $(CONFIG)
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 # The MLflow UI on the project's store: `make ui UI_PORT=5001` when 5000 is taken. Run summaries link to
 # $MLFLOW_UI_URL (exported here, so a pipeline started from this Makefile links to this port).

@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-user", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="a ServeConfig field")
+    p.add_argument("--set-for", action="append", default=[], metavar="NAME:KEY=JSON",
+                   help="a ServeConfig field for the artifact NAME only (the same artifact under two names: an A/B of "
+                        "a server setting in one run)")
     p.add_argument("--llama-server", type=Path, default=None, metavar="BIN",
                    help="also llama.cpp's llama-server on --gguf, one slot per user (docs/benchmarks.md: the build)")
     p.add_argument("--gguf", type=Path, default=None, help="the same model for --llama-server (e.g. Q8_0)")
@@ -179,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sources) - set(arts)
     if unknown:
         p.error(f"--source names no --artifact: {sorted(unknown)}")
+    own: dict[str, dict] = {}
+    for spec in a.set_for:
+        name, sep, kv = spec.partition(":")
+        if not sep or "=" not in kv or name not in arts:
+            p.error(f"--set-for {spec!r}: NAME:KEY=JSON, NAME one of the --artifact names {sorted(arts)}")
+        key, value = kv.split("=", 1)
+        own.setdefault(name, {})[key] = json.loads(value)
     systems = {n: (p, None) for n, p in arts.items()}
     if a.llama_server:
         if not (a.gguf and a.gguf.is_file() and a.llama_server.is_file()):
@@ -193,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 path, llama = systems[name]
                 src = Path(sources[name]) if name in sources else None
-                r = run_level(path, c, max(8, a.requests_per_user * c), a.max_tokens, overrides, llama, src)
+                r = run_level(path, c, max(8, a.requests_per_user * c), a.max_tokens, {**overrides, **own.get(name, {})},
+                              llama, src)
                 base = runs[name][0]["tokens_per_s"] if runs[name] else r["tokens_per_s"]
                 r["x_c1"] = round(r["tokens_per_s"] / base, 2)
                 runs[name].append(r)
@@ -211,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['tokens_per_cpu_s']:6.1f} tok/CPU-s")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({**head, "artifacts": {n: str(p) for n, (p, _) in systems.items()},
-                                 "sources": sources, "repeats": a.repeats, "rows": rows,
+                                 "sources": sources, "set_for": own, "repeats": a.repeats, "rows": rows,
                                  **({"rounds": rounds} if a.repeats > 1 else {})}, indent=1))
     print(f"wrote {a.out}")
     return 0
