@@ -46,7 +46,9 @@ def prefect_server(tmp_path_factory):
            "COMPRESSOR_POOL": "test-pool", "PWD": str(ROOT), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
            # As `make prefect-server`: `--watch` streams the flow's logs (the verdict and its reasons) only with these.
-           "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true", "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true"}
+           "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true", "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",
+           # The worker looks for scheduled runs every second, not every 10 (Prefect's default): ten runs here.
+           "PREFECT_WORKER_QUERY_SECONDS": "1"}
     server = _start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp / "server.log")
     try:
         deadline = time.monotonic() + 180

@@ -133,6 +133,17 @@ def smoothing_scales(act_absmax: np.ndarray, weights: list[np.ndarray], alpha: f
     return np.clip(s, 1e-4, 1e4).astype(np.float32)
 
 
+def _graph_maps(model: onnx.ModelProto) -> tuple[dict, dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]]]:
+    """The graph's initializers by name, each tensor's producer node and each tensor's consumer nodes."""
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    return _init_map(model), producer, consumers
+
+
 def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict[str, ActStats], alpha: float | str,
                       reduce_range: bool = False, grid: tuple[float, ...] = ALPHA_GRID, per_token: bool = False) -> tuple[dict[str, np.ndarray], list[SmoothedTensor]]:
     """Smooth every linear input that has a foldable producer, in place.
@@ -145,12 +156,7 @@ def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict
     if alpha != "auto" and not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
         raise ValueError(f"quantize.smoothquant_alpha must be in [0, 1], 'auto' or null to disable, got {alpha!r}")
     g = model.graph
-    inits = _init_map(model)
-    producer = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    inits, producer, consumers = _graph_maps(model)
     by_node = {n.name: n for n in g.node}
     linear_by_output = {by_node[l.node].output[0]: l for l in linears if l.node in by_node}
     groups: dict[str, list[Linear]] = {}
@@ -247,12 +253,7 @@ def tied_lm_head(model: onnx.ModelProto) -> TiedLmHead | None:
     """The tied lm_head whose input can be smoothed: every reader of x is such a MatMul, x comes from a norm with a
     1-D gamma of x's width (RMSNorm only: a LayerNormalization's bias would need dividing too). None otherwise."""
     g = model.graph
-    inits = _init_map(model)
-    producer = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    inits, producer, consumers = _graph_maps(model)
     for t in g.node:
         if t.op_type != "Transpose" or t.input[0] not in inits or len(inits[t.input[0]].dims) != 2:
             continue
