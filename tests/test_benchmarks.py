@@ -311,9 +311,11 @@ def test_sweep_repeats_report_medians_and_each_rounds_ratio(tiny_artifact, tmp_p
     out = tmp_path / "sweep.json"
     assert sweep.main(["--artifact", f"a={tiny_artifact}", "--artifact", f"b={tiny_artifact}", "--concurrency", "1",
                        "2", "--requests-per-user", "1", "--max-tokens", "3", "--repeats", "3",
-                       "--set", 'providers=["CPUExecutionProvider"]', "--out", str(out)]) == 0
+                       "--set", 'providers=["CPUExecutionProvider"]', "--set-for", "b:max_batch_size=1",
+                       "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["repeats"] == 3 and len(res["rounds"]) == 3
+    assert res["set_for"] == {"b": {"max_batch_size": 1}}  # recorded beside the figures
     for name in ("a", "b"):
         c1, c2 = res["rows"][name]
         per_round = [rnd[name] for rnd in res["rounds"]]
@@ -323,3 +325,5 @@ def test_sweep_repeats_report_medians_and_each_rounds_ratio(tiny_artifact, tmp_p
         assert all(r[1]["output_tokens"] == 3 * r[1]["requests"] for r in per_round)
     with pytest.raises(SystemExit):
         sweep.main(["--artifact", f"a={tiny_artifact}", "--repeats", "0", "--out", str(out)])
+    with pytest.raises(SystemExit):  # a name that is no --artifact
+        sweep.main(["--artifact", f"a={tiny_artifact}", "--set-for", "c:max_batch_size=1", "--out", str(out)])
