@@ -25,6 +25,17 @@ def tiny():
     return build_tiny_llama(seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_gqa(tiny, tmp_path_factory):
+    """The tiny Llama's fp32 gqa artifact (GroupQueryAttention, in-place K/V), built once. Read-only."""
+    from compress.export.gqa import build_gqa_artifact
+
+    model, tok = tiny
+    out = tmp_path_factory.mktemp("tiny_gqa") / "fp32"
+    build_gqa_artifact(model, tok, out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Torch on one thread for a module: the tiny model's ops are too small to split, a second thread

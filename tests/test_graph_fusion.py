@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from compress.artifact import read_manifest
-from compress.export.gqa import build_gqa_artifact, build_gqa_model
+from compress.export.gqa import build_gqa_model
 from compress.drivers.gqa import GqaLM
 
 
@@ -32,18 +32,10 @@ def _compare(a: GqaLM, b: GqaLM, prompts: list[list[int]], new_tokens: int = 12)
     return worst
 
 
-@pytest.fixture(scope="module")
-def fused_artifact(tiny, tmp_path_factory):
-    model, tok = tiny
-    out = tmp_path_factory.mktemp("fusion") / "fp32"
-    build_gqa_artifact(model, tok, out)
-    return out
-
-
-def test_fused_gqa_graph_equals_unfused(tiny, fused_artifact):
+def test_fused_gqa_graph_equals_unfused(tiny, tiny_gqa):
     model, _ = tiny
     L = model.config.num_hidden_layers
-    manifest = read_manifest(fused_artifact)
+    manifest = read_manifest(tiny_gqa)
     plain, fused = build_gqa_model(model, fuse=False), build_gqa_model(model)
     po, fo = _ops(plain), _ops(fused)
     # every residual Add that feeds an RMSNorm is fused (the last one feeds the logits Slice, not the norm)
@@ -52,12 +44,12 @@ def test_fused_gqa_graph_equals_unfused(tiny, fused_artifact):
     assert fo["MatMul"] == po["MatMul"] - 2 * L  # q, k, v -> one per layer
     gqa = [n for n in fused.graph.node if n.op_type == "GroupQueryAttention"]
     assert all(n.input[0].endswith("qkv_proj/MatMul_output_0") and n.input[1] == n.input[2] == "" for n in gqa)
-    worst = _compare(GqaLM.from_model(plain, manifest), GqaLM(fused_artifact), _prompts(3, seed=5))
+    worst = _compare(GqaLM.from_model(plain, manifest), GqaLM(tiny_gqa), _prompts(3, seed=5))
     print(f"max |fused - unfused| logits: {worst:.2e}")
     assert worst < 1e-4
 
 
-def test_packed_matmulnbits_equals_unpacked(fused_artifact):
+def test_packed_matmulnbits_equals_unpacked(tiny_gqa):
     """Weight-only INT8, then gate/up packed into one MatMulNBits + Split: the same numbers (per-column kernels)."""
     import onnx
 
@@ -65,8 +57,8 @@ def test_packed_matmulnbits_equals_unpacked(fused_artifact):
     from compress.export.graph_fusion import pack_siblings
     from compress.quantize.graph import weight_only
 
-    manifest = read_manifest(fused_artifact)
-    base = onnx.load(str(fused_artifact / "model.onnx"))
+    manifest = read_manifest(tiny_gqa)
+    base = onnx.load(str(tiny_gqa / "model.onnx"))
     q = weight_only(base, find_linears(base), block_size=16, accuracy_level=4)
     packed = copy.deepcopy(q)
     assert pack_siblings(packed) == manifest["num_layers"]  # gate/up per layer (q/k/v came packed)
@@ -90,7 +82,7 @@ def test_forms_within_the_speed_tolerance_tie_and_the_more_accurate_wins():
     assert pick_form({"a": 10.0, "b": 10.2}, {"a": 20.0, "b": 20.0}, 0.05) == "a"  # equal quality: the faster
 
 
-def test_quantize_auto_keeps_the_fastest_accepted_form(fused_artifact, tiny_splits, tmp_path):
+def test_quantize_auto_keeps_the_fastest_accepted_form(tiny_gqa, tiny_splits, tmp_path):
     """quantize.method auto: both INT8 forms gated on the selection split; the kept one is a timed, accepted form."""
     from compress.artifact import read_manifest
     from compress.config import AcceptConfig, QuantizeConfig
@@ -98,9 +90,9 @@ def test_quantize_auto_keeps_the_fastest_accepted_form(fused_artifact, tiny_spli
     from compress.quantize.quantizer import QuantizeError, Quantizer
 
     with pytest.raises(QuantizeError, match="auto"):
-        Quantizer(fused_artifact, tiny_splits.calib, QuantizeConfig(method="auto"))
+        Quantizer(tiny_gqa, tiny_splits.calib, QuantizeConfig(method="auto"))
     acfg = AcceptConfig(enabled=True, max_perplexity_ratio=1.5, min_top1_agreement=0.5, relax_trials=0)
-    choice = choose_quant_form(fused_artifact, tmp_path / "q", tiny_splits.calib, tiny_splits.eval,
+    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval,
                                QuantizeConfig(method="auto", quantize_embedding=False, smoothquant_alpha=None), acfg)
     print({n: (f["accepted"], f.get("decode_ms_per_step")) for n, f in choice.forms.items()})
     assert set(choice.forms) == {"weight_only", "dynamic_token"}
@@ -116,7 +108,7 @@ def test_quantize_auto_keeps_the_fastest_accepted_form(fused_artifact, tiny_spli
     assert GqaLM(tmp_path / "q").greedy([5, 6, 7], 4)
 
 
-def test_quantize_auto_for_many_users_keeps_the_form_with_the_most_tokens_per_s_at_that_batch(fused_artifact,
+def test_quantize_auto_for_many_users_keeps_the_form_with_the_most_tokens_per_s_at_that_batch(tiny_gqa,
                                                                                               tiny_splits, tmp_path):
     """quantize.auto_concurrency N > 1: both forms timed on the serving engine at batch 1 and at N (logged); the kept
     one has the most tokens/s at N, forms within the tolerance tying on perplexity."""
@@ -126,7 +118,7 @@ def test_quantize_auto_for_many_users_keeps_the_form_with_the_most_tokens_per_s_
     acfg = AcceptConfig(enabled=True, max_perplexity_ratio=1.5, min_top1_agreement=0.5, relax_trials=0)
     qcfg = QuantizeConfig(method="auto", quantize_embedding=True, smoothquant_alpha=None, auto_concurrency=8,
                           auto_profile=[4])
-    choice = choose_quant_form(fused_artifact, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, acfg)
+    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, acfg)
     forms = choice.forms
     assert all(f["accepted"] and f["tokens_per_s_b1"] > 0 and f["tokens_per_s_b8"] > 0 for f in forms.values())
     at8 = {n: f["tokens_per_s_b8"] for n, f in forms.items()}

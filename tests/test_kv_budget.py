@@ -8,21 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compress.export.gqa import build_gqa_artifact
 from serve.config import ConfigError, ServeConfig
 from serve.engine import Engine
 from serve.runner import CPU
 from serve.runner_gqa import GqaRunner
 from serve.sampling import SamplingParams
 from serve.scheduler import RequestTooLargeError
-
-
-@pytest.fixture(scope="module")
-def gqa_art(tiny, tmp_path_factory):
-    model, tok = tiny
-    out = tmp_path_factory.mktemp("gqa_budget") / "fp32"
-    build_gqa_artifact(model, tok, out)
-    return out
 
 
 def ids(n, seed):
@@ -47,10 +38,10 @@ def unsqueezed(art, reqs):
     return [eng.generate(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in reqs]
 
 
-def test_max_length_request_stays_within_budget_and_gives_memory_back(gqa_art):
+def test_max_length_request_stays_within_budget_and_gives_memory_back(tiny_gqa):
     # 40 blocks x 16 = 640 pool tokens; the rows get the same (kv_rows_share 0.5): 640 positions in all.
     cfg = ServeConfig(providers=[CPU], num_blocks=40, block_size=16, max_batch_size=8, max_num_batched_tokens=64)
-    eng = Engine(gqa_art, cfg, start=False)
+    eng = Engine(tiny_gqa, cfg, start=False)
     r = eng.runner
     assert isinstance(r, GqaRunner) and r.row_tokens == 640
     assert eng.max_model_len == 512  # the manifest's max positions; the budget holds 640
@@ -65,12 +56,12 @@ def test_max_length_request_stays_within_budget_and_gives_memory_back(gqa_art):
     assert peak > idle  # the rows were used, within the budget
     assert eng.kv_bytes() == idle and r.kv.nbytes == 0  # given back once nothing runs
 
-    assert out == unsqueezed(gqa_art, [long, *short])
+    assert out == unsqueezed(tiny_gqa, [long, *short])
 
 
-def test_rows_shrink_after_a_long_request_while_short_ones_run(gqa_art):
+def test_rows_shrink_after_a_long_request_while_short_ones_run(tiny_gqa):
     cfg = ServeConfig(providers=[CPU], num_blocks=64, block_size=16, max_batch_size=4, max_num_batched_tokens=128)
-    eng = Engine(gqa_art, cfg, start=False)
+    eng = Engine(tiny_gqa, cfg, start=False)
     r = eng.runner
     eng.add_request(ids(480, 3), SamplingParams.greedy(4, ignore_eos=True))
     eng.run_until_done()
@@ -88,9 +79,9 @@ def test_rows_shrink_after_a_long_request_while_short_ones_run(gqa_art):
     assert len(h.result().output_ids) == 60
 
 
-def test_explicit_max_model_len_the_budget_cannot_hold_fails_with_the_numbers(gqa_art, tiny_artifact):
+def test_explicit_max_model_len_the_budget_cannot_hold_fails_with_the_numbers(tiny_gqa, tiny_artifact):
     with pytest.raises(ConfigError) as e:
-        Engine(gqa_art, ServeConfig(providers=[CPU], num_blocks=20, block_size=16, max_model_len=512), start=False)
+        Engine(tiny_gqa, ServeConfig(providers=[CPU], num_blocks=20, block_size=16, max_model_len=512), start=False)
     msg = str(e.value)
     assert "serve.max_model_len 512" in msg and "at most 320 tokens" in msg and "block pool 320 tokens" in msg
     assert "KV rows 320 positions" in msg and "bytes per token" in msg and "serve.num_blocks >= 32" in msg
@@ -101,8 +92,8 @@ def test_explicit_max_model_len_the_budget_cannot_hold_fails_with_the_numbers(gq
     assert "past buffers 80 positions" in str(e.value) and "serve.num_blocks >= 38" in str(e.value)
 
 
-def test_default_context_is_lowered_to_what_the_budget_holds(gqa_art):
-    eng = Engine(gqa_art, ServeConfig(providers=[CPU], num_blocks=20, block_size=16), start=False)
+def test_default_context_is_lowered_to_what_the_budget_holds(tiny_gqa):
+    eng = Engine(tiny_gqa, ServeConfig(providers=[CPU], num_blocks=20, block_size=16), start=False)
     assert eng.max_model_len == 320  # advertised by /v1/models; the manifest says 512
     with pytest.raises(RequestTooLargeError, match="KV cache of 320 tokens"):
         eng.add_request(ids(300, 1), SamplingParams.greedy(30))
@@ -111,8 +102,8 @@ def test_default_context_is_lowered_to_what_the_budget_holds(gqa_art):
     assert eng.kv_bytes() == eng.runner.pool.nbytes
 
 
-def test_kv_memory_mb_is_split_between_pool_and_rows(gqa_art):
-    eng = Engine(gqa_art, ServeConfig(providers=[CPU], kv_memory_mb=1, kv_rows_share=0.25), start=False)
+def test_kv_memory_mb_is_split_between_pool_and_rows(tiny_gqa):
+    eng = Engine(tiny_gqa, ServeConfig(providers=[CPU], kv_memory_mb=1, kv_rows_share=0.25), start=False)
     r = eng.runner
     assert eng.kv_budget_bytes() <= 2**20
     assert r.row_tokens * r.bytes_per_token == 2**18
@@ -149,16 +140,16 @@ def test_standard_layout_rows_cut_short_of_a_block_when_the_budget_says_so(tiny_
     assert out == unsqueezed(tiny_artifact, reqs)
 
 
-def test_rows_follow_the_traffic_not_what_the_budget_could_hold(gqa_art):
+def test_rows_follow_the_traffic_not_what_the_budget_could_hold(tiny_gqa):
     """One running sequence holds one row slot, however many the budget has room for; slots grow by powers of
     two with the rows of a step, and the tokens are those of one request at a time."""
     cfg = ServeConfig(providers=[CPU], num_blocks=400, block_size=16, max_batch_size=8)
-    eng = Engine(gqa_art, cfg, start=False)
+    eng = Engine(tiny_gqa, cfg, start=False)
     r = eng.runner
     assert r.row_tokens // 256 >= 8  # room for all 8 slots at the first length step
     one = [(ids(20, 1), 6)]
     out, _ = drive(eng, one)
-    assert out == unsqueezed(gqa_art, one)
+    assert out == unsqueezed(tiny_gqa, one)
     handle = eng.add_request(ids(20, 2), SamplingParams.greedy(40, ignore_eos=True))
     eng.step()
     assert r.slots == 1 and eng.kv_bytes() == r.pool.nbytes + r.cap * r.bytes_per_token
@@ -172,5 +163,5 @@ def test_rows_follow_the_traffic_not_what_the_budget_could_hold(gqa_art):
     while eng.has_work():
         eng.step()
     assert r.slots == 0 and eng.kv_bytes() == r.pool.nbytes  # idle: the rows are given back
-    assert [h.result().output_ids for h in handles] == unsqueezed(gqa_art, reqs)
-    assert handle.result().output_ids == unsqueezed(gqa_art, [(ids(20, 2), 40)])[0]
+    assert [h.result().output_ids for h in handles] == unsqueezed(tiny_gqa, reqs)
+    assert handle.result().output_ids == unsqueezed(tiny_gqa, [(ids(20, 2), 40)])[0]

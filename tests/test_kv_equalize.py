@@ -4,19 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
 
 from compress.config import QuantizeConfig
-from compress.export.gqa import build_gqa_artifact
 from compress.quantize.kv_equalize import pair_factors
-
-
-@pytest.fixture(scope="module")
-def gqa_fp32(tiny, tmp_path_factory):
-    model, tok = tiny
-    out = tmp_path_factory.mktemp("keq") / "fp32"
-    build_gqa_artifact(model, tok, out)
-    return out
 
 
 def test_pair_factors_are_powers_of_two_shared_by_rotary_pairs():
@@ -33,7 +23,7 @@ def test_pair_factors_are_powers_of_two_shared_by_rotary_pairs():
     assert np.all(pair_factors(np.ones((2, 4)), 4, False) == 1)
 
 
-def test_equalized_graph_computes_the_same_logits_and_the_predicted_ranges(gqa_fp32, tiny_splits, tmp_path):
+def test_equalized_graph_computes_the_same_logits_and_the_predicted_ranges(tiny_gqa, tiny_splits, tmp_path):
     """Powers of two fold into the packed Q|K|V weight's columns exactly: prefill logits bit for bit, and the K
     ranges the equalized graph writes are the calibrated ones divided by the factors."""
     from key_spread import equalized_copy
@@ -42,10 +32,10 @@ def test_equalized_graph_computes_the_same_logits_and_the_predicted_ranges(gqa_f
     from compress.quantize.kv_int8 import kv_absmax
 
     out = tmp_path / "eq"
-    n, absmax, spread, predicted = equalized_copy(gqa_fp32, tiny_splits.calib[:4], out)
+    n, absmax, spread, predicted = equalized_copy(tiny_gqa, tiny_splits.calib[:4], out)
     assert n == sum(k.endswith(".key") for k in absmax)
     ids = [int(t) for t in tiny_splits.eval[0][:48]]
-    ref = load_lm(gqa_fp32, verify=False).prefill(ids)[0]
+    ref = load_lm(tiny_gqa, verify=False).prefill(ids)[0]
     got = load_lm(out, verify=False).prefill(ids)[0]
     assert np.array_equal(ref, got)
     written = kv_absmax(out, tiny_splits.calib[:4])
@@ -55,7 +45,7 @@ def test_equalized_graph_computes_the_same_logits_and_the_predicted_ranges(gqa_f
     assert any(not np.allclose(written[k], absmax[k]) for k in written if k.endswith(".key"))
 
 
-def test_per_tensor_int8_cache_is_equalized_in_the_quantize_stage(gqa_fp32, tiny_splits, tmp_path):
+def test_per_tensor_int8_cache_is_equalized_in_the_quantize_stage(tiny_gqa, tiny_splits, tmp_path):
     """W8A8 per token with kv_cache_scales tensor: the factors land in the packed product's b_scale (query columns
     times c, key columns divided by it, value columns untouched), the report counts the layers; per channel leaves
     the scales alone."""
@@ -65,8 +55,8 @@ def test_per_tensor_int8_cache_is_equalized_in_the_quantize_stage(gqa_fp32, tiny
 
     cfg = QuantizeConfig(enabled=True, method="dynamic", activation_granularity="token", smoothquant_alpha=None,
                          quantize_embedding=False, kv_cache="int8", kv_cache_scales="tensor")
-    rep = quantize_artifact(gqa_fp32, tmp_path / "t", tiny_splits.calib, cfg)
-    ch = quantize_artifact(gqa_fp32, tmp_path / "c", tiny_splits.calib,
+    rep = quantize_artifact(tiny_gqa, tmp_path / "t", tiny_splits.calib, cfg)
+    ch = quantize_artifact(tiny_gqa, tmp_path / "c", tiny_splits.calib,
                            cfg.model_copy(update={"kv_cache_scales": "channel"}))
     assert ch.settings["kv_cache_equalized_layers"] == 0
 
