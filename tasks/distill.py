@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from prefect import task
-from safetensors.torch import load_file
 
 from compress.config import PipelineConfig
-from compress.distill import DistillJob, distill, launch_distill, resolve_device, training_splits
 from compress.memory import check_distill_memory, shape_of_folder
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model, load_splits
@@ -21,6 +19,11 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
     folder, done = open_stage(cfg, stage, key, wipe=False)
     if done is not None:
         return done
+    # Imported here, not at module level: a flow process imports every task module, and most runs need few stages.
+    from safetensors.torch import load_file
+
+    from compress.distill import DistillJob, distill, launch_distill, resolve_device, training_splits
+
     with child_run(parent_run_id, stage) as run:
         log_params({"distill": cfg.distill.model_dump()})
         # before loading anything: CPU training too large for this machine is refused with the numbers

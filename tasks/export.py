@@ -5,7 +5,6 @@ from __future__ import annotations
 from prefect import task
 
 from compress.config import PipelineConfig
-from compress.export import build_artifact, build_gqa_artifact, choose_exporter
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_logger
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params
@@ -16,6 +15,9 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
     folder, done = open_stage(cfg, stage, key)
     if done is not None:
         return done
+    # Imported here, not at module level: a flow process imports every task module, and most runs need few stages.
+    from compress.export import build_artifact, build_gqa_artifact, choose_exporter
+
     with child_run(parent_run_id, stage) as run:
         # As stored (bf16 for most checkpoints): the gqa builder reads one weight at a time in fp32
         model, tok = load_model(model_dir, cfg, dtype="auto")

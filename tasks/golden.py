@@ -7,7 +7,6 @@ import gc
 from prefect import task
 
 from compress.config import PipelineConfig
-from compress.evaluate import GoldenSet, compare_from_config, record_golden
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params
@@ -21,6 +20,9 @@ def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
     if done is not None:
         return done
     import mlflow
+
+    # Imported here, not at module level: a flow process imports every task module, and most runs need few stages.
+    from compress.evaluate import GoldenSet, compare_from_config, record_golden
 
     with child_run(parent_run_id, stage) as run:
         model, tok = load_model(model_dir, cfg)

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from prefect import task
-from safetensors.torch import save_file
 
 from compress.config import PipelineConfig
-from compress.evaluate import perplexity
 from compress.memory import check_prune_memory, shape_of_folder
-from compress.prune import prune_model, sensitivity_scan
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model, load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params, log_rows
@@ -21,6 +17,13 @@ def prune_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | N
     folder, done = open_stage(cfg, stage, key)
     if done is not None:
         return done
+    # Imported here, not at module level: a flow process imports every task module, and most runs need few stages.
+    import torch
+    from safetensors.torch import save_file
+
+    from compress.evaluate import perplexity
+    from compress.prune import prune_model, sensitivity_scan
+
     data = load_splits(splits)
     with child_run(parent_run_id, stage) as run:
         log_params({"prune": cfg.prune.model_dump()})

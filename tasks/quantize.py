@@ -8,8 +8,6 @@ import mlflow
 from prefect import task
 
 from compress.config import PipelineConfig
-from compress.quantize import choose_quant_form, quantize_artifact, quantize_with_acceptance
-from compress.quantize.choice import profile_figure
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
@@ -24,6 +22,10 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
     folder, done = open_stage(cfg, stage, key)
     if done is not None:
         return done
+    # Imported here, not at module level: a flow process imports every task module, and most runs need few stages.
+    from compress.quantize import choose_quant_form, quantize_artifact, quantize_with_acceptance
+    from compress.quantize.choice import profile_figure
+
     data = load_splits(splits)
     out = folder / "artifact"
     evaluation = None

@@ -14,6 +14,7 @@ fusions, also run after quantization) and kv_fp16.py (``export.kv_dtype: float16
 from compress._lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "standard": ["EXPORT_FORMAT", "ExportError", "ExportResult", "build_artifact", "export_onnx"],
+    "version": ["EXPORT_FORMAT"],
+    "standard": ["ExportError", "ExportResult", "build_artifact", "export_onnx"],
     "gqa": ["GqaBuildResult", "build_gqa_artifact", "build_gqa_model", "choose_exporter"],
 })

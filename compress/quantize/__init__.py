@@ -15,7 +15,8 @@ sensitivity.py (which groups stay float) and graph.py (the ONNX rewrites). docs/
 from compress._lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "quantizer": ["QUANT_FORMAT", "QuantReport", "Quantizer", "quantize_artifact"],
+    "version": ["QUANT_FORMAT"],
+    "quantizer": ["QuantReport", "Quantizer", "quantize_artifact"],
     "relax": ["AcceptanceResult", "quantize_with_acceptance"],
     "choice": ["FormChoice", "choose_quant_form", "decode_step_ms"],
 })

@@ -16,7 +16,7 @@ tied embedding/lm_head table is stored once as 8-bit blocks and read by both a
 GatherBlockQuantized and a MatMulNBits (weight-only, float activations), except in the per-token W8A8 form,
 whose tied lm_head gets its own int8 copy behind per-token activations (compress/quantize/graph.py).
 
-``QUANT_FORMAT`` is part of the quantize stage's cache key: bump it when the graph a config produces changes.
+``QUANT_FORMAT`` (version.py) is part of the quantize stage's cache key: bump it when the graph a config produces changes.
 """
 
 from __future__ import annotations
@@ -43,14 +43,10 @@ from compress.quantize.graph import (QuantizeError, dynamic_per_tensor, insert_d
 from compress.quantize.prepare import calibrate_and_smooth
 from compress.quantize.sensitivity import sensitivity_scan
 from compress.quantize.smoothquant import fold_tied_lm_head, smooth_tied_lm_head, tied_lm_head
+from compress.quantize.version import QUANT_FORMAT
 from serve.onnx_external import inline_bytes, load_lazy, spill
 
 MODEL_FILE = "model.onnx"
-# 2: per-token W8A8 without the Shape/Reshape/Slice/Concat around each linear, and its tied lm_head in int8.
-# 3: one QuantizeLinear per shared input, one MatMulIntegerToFloat per packed group. 4: one per linear, no Split.
-# 5: a per-tensor int8 K/V cache evens out K's channels first (kv_equalize.py).
-# 6: the per-token form's tied lm_head is smoothed too (smoothquant.py smooth_tied_lm_head).
-QUANT_FORMAT = 6
 # Smoothed weights held in memory beyond this go to a scratch file (Quantizer.prepare).
 SPILL_BYTES = 256 << 20
 
