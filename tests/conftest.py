@@ -1,6 +1,7 @@
 """Session-wide fixtures: one tiny seeded Llama, its tokenizer, its exported artifact and data splits.
 
-Everything heavy is built once per test session; tests must not mutate these
+Everything heavy is built once per test session (per pytest-xdist worker: `make test` runs two, each test file on
+one of them, so a module fixture is built once too); tests must not mutate these
 (copy the model with copy.deepcopy, the artifact with shutil.copytree).
 """
 
@@ -115,7 +116,7 @@ def tiny_splits(tiny_tokenizer):
 
 @pytest.fixture(scope="session")
 def prefect_harness():
-    """One temporary Prefect server for the whole session (~20 s to start)."""
+    """One temporary Prefect server for the whole session, one per xdist worker (~20 s to start)."""
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=180):
