@@ -19,7 +19,6 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str |
     folder, done = open_stage(cfg, stage, key, wipe=False)
     if done is not None:
         return done
-    # Imported here, not at module level: a flow process imports every task module, and most runs need few stages.
     from safetensors.torch import load_file
 
     from compress.distill import DistillJob, distill, launch_distill, resolve_device, training_splits

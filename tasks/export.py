@@ -15,7 +15,6 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
     folder, done = open_stage(cfg, stage, key)
     if done is not None:
         return done
-    # Imported here, not at module level: a flow process imports every task module, and most runs need few stages.
     from compress.export import build_artifact, build_gqa_artifact, choose_exporter
 
     with child_run(parent_run_id, stage) as run:

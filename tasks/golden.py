@@ -21,7 +21,6 @@ def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         return done
     import mlflow
 
-    # Imported here, not at module level: a flow process imports every task module, and most runs need few stages.
     from compress.evaluate import GoldenSet, compare_from_config, record_golden
 
     with child_run(parent_run_id, stage) as run:

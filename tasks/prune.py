@@ -17,7 +17,6 @@ def prune_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | N
     folder, done = open_stage(cfg, stage, key)
     if done is not None:
         return done
-    # Imported here, not at module level: a flow process imports every task module, and most runs need few stages.
     import torch
     from safetensors.torch import save_file
 

@@ -22,7 +22,6 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
     folder, done = open_stage(cfg, stage, key)
     if done is not None:
         return done
-    # Imported here, not at module level: a flow process imports every task module, and most runs need few stages.
     from compress.quantize import choose_quant_form, quantize_artifact, quantize_with_acceptance
     from compress.quantize.choice import profile_figure
 

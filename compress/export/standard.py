@@ -28,7 +28,6 @@ from compress.export.version import EXPORT_FORMAT  # noqa: F401 (re-exported: co
 log = logging.getLogger(__name__)
 
 
-
 class ExportError(RuntimeError):
     pass
 
