@@ -30,7 +30,8 @@ MS_DOMAIN = "com.microsoft"
 _LINEAR_OPS = ("MatMul", "MatMulNBits")
 
 
-def _consumers(g) -> dict[str, list[onnx.NodeProto]]:
+def consumers_of(g: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """Each tensor's consumer nodes, by tensor name (empty optional inputs left out)."""
     out: dict[str, list[onnx.NodeProto]] = collections.defaultdict(list)
     for n in g.node:
         for i in n.input:
@@ -109,7 +110,7 @@ def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
     """
     g = model.graph
     inits = {t.name: t for t in g.initializer}
-    cons = _consumers(g)
+    cons = consumers_of(g)
     by_input: dict[tuple, list[onnx.NodeProto]] = collections.defaultdict(list)
     for n in g.node:
         if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2 and n.input[1] in inits \

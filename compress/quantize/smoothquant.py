@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from compress.export.graph_fusion import consumers_of
 from compress.quantize.calibration import ActStats, Linear
 from serve.onnx_external import tensor_array
 
@@ -136,12 +137,7 @@ def smoothing_scales(act_absmax: np.ndarray, weights: list[np.ndarray], alpha: f
 def _graph_maps(model: onnx.ModelProto) -> tuple[dict, dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]]]:
     """The graph's initializers by name, each tensor's producer node and each tensor's consumer nodes."""
     g = model.graph
-    producer = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    return _init_map(model), producer, consumers
+    return _init_map(model), {o: n for n in g.node for o in n.output}, consumers_of(g)
 
 
 def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict[str, ActStats], alpha: float | str,
