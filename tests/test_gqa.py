@@ -14,7 +14,7 @@ from compress.export.gqa import GqaBuildError, build_gqa_artifact, build_gqa_mod
 from compress.drivers.gqa import GqaCache, GqaLM
 from serve.engine import Engine
 from serve.runner import CPU
-from serve.runner_gqa import GqaRunner
+from serve.runner_gqa import GqaRunner, balanced_cut
 from serve.sampling import SamplingParams
 
 SPECIAL = 3
@@ -167,6 +167,18 @@ def test_split_decode_equals_one_call(tiny_artifact, gqa_artifact):
     assert max(float(np.abs(rows[k] - ref[k]).max()) for k in ref) < 1e-4
     assert eng.runner.split_steps > 0 and eng.runner.decode_split_rows == 3
     assert eng.runner.split_prompt_calls > 0  # new prompts of a step, shorter and longer half at once
+
+
+def test_balanced_cut_evens_the_two_prompt_calls():
+    """The split point of a wave's first prompts: even rows for even lengths; a long prompt with one short one (the
+    call the other 30 make is still the longer) rather than fifteen short ones padded to its length; the kept
+    logits positions counted."""
+    assert balanced_cut([40] * 32, 0.27) == 16
+    assert balanced_cut([40] * 31 + [400], 0.27) == 30
+    assert balanced_cut([10, 10, 10, 100], 0.0) == 3
+    # 37-43 tokens (the sweep's chat prompts): n // 2 leaves the longer call 705 against 637 units, 17 evens it
+    lens = [37] * 4 + [38] * 6 + [39] * 6 + [40] * 2 + [41] * 5 + [42] * 5 + [43] * 4
+    assert balanced_cut(lens, 0.2666) == 17
 
 
 def test_first_prompts_in_one_call(tiny_artifact, gqa_artifact):
