@@ -23,7 +23,6 @@ from torch import nn
 from compress.artifact import io_names, write_manifest
 from compress.models import model_info
 from compress.export.servable import MODEL_FILE, serving_fields, write_tokenizer_files
-from compress.export.version import EXPORT_FORMAT  # noqa: F401 (re-exported: compress.export.EXPORT_FORMAT)
 
 log = logging.getLogger(__name__)
 

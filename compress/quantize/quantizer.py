@@ -43,7 +43,6 @@ from compress.quantize.graph import (QuantizeError, dynamic_per_tensor, insert_d
 from compress.quantize.prepare import calibrate_and_smooth
 from compress.quantize.sensitivity import sensitivity_scan
 from compress.quantize.smoothquant import fold_tied_lm_head, smooth_tied_lm_head, tied_lm_head
-from compress.quantize.version import QUANT_FORMAT
 from serve.onnx_external import inline_bytes, load_lazy, spill
 
 MODEL_FILE = "model.onnx"
