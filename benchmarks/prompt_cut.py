@@ -20,7 +20,7 @@ from benchmarks.burst import cpu_flags
 from benchmarks.prompt_profile import chat_prompts
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, required=True)
     p.add_argument("--prompts", type=int, default=32)
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"median: half {med['half'] * 1e3:.0f} ms, balanced {med['balanced'] * 1e3:.0f} ms, "
           f"balanced / half {med['balanced'] / med['half']:.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

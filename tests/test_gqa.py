@@ -460,3 +460,18 @@ def test_prompt_profile_times_the_servers_batched_prompt_call(gqa_artifact, tiny
     assert r["op_ms"]["GroupQueryAttention"] > 0 and "MatMul" in r["op_ms"]
     with pytest.raises(SystemExit, match="attention layout 'standard'"):
         prompt_profile.main(["--artifact", f"s={tiny_artifact}"])
+
+
+def test_prompt_cut_times_a_wave_cut_both_ways(gqa_artifact, tiny_artifact, capsys):
+    """benchmarks.prompt_cut: one wave of first prompts per engine step, cut at half and by balanced_cut, paired."""
+    import os
+
+    from benchmarks import prompt_cut
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the split session (two prompt calls at once) needs 2 cores")
+    assert prompt_cut.main(["--artifact", str(gqa_artifact), "--prompts", "6", "--long", "1", "--trials", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("trial ") == 2 and "balanced / half" in out
+    with pytest.raises(SystemExit, match="needs a gqa artifact"):
+        prompt_cut.main(["--artifact", str(tiny_artifact)])
