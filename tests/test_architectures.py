@@ -11,6 +11,7 @@ whose standard export has its own trap (sliding-window caches). docs/models.md h
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -201,6 +202,28 @@ def test_serving_batched_equals_batch_one(family, models, artifacts):
     alone = [_engine_outputs(folder, [r], max_batch_size=1)[0] for r in reqs]
     assert together == alone
     assert together == [_torch_greedy(model, p, n) for p, n in reqs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_wave_of_prompts_split_in_two_calls_equals_torch(family, models, artifacts):
+    """Eight first prompts of 4 to 70 tokens in one step, run as two calls at once on the split session (cut where
+    their work is even, serve/runner_gqa.py balanced_cut), then decoded as two halves: torch's greedy tokens."""
+    from serve.engine import Engine
+    from serve.runner import CPU
+    from serve.sampling import SamplingParams
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the split session needs 2 cores")
+    folder, _ = artifacts(family)
+    model, _ = models(family)
+    rng = np.random.default_rng(11)
+    reqs = [(rng.integers(3, 500, size=n).tolist(), 5) for n in (4, 9, 12, 30, 6, 70, 8, 5)]
+    eng = Engine(folder, ServeConfig(providers=[CPU], max_batch_size=8, enable_prefix_caching=False,
+                                     max_num_batched_tokens=512, decode_split_rows=2), start=False)
+    handles = [eng.add_request(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in reqs]
+    eng.run_until_done()
+    assert eng.runner.split_prompt_calls == 1 and eng.runner.split_steps > 0
+    assert [h.result().output_ids for h in handles] == [_torch_greedy(model, p, n) for p, n in reqs]
 
 
 @torch.no_grad()
