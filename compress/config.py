@@ -336,6 +336,9 @@ class AcceptConfig(Section):
     # Share of answers that agree with the teacher's for at least chat_divergence_tokens tokens; null = logged only.
     min_chat_late_divergence_share: float | None = Field(None, ge=0, le=1)
     chat_divergence_tokens: int = Field(16, ge=1)
+    # Wall-clock budget of the accept stage in minutes; past it the stage stops (between parts, or at the next
+    # engine step while answers are generated) with a message naming what it was doing. null = no budget.
+    max_minutes: float | None = Field(None, gt=0)
     # candidate tokens/s over baseline tokens/s at batch-1 decode; null = no floor (formerly min_throughput_ratio).
     min_decode_speed_ratio: float | None = Field(None, gt=0)
     max_size_ratio: float | None = Field(None, gt=0)

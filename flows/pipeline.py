@@ -101,6 +101,9 @@ def genre_markdown(verdict: dict) -> list[str]:
               f"{'yes' if c['passed'] else '**no**'} |" for c in verdict["checks"]]
     if verdict.get("chat_note"):
         lines += ["", f"chat set: {verdict['chat_note']}"]
+    if verdict.get("seconds"):
+        lines += ["", "accept stage seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
+                                                        for k, v in verdict["seconds"].items())]
     return lines
 
 

@@ -24,6 +24,8 @@ from compress.config import PipelineConfig
 from compress.data import load_heldout
 from compress.evaluate import accept, chat_limit, downstream_scores, evaluate_onnx, genre_table, resolve_criteria
 from compress.evaluate import chat as chat_eval
+from compress.evaluate.budget import Budget
+from compress.evaluate.onnx_eval import ReferencePass
 from tasks.common import cache_key_fn, mark_done, open_stage, workdir
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
@@ -51,7 +53,13 @@ def side_figures(prefix: str, cand: dict, base: dict) -> dict[str, float]:
     return out
 
 
-def chat_figures(cfg: PipelineConfig, candidate: str, baseline: str) -> tuple[dict, str]:
+def against_baseline(candidate: str, baseline: str, blocks, latency: bool = False) -> tuple[dict, dict]:
+    """The baseline's figures and the candidate's against it on ``blocks``, the baseline run once (ReferencePass)."""
+    with ReferencePass(baseline, blocks, latency=latency) as ref:
+        return ref.figures, evaluate_onnx(candidate, blocks, reference=ref, latency=latency)
+
+
+def chat_figures(cfg: PipelineConfig, candidate: str, baseline: str, check=None) -> tuple[dict, str]:
     """The chat set's figures of the candidate against the baseline (the teacher), and a note saying what was
     scored or why nothing was."""
     a = cfg.accept
@@ -60,9 +68,10 @@ def chat_figures(cfg: PipelineConfig, candidate: str, baseline: str) -> tuple[di
     if not chat_eval.has_chat_template(baseline):
         return {}, "not scored: the model has no chat template (set accept.chat_sets: [] to say so)"
     prompts = chat_eval.render(baseline, chat_eval.load_sets(a.chat_sets))
-    targets = chat_eval.teacher_targets(baseline, prompts, a.chat_max_new_tokens, workdir(cfg) / "chat_targets")
+    targets = chat_eval.teacher_targets(baseline, prompts, a.chat_max_new_tokens, workdir(cfg) / "chat_targets",
+                                        check=check)
     chat = chat_eval.evaluate_chat(candidate, baseline, prompts, targets, a.chat_divergence_tokens,
-                                   a.chat_max_new_tokens)
+                                   a.chat_max_new_tokens, check=check)
     return chat, (f"{len(prompts)} conversations of {', '.join(a.chat_sets)}; teacher answers "
                   f"{'reused from cache' if targets.cached else 'generated'}")
 
@@ -78,20 +87,23 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
     with child_run(parent_run_id, stage) as run:
         log_params({"accept": cfg.accept.model_dump()})
         held = load_heldout(heldout)
-        base = evaluate_onnx(baseline, held.test)
-        cand = evaluate_onnx(candidate, held.test, reference_artifact=baseline)
+        budget = Budget(cfg.accept.max_minutes, "accept.max_minutes")
+        with budget.part("test"):
+            base, cand = against_baseline(candidate, baseline, held.test, latency=True)
         criteria = resolve_criteria(cfg.accept, cfg.prune.enabled or cfg.distill.enabled)
         side: dict[str, float] = {}
         if held.heldout is not None:
-            side.update(side_figures("heldout", evaluate_onnx(candidate, held.heldout, reference_artifact=baseline,
-                                                              latency=False),
-                                     evaluate_onnx(baseline, held.heldout, latency=False)))
+            with budget.part("heldout"):
+                held_base, held_cand = against_baseline(candidate, baseline, held.heldout)
+                side.update(side_figures("heldout", held_cand, held_base))
         if criteria == "quality" and cfg.accept.max_downstream_drop is not None:
             n = cfg.accept.downstream_items
-            cand.update(downstream_scores(candidate, held.test, held.heldout, n, seed=cfg.data.seed))
-            base.update(downstream_scores(baseline, held.test, held.heldout, n, seed=cfg.data.seed))
-        chat, chat_note = chat_figures(cfg, candidate, baseline)
-        cand.update({k: v for k, v in chat.items() if k != "by_kind"})
+            with budget.part("downstream"):
+                cand.update(downstream_scores(candidate, held.test, held.heldout, n, seed=cfg.data.seed))
+                base.update(downstream_scores(baseline, held.test, held.heldout, n, seed=cfg.data.seed))
+        with budget.part("chat"):
+            chat, chat_note = chat_figures(cfg, candidate, baseline, budget.check)
+        cand.update({k: v for k, v in chat.items() if k not in ("by_kind", "seconds")})
         if chat:  # the teacher against itself, under the same names, so the registry's Compare lines them up
             base.update({"chat_perplexity": chat["chat_baseline_perplexity"], "chat_perplexity_ratio": 1.0,
                          "chat_top1_agreement": 1.0}
@@ -106,15 +118,16 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
             sel_base, sel_cand = evaluated["baseline"], evaluated["candidate"]
         else:
             evaluated_in = "accept"
-            sel = load_splits(splits).eval
-            sel_base = evaluate_onnx(baseline, sel, latency=False)
-            sel_cand = evaluate_onnx(candidate, sel, reference_artifact=baseline, latency=False)
+            with budget.part("selection"):
+                sel_base, sel_cand = against_baseline(candidate, baseline, load_splits(splits).eval)
         side.update(side_figures("selection", sel_cand, sel_base))
         if run is not None:
             mlflow.set_tags({"evaluated_in": evaluated_in, "heldout_source": held.heldout_source,
                              "accept_criteria": verdict.criteria})
+        seconds = {**budget.seconds, **{f"chat_{k}": v for k, v in chat.get("seconds", {}).items()}}
         metrics = {**{f"baseline_{k}": v for k, v in base.items()}, **{f"candidate_{k}": v for k, v in cand.items()},
-                   **verdict.metrics, **side, "accepted": float(verdict.accepted)}
+                   **verdict.metrics, **side, "accepted": float(verdict.accepted),
+                   **{f"accept_seconds_{k}": v for k, v in seconds.items()}}
         log_metrics(metrics)
         genres = genre_table(verdict.checks)
         if chat and run is not None:
@@ -125,11 +138,12 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
                   "checks": verdict.checks, "genres": genres, "chat": chat, "chat_note": chat_note,
                   "candidate": cand, "baseline": base,
                   "split": "test", "heldout_source": held.heldout_source, "side": side,
-                  "selection": {"candidate": sel_cand, "baseline": sel_base}, "evaluated_in": evaluated_in},
+                  "selection": {"candidate": sel_cand, "baseline": sel_base}, "evaluated_in": evaluated_in,
+                  "seconds": seconds},
                  "verdict.json")
     return mark_done(folder, {"accepted": verdict.accepted, "reasons": verdict.reasons, "metrics": metrics,
                               "criteria": verdict.criteria, "checks": verdict.checks, "genres": genres,
                               "chat_by_kind": chat.get("by_kind", {}), "chat_note": chat_note,
                               "candidate": cand, "baseline": base, "heldout_source": held.heldout_source,
                               "selection": {"candidate": sel_cand, "baseline": sel_base},
-                              "evaluated_in": evaluated_in})
+                              "evaluated_in": evaluated_in, "seconds": seconds})

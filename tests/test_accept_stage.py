@@ -29,14 +29,21 @@ def test_accept_gates_on_the_test_split_and_reuses_the_selection_figures(prefect
     from compress.evaluate.onnx_eval import evaluate_onnx
     from flows.pipeline import compress_flow, model_figures
 
-    measured = []  # (artifact, blocks) of every evaluation the accept stage runs
+    measured = []  # (artifact, blocks) of every candidate evaluation the accept stage runs
+    references = []  # and of every reference pass (the baseline's figures and logits)
     real = accept_mod.evaluate_onnx
 
     def counting(artifact, blocks, *args, **kwargs):  # the real evaluation, recorded
         measured.append((str(artifact), np.asarray(blocks).copy()))
         return real(artifact, blocks, *args, **kwargs)
 
+    class CountedPass(accept_mod.ReferencePass):
+        def __init__(self, artifact, blocks, *args, **kwargs):
+            references.append((str(artifact), np.asarray(blocks).copy()))
+            super().__init__(artifact, blocks, *args, **kwargs)
+
     monkeypatch.setattr(accept_mod, "evaluate_onnx", counting)
+    monkeypatch.setattr(accept_mod, "ReferencePass", CountedPass)
     heldout_readers = []  # the source file of the code that opened heldout.npz, every time
     real_load = np.load
 
@@ -58,11 +65,20 @@ def test_accept_gates_on_the_test_split_and_reuses_the_selection_figures(prefect
     splits, held = DataSplits.load(str(splits_file)), load_heldout(heldout_file)
     assert splits.test is None  # the file every stage reads holds no test block
 
-    # The verdict's evaluations: baseline and candidate on test, both on the held-out source; none on eval.
-    on = [("test" if np.array_equal(b, held.test) else "heldout" if np.array_equal(b, held.heldout)
-           else "eval" if np.array_equal(b, splits.eval) else "?") for _, b in measured]
-    assert sorted(on) == ["heldout", "heldout", "test", "test"], on
-    assert {a for a, _ in measured} == {out["candidate_artifact"], out["teacher_artifact"]}
+    # The verdict's evaluations: the baseline once on test and once on the held-out source (a reference pass whose
+    # spooled logits the candidate's evaluation reads), the candidate on both; none on eval.
+    def split(b):
+        return ("test" if np.array_equal(b, held.test) else "heldout" if np.array_equal(b, held.heldout)
+                else "eval" if np.array_equal(b, splits.eval) else "?")
+
+    assert sorted(split(b) for _, b in measured) == ["heldout", "test"], measured
+    assert sorted(split(b) for _, b in references) == ["heldout", "test"], references
+    assert {a for a, _ in measured} == {out["candidate_artifact"]}
+    assert {a for a, _ in references} == {out["teacher_artifact"]}
+    # Where the stage's time went, per part and per part of the chat set, in the result and the summary.
+    took = out["verdict"]["seconds"]
+    assert {"test", "heldout", "chat", "chat_teacher_answers", "chat_candidate_answers", "chat_judging"} <= set(took)
+    assert all(v > 0 for v in took.values()) and took["chat"] >= took["chat_candidate_answers"]
 
     client = MlflowClient(mlflow_store)
     exp = client.get_run(out["run_id"]).info.experiment_id

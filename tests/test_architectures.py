@@ -287,3 +287,39 @@ def test_key_equalization_keeps_the_float_model(family, artifacts, tiny_splits, 
     assert n == (0 if family in ("qwen3", "gemma3") else sum(k.endswith(".key") for k in absmax))
     ids = [int(t) for t in tiny_splits.eval[0][:40]]
     assert np.array_equal(load_lm(folder, verify=False).prefill(ids)[0], load_lm(out, verify=False).prefill(ids)[0])
+
+
+def _chat_like_prompts(n: int = 12, seed: int = 13) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, size=int(k)).tolist() for k in rng.integers(2, 70, size=n)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_generation_and_scoring_equal_one_prompt_at_a_time(family, artifacts):
+    """The pipeline's evaluation path (compress/evaluate/generate.py, chat.score_answers) against the batch-1 loop it
+    replaced: every prompt's greedy tokens equal LanguageModelDriver.greedy's, with the EOS rule and with ids
+    suppressed; the batched NLL and argmax of each answer equal scoring it alone."""
+    from compress.drivers import load_lm
+    from compress.evaluate.chat import score_answer, score_answers
+    from compress.evaluate.generate import greedy_answers
+
+    folder, _ = artifacts(family)
+    lm = load_lm(folder, verify=False)
+    prompts = _chat_like_prompts()
+    eos = [int(e) for e in lm.manifest.get("eos_token_ids") or []]
+    gen = greedy_answers(folder, prompts, 10, progress=False)
+    assert gen.rows == len(prompts) and gen.tokens == sum(len(a) for a in gen.answers) > 0
+    assert gen.answers == [lm.greedy(p, 10, eos_ids=eos) for p in prompts]
+    # A budget for a single row: the prompts wait for it one by one, the tokens are the same.
+    assert greedy_answers(folder, prompts[:3], 10, progress=False, kv_budget_mb=1).answers == gen.answers[:3]
+    held = sorted({a[0] for a in gen.answers})[:2]
+    suppressed = greedy_answers(folder, prompts, 6, suppress_ids=held, progress=False).answers
+    assert suppressed == [lm.greedy(p, 6, suppress_ids=held) for p in prompts]
+    assert all(len(a) == 6 and not set(a) & set(held) for a in suppressed)
+    answers = [a if i % 5 else [] for i, a in enumerate(gen.answers)]  # an empty answer scores nothing
+    batched = score_answers(lm, prompts, answers)
+    for p, a, (nll, am) in zip(prompts, answers, batched):
+        want_nll, want_am = score_answer(lm, p, a)
+        assert nll == pytest.approx(want_nll, rel=1e-5, abs=1e-4)
+        assert am.tolist() == want_am.tolist()
+    assert batched[0][1].size == 0 and sum(am.size for _, am in batched) == sum(len(a) for a in answers)

@@ -194,7 +194,9 @@ def test_quantizer_on_an_external_data_artifact_equals_the_inline_one(small_llam
     assert (tmp_path / "q_ext" / "model.onnx.data").is_file()  # a graph that came with external data keeps it
 
 
-def test_sequential_evaluation_gives_the_side_by_side_figures(small_llama, tmp_path, monkeypatch):
+def test_one_reference_pass_serves_every_candidate(small_llama, tmp_path):
+    """The reference runs once (its logits spooled), then each candidate alone: the figures are the ones the
+    reference's own evaluation and its argmax give, and other blocks are refused."""
     import compress.evaluate.onnx_eval as ev
     from compress.models import load_teacher
     from compress.quantize.quantizer import quantize_artifact
@@ -203,12 +205,24 @@ def test_sequential_evaluation_gives_the_side_by_side_figures(small_llama, tmp_p
     build_gqa_artifact(model, tok, tmp_path / "a")
     quantize_artifact(tmp_path / "a", tmp_path / "q", None, QuantizeConfig(method="weight_only", smoothquant_alpha=None))
     blocks = np.random.default_rng(1).integers(3, 500, (6, 16))
-    side = ev.evaluate_onnx(tmp_path / "q", blocks, reference_artifact=tmp_path / "a", latency=False)
-    monkeypatch.setattr(ev, "SEQUENTIAL_BYTES", 0)  # every pair counts as large: reference first, spooled
-    seq = ev.evaluate_onnx(tmp_path / "q", blocks, reference_artifact=tmp_path / "a", latency=False)
+    with ev.ReferencePass(tmp_path / "a", blocks, batch_size=4, latency=False) as ref:
+        assert ref.count == 2 and len(list(ref.folder.glob("*.npy"))) == 2
+        own = ev.evaluate_onnx(tmp_path / "a", blocks, latency=False)
+        assert ref.figures["perplexity"] == own["perplexity"] and ref.figures["eval_tokens"] == 6 * 15
+        itself = ev.evaluate_onnx(tmp_path / "a", blocks, reference=ref, latency=False)
+        assert itself["top1_agreement"] == 1.0 and itself["kl_to_reference"] == 0.0
+        shared = ev.evaluate_onnx(tmp_path / "q", blocks, reference=ref, latency=False)
+        again = ev.evaluate_onnx(tmp_path / "q", blocks, reference=ref, latency=False)
+        with pytest.raises(ev.EvaluateError, match="other eval blocks"):
+            ev.evaluate_onnx(tmp_path / "q", blocks[:3], reference=ref, latency=False)
+    assert not ref.folder.exists()
+    alone = ev.evaluate_onnx(tmp_path / "q", blocks, reference_artifact=tmp_path / "a", latency=False)
+    by_top1 = ev.evaluate_onnx(tmp_path / "q", blocks, reference_top1=ev.prefill_top1(tmp_path / "a", blocks),
+                               latency=False)
     for k in ("perplexity", "top1_agreement", "kl_to_reference", "eval_tokens"):
-        assert seq[k] == side[k], k
-    assert 0.9 <= side["top1_agreement"] <= 1.0 and side["kl_to_reference"] < 1e-2
+        assert shared[k] == again[k] == alone[k], k
+    assert shared["top1_agreement"] == by_top1["top1_agreement"]
+    assert 0.9 <= shared["top1_agreement"] < 1.0 and 0 < shared["kl_to_reference"] < 1e-2
 
 
 # ---------------------------------------------------------------- memory estimates and refusals

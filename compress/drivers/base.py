@@ -39,6 +39,27 @@ def greedy_token(logits: np.ndarray, suppress_ids: list[int] | None = None) -> i
     return int(np.argmax(logits))
 
 
+# One batch of continuation_logits at most this large; the tokens of one call at most MAX_BATCH_TOKENS.
+CONTINUATION_LOGITS_BYTES = 128 * 2**20
+MAX_BATCH_TOKENS = 2048
+
+
+def _batches(order: list[int], widths, vocab: int, max_logits_bytes: int) -> Iterator[list[int]]:
+    """``order`` cut into runs (at least one row each) whose padded logits [rows, logit positions, vocab] fp32
+    stay within ``max_logits_bytes`` and whose padded tokens within MAX_BATCH_TOKENS; ``widths(rows)`` gives a
+    run's (logit positions, padded tokens) per row."""
+    batch: list[int] = []
+    for i in order:
+        logit_positions, tokens = widths(batch + [i])
+        rows = len(batch) + 1
+        if batch and (rows * logit_positions * vocab * 4 > max_logits_bytes or rows * tokens > MAX_BATCH_TOKENS):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
 @dataclass
 class Past:
     """One sequence's KV state as a driver keeps it: ``kv`` is layout-specific, ``length`` the tokens it holds."""
@@ -110,6 +131,26 @@ class LanguageModelDriver:
         blocks = np.asarray(blocks, np.int64)
         for i in range(0, len(blocks), batch_size):
             yield self.prefill_batch(blocks[i:i + batch_size])
+
+    def continuation_logits(self, prompts: Sequence[Sequence[int]], conts: Sequence[Sequence[int]],
+                            max_logits_bytes: int = CONTINUATION_LOGITS_BYTES) -> Iterator[tuple[int, np.ndarray]]:
+        """For each pair with a non-empty continuation, ``(index, logits [len(cont), vocab])``: the logits at the
+        positions that predict the continuation's tokens (the prompt's last position on), in any order.
+
+        Rows of similar length go together, right-padded, in batches whose logits stay within
+        ``max_logits_bytes``; here every position's logits are computed (the layout's padded batch), GqaLM
+        computes only the continuation's."""
+        order = sorted((i for i, c in enumerate(conts) if len(c)), key=lambda i: len(prompts[i]) + len(conts[i]))
+
+        def widths(rows: list[int]) -> tuple[int, int]:
+            longest = max(len(prompts[i]) + len(conts[i]) for i in rows)
+            return longest, longest
+
+        for batch in _batches(order, widths, self.vocab, max_logits_bytes):
+            seqs = [list(prompts[i]) + list(conts[i]) for i in batch]
+            for i, lg in zip(batch, self.logits_left_padded(seqs)):
+                p = len(prompts[i])
+                yield i, lg[p - 1:p - 1 + len(conts[i])]
 
     def greedy(self, prompt: Sequence[int], new_tokens: int, eos_ids: Sequence[int] | None = None,
                suppress_ids: list[int] | None = None, step_seconds: list[float] | None = None) -> list[int]:

@@ -8,12 +8,12 @@ ORT writes the new K/V in place at seqlens_k and nothing is copied between steps
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import onnxruntime as ort
 
-from compress.drivers.base import LanguageModelDriver, Past
+from compress.drivers.base import CONTINUATION_LOGITS_BYTES, LanguageModelDriver, Past, _batches
 
 
 class GqaCache:
@@ -98,3 +98,27 @@ class GqaLM(LanguageModelDriver):
         cache = self.new_cache(len(seqs), n)
         logits = self.forward(ids, np.array([len(s) - 1 for s in seqs]), cache)
         return [logits[i, :len(s)] for i, s in enumerate(seqs)]
+
+    def continuation_logits(self, prompts: Sequence[Sequence[int]], conts: Sequence[Sequence[int]],
+                            max_logits_bytes: int = CONTINUATION_LOGITS_BYTES) -> Iterator[tuple[int, np.ndarray]]:
+        """As the base class's, keeping fewer positions: rows sorted by prompt length go together as one batch of
+        first prompts (right-padded, each row's length in seqlens_k), and the call keeps the logits from the
+        shortest prompt's last position on (logits_to_keep), which covers every row's continuation. For 48
+        chat prompts of 20-90 tokens with 48-token answers that is ~60 positions a row instead of ~140."""
+        order = sorted((i for i, c in enumerate(conts) if len(c)), key=lambda i: (len(prompts[i]), len(conts[i])))
+
+        def widths(rows: list[int]) -> tuple[int, int]:
+            longest = max(len(prompts[i]) + len(conts[i]) for i in rows)
+            return longest - min(len(prompts[i]) for i in rows) + 1, longest
+
+        for batch in _batches(order, widths, self.vocab, max_logits_bytes):
+            keep, longest = widths(batch)
+            seqs = [list(prompts[i]) + list(conts[i]) for i in batch]
+            ids = np.zeros((len(batch), longest), np.int64)
+            for b, s in enumerate(seqs):
+                ids[b, :len(s)] = s
+            logits = self.forward(ids, np.array([len(s) - 1 for s in seqs]), self.new_cache(len(batch), longest), keep)
+            first = longest - keep  # the position of logits[:, 0]
+            for b, i in enumerate(batch):
+                p = len(prompts[i]) - 1 - first
+                yield i, logits[b, p:p + len(conts[i])]

@@ -18,6 +18,11 @@ that is much worse at answering them (a pruned + distilled SmolLM2 was 1.06x the
 The teacher's side (its greedy answers, its NLL and argmax on the targets) is data-free, offline and cached
 per (teacher files, rendered prompts, max_new_tokens) in ``cache_dir``: a re-run or a second candidate reuses
 it, and a changed teacher gets new answers.
+
+How it runs (issue 41): every answer comes from the serving engine with all prompts in at once
+(compress/evaluate/generate.py: the same tokens as the batch-1 greedy loop, by test), and every answer is scored in
+padded batches (``score_answers``, only the answers' positions' logits kept). One model is in memory at a time.
+``benchmarks/eval_speed.py`` runs this and the old one-prompt-at-a-time loop side by side.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,8 +40,11 @@ from tqdm.auto import tqdm
 
 from compress.artifact import read_manifest
 from compress.drivers import LanguageModelDriver, load_lm
+from compress.evaluate.generate import greedy_answers
 
-CHAT_FORMAT = 1  # bump when the cached teacher targets change meaning
+# bump when the cached teacher targets change meaning (2: the teacher's NLL of its own answers from the logits it
+# picked them from on the engine, and its argmax there the answer itself)
+CHAT_FORMAT = 2
 BUILTIN = "builtin"
 BUILTIN_SET = Path(__file__).parent / "chatsets" / "use.jsonl"
 
@@ -136,11 +146,27 @@ def score_answer(lm: LanguageModelDriver, prompt: list[int], answer: list[int]) 
     if not answer:
         return 0.0, np.zeros(0, np.int64)
     logits, _ = lm.prefill(prompt + answer)
-    lg = np.asarray(logits[len(prompt) - 1:len(prompt) - 1 + len(answer)], np.float64)
+    return _nll_argmax(logits[len(prompt) - 1:len(prompt) - 1 + len(answer)], answer)
+
+
+def _nll_argmax(lg: np.ndarray, answer: Sequence[int]) -> tuple[float, np.ndarray]:
+    lg = np.asarray(lg, np.float64)
     m = lg.max(-1, keepdims=True)
     lse = np.log(np.exp(lg - m).sum(-1)) + m[:, 0]
-    nll = float((lse - lg[np.arange(len(answer)), answer]).sum())
-    return nll, lg.argmax(-1)
+    return float((lse - lg[np.arange(len(answer)), list(answer)]).sum()), lg.argmax(-1)
+
+
+def score_answers(lm: LanguageModelDriver, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
+                  check: Callable[[str], None] | None = None, doing: str = "scoring") -> list[tuple[float, np.ndarray]]:
+    """score_answer of every (prompt, answer) pair, computed in padded batches (the driver's continuation_logits:
+    logits bounded per batch, only the answers' positions for the gqa layout). ``check(doing)`` runs after each
+    answer (a budget's)."""
+    out: list[tuple[float, np.ndarray]] = [(0.0, np.zeros(0, np.int64))] * len(prompts)
+    for n, (i, lg) in enumerate(lm.continuation_logits(prompts, answers), 1):
+        out[i] = _nll_argmax(lg, answers[i])
+        if check is not None:
+            check(f"{doing}: {n} of {sum(1 for a in answers if len(a))} answers")
+    return out
 
 
 def first_divergence(a: list[int], b: list[int]) -> float:
@@ -162,6 +188,7 @@ class TeacherTargets:
     target_argmax: list[list[int]]
     kinds: list[str] = field(default_factory=list)
     cached: bool = False
+    seconds: dict[str, float] = field(default_factory=dict)  # what generating and scoring took (empty when cached)
 
 
 def targets_key(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_tokens: int) -> str:
@@ -174,30 +201,45 @@ def targets_key(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_toke
 
 def teacher_targets(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_tokens: int,
                     cache_dir: str | Path | None = None, threads: int | None = None,
-                    progress: bool = True) -> TeacherTargets:
-    """The teacher's greedy answers and its NLL/argmax on the targets, from ``cache_dir`` when it has them."""
+                    progress: bool = True, check: Callable[[str], None] | None = None) -> TeacherTargets:
+    """The teacher's greedy answers (all prompts batched on the serving engine, their NLL from the logits they were
+    picked from) and its NLL/argmax on the reference answers (scored in padded batches), from ``cache_dir`` when
+    it has them."""
     path = Path(cache_dir) / f"{targets_key(teacher_dir, prompts, max_new_tokens)}.json" if cache_dir else None
     if path is not None and path.is_file():
         return TeacherTargets(**{**json.loads(path.read_text()), "cached": True})
-    lm = load_lm(teacher_dir, threads, verify=False)
-    eos = [int(e) for e in lm.manifest.get("eos_token_ids") or []]
+    ids = [p.prompt_ids for p in prompts]
+    t0 = time.perf_counter()
+    # its NLL of its own answers from the logits it picked them from, and its argmax there is the answer itself
+    gen = greedy_answers(teacher_dir, ids, max_new_tokens, threads=threads, progress=progress,
+                         desc="teacher chat answers", check=check, logprobs=True)
+    seconds = {"teacher_answers": gen.seconds}
+    own = [(nll, np.asarray(a, np.int64)) for nll, a in zip(gen.nll, gen.answers)]
+    refs = [p.reference_ids for p in prompts]
+    with_ref = [i for i, r in enumerate(refs) if r is not None]
+    by_ref = {}
+    if with_ref:
+        t1 = time.perf_counter()
+        lm = load_lm(teacher_dir, threads, verify=False)
+        by_ref = dict(zip(with_ref, score_answers(lm, [ids[i] for i in with_ref], [refs[i] for i in with_ref], check,
+                                                  "the teacher scoring the reference answers")))
+        del lm
+        seconds["teacher_scoring"] = time.perf_counter() - t1
     t = TeacherTargets([], [], [], [], [], [p.kind for p in prompts])
-    for p in tqdm(prompts, desc="teacher chat answers", unit="prompt", disable=not progress):
-        ans = lm.greedy(p.prompt_ids, max_new_tokens, eos_ids=eos)
-        nll, am = score_answer(lm, p.prompt_ids, ans)
+    for i, ans in enumerate(gen.answers):
+        nll, am = own[i]
         t.answers.append(ans)
         t.answer_nll.append(nll)
-        target, tnll = ans, nll
-        if p.reference_ids is not None:
-            target = p.reference_ids
-            tnll, am = score_answer(lm, p.prompt_ids, target)
+        target, tnll = (refs[i], by_ref[i][0]) if i in by_ref else (ans, nll)
+        am = by_ref[i][1] if i in by_ref else am
         t.targets.append(list(target))
         t.target_nll.append(tnll)
         t.target_argmax.append([int(x) for x in am])
+    t.seconds = {**seconds, "teacher": time.perf_counter() - t0}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({k: v for k, v in asdict(t).items() if k != "cached"}))
+        tmp.write_text(json.dumps({k: v for k, v in asdict(t).items() if k not in ("cached", "seconds")}))
         tmp.replace(path)
     return t
 
@@ -208,28 +250,41 @@ def _ppl(nll: float, n: int) -> float:
 
 def evaluate_chat(candidate_dir: str | Path, teacher_dir: str | Path, prompts: list[ChatPrompt],
                   targets: TeacherTargets, divergence_tokens: int = 16, max_new_tokens: int = 48,
-                  judge: bool = True, threads: int | None = None, progress: bool = True) -> dict:
-    """The chat figures of a candidate against the teacher (module docstring); ``by_kind`` holds the same per kind."""
+                  judge: bool = True, threads: int | None = None, progress: bool = True,
+                  check: Callable[[str], None] | None = None) -> dict:
+    """The chat figures of a candidate against the teacher (module docstring); ``by_kind`` holds the same per kind,
+    ``seconds`` what each part took (one model in memory at a time: the candidate scored, then its answers
+    generated on the engine, then the teacher judging them)."""
+    ids = [p.prompt_ids for p in prompts]
+    t0 = time.perf_counter()
     cand = load_lm(candidate_dir, threads, verify=False)
-    teacher = load_lm(teacher_dir, threads, verify=False) if judge else None
-    eos = [int(e) for e in cand.manifest.get("eos_token_ids") or []]
+    scored = score_answers(cand, ids, targets.targets, check, "the candidate scoring the targets")
+    del cand
+    seconds = {"candidate_scoring": time.perf_counter() - t0}
     rows = []
-    for i, p in enumerate(tqdm(prompts, desc="chat evaluation", unit="prompt", disable=not progress)):
-        tgt = targets.targets[i]
-        nll, am = score_answer(cand, p.prompt_ids, tgt)
-        row = {"kind": p.kind, "tokens": len(tgt), "nll": nll, "teacher_nll": targets.target_nll[i],
-               "agree": int((am == np.asarray(targets.target_argmax[i], np.int64)).sum())}
-        if judge:
-            ans = cand.greedy(p.prompt_ids, max_new_tokens, eos_ids=eos)
-            jn, _ = score_answer(teacher, p.prompt_ids, ans)
-            row.update({"answer_tokens": len(ans), "judged_nll": jn, "own_tokens": len(targets.answers[i]),
+    for i, p in enumerate(prompts):
+        nll, am = scored[i]
+        rows.append({"kind": p.kind, "tokens": len(targets.targets[i]), "nll": nll,
+                     "teacher_nll": targets.target_nll[i],
+                     "agree": int((am == np.asarray(targets.target_argmax[i], np.int64)).sum())})
+    if judge:
+        gen = greedy_answers(candidate_dir, ids, max_new_tokens, threads=threads, progress=progress,
+                             desc="candidate chat answers", check=check)
+        seconds["candidate_answers"] = gen.seconds
+        t1 = time.perf_counter()
+        teacher = load_lm(teacher_dir, threads, verify=False)
+        judged = score_answers(teacher, ids, gen.answers, check, "the teacher judging the candidate's answers")
+        del teacher
+        seconds["judging"] = time.perf_counter() - t1
+        for i, (row, ans) in enumerate(zip(rows, gen.answers)):
+            row.update({"answer_tokens": len(ans), "judged_nll": judged[i][0], "own_tokens": len(targets.answers[i]),
                         "own_nll": targets.answer_nll[i],
                         # an answer that never departs from the teacher's counts as departing at the end
                         "divergence": min(first_divergence(ans, targets.answers[i]), float(max_new_tokens))})
-        rows.append(row)
     out = _figures(rows, divergence_tokens, judge)
     out["by_kind"] = {k: _figures([r for r in rows if r["kind"] == k], divergence_tokens, judge)
                       for k in sorted({r["kind"] for r in rows})}
+    out["seconds"] = {**targets.seconds, **seconds, "candidate": time.perf_counter() - t0}
     return out
 
 

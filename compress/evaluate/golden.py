@@ -169,8 +169,19 @@ def _lcp(a: list[int], b: list[int]) -> int:
 def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_abs_error: float = 1e-2, off_threshold: float = 1e-2,
                  max_off_count: int = 0, min_top1_agreement: float = 1.0, min_prefix_match: float = 1.0,
                  check_batched: bool = True, pad_id: int = 0) -> GoldenReport:
-    """Check an ONNX artifact against golden outputs; report.failures names prompt and position."""
+    """Check an ONNX artifact against golden outputs; report.failures names prompt and position.
+
+    Given a folder, the greedy continuations come from the serving engine, every prompt at once
+    (compress/evaluate/generate.py), before the driver that checks the logits is loaded: golden then checks the
+    path the server decodes on, one model in memory at a time. Given a driver, they come from its batch-1 loop."""
+    conts = None
     if isinstance(lm, (str, Path)):
+        from compress.evaluate.generate import greedy_answers
+
+        # golden's continuations all have the same length (EOS held off while they were recorded)
+        n = max((len(c) for c in golden.continuations), default=0)
+        conts = greedy_answers(lm, golden.prompt_ids, n, suppress_ids=golden.suppressed_ids, progress=False,
+                               desc="golden continuations", stop_at_eos=False).answers if n else None
         lm = load_lm(lm)  # OnnxLM or GqaLM, from the manifest's attention_layout
     thresholds = dict(max_abs_error=max_abs_error, off_threshold=off_threshold, max_off_count=max_off_count,
                       min_top1_agreement=min_top1_agreement, min_prefix_match=min_prefix_match)
@@ -187,7 +198,9 @@ def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_ab
         per_pos = err.max(axis=-1)
         top1_ok = logits.argmax(-1) == idx[:, 0]
         bad = np.nonzero((per_pos > max_abs_error) | ~top1_ok)[0]
-        cont = lm.greedy(golden.prompt_ids[i], len(golden.continuations[i]), suppress_ids=golden.suppressed_ids)
+        want = len(golden.continuations[i])
+        cont = (conts[i][:want] if conts is not None else
+                lm.greedy(golden.prompt_ids[i], want, suppress_ids=golden.suppressed_ids))
         lcp = _lcp(cont, golden.continuations[i])
         r = PromptResult(prompt, float(err.max()), int((err > off_threshold).sum()), int(len(seq)),
                          float(top1_ok.mean()), lcp, len(golden.continuations[i]), int(bad[0]) if len(bad) else None)

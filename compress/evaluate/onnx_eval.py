@@ -23,7 +23,7 @@ import gc
 import math
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -66,8 +66,6 @@ def _kl_sum(ref: np.ndarray, logits: np.ndarray) -> float:
     return total
 
 
-# Reference + candidate graphs above this are evaluated one after the other (evaluate_onnx).
-SEQUENTIAL_BYTES = 3 * 2**30
 # One batch's logits at most this large: [batch, block, vocab] fp32 is held by the caller and once more inside
 # ORT's arena, so at a 128k vocabulary a batch of 4 x 128 was ~0.5 GB at the accept stage's peak (docs/models.md).
 LOGITS_BATCH_BYTES = 128 * 2**20
@@ -76,29 +74,6 @@ LOGITS_BATCH_BYTES = 128 * 2**20
 def logits_batch(batch_size: int, block: int, vocab: int) -> int:
     """``batch_size``, lowered so that one batch's fp32 logits stay within LOGITS_BATCH_BYTES (at least 1)."""
     return max(1, min(int(batch_size), LOGITS_BATCH_BYTES // max(1, block * vocab * 4)))
-
-
-def _onnx_bytes(folder: str | Path) -> int:
-    folder = Path(folder)
-    name = read_manifest(folder, verify=False).get("onnx_file", "model.onnx")
-    return sum(p.stat().st_size for p in folder.glob(name + "*"))
-
-
-def _spooled(reference: str | Path, blocks: np.ndarray, batch_size: int, threads: int | None, folder: Path):
-    """The reference's prefill logits batch by batch, computed all first (then its session is freed) and read
-    back from ``folder`` one batch at a time."""
-    _, _, lm = _load(reference, threads)
-    n = 0
-    for i, x in enumerate(lm.prefill_batches(blocks, batch_size)):
-        np.save(folder / f"{i}.npy", x)
-        n = i + 1
-    del lm
-    gc.collect()
-
-    def read():
-        for i in range(n):
-            yield np.load(folder / f"{i}.npy")
-    return read()
 
 
 def _load(folder: str | Path, threads: int | None) -> tuple[Path, dict, LanguageModelDriver]:
@@ -136,6 +111,56 @@ def _golden_pairs(golden) -> list[tuple[list[int], list[int]]]:
     return pairs
 
 
+class ReferencePass:
+    """One pass of a reference artifact over eval blocks, shared by every candidate judged against it.
+
+    ``figures`` are the reference's own (evaluate_onnx without a reference: perplexity, size, decode latency when
+    ``latency``); its logits at the scored positions are spooled to a temporary folder batch by batch while they
+    are computed, and each candidate's ``evaluate_onnx(..., reference=this)`` reads them back one batch at a time.
+    So the reference runs once however many candidates (the quantize stage's forms and trials) or figures (the
+    accept stage's baseline and agreement) need it, and its session is gone before a candidate's is made. The
+    folder holds n x (block - 1) x vocab fp32: 0.8 GB for 32 blocks of 128 over SmolLM2's 49k vocabulary.
+    ``close()`` (or the context manager) removes it."""
+
+    def __init__(self, artifact_dir: str | Path, eval_blocks: np.ndarray, batch_size: int = 4,
+                 threads: int | None = None, latency: bool = True, golden: Sequence | None = None,
+                 spool_dir: str | Path | None = None):
+        self.artifact_dir = Path(artifact_dir)
+        self._tmp = tempfile.TemporaryDirectory(prefix="eval_ref_", dir=spool_dir)
+        self.folder = Path(self._tmp.name)
+        self.blocks = np.asarray(eval_blocks, np.int64)
+        self.batch_size = logits_batch(batch_size, self.blocks.shape[1] if self.blocks.ndim == 2 else 1,
+                                       int(read_manifest(artifact_dir, verify=False)["vocab_size"]))
+        self.vocab = int(read_manifest(artifact_dir, verify=False)["vocab_size"])
+        self.count = 0
+        self.figures = evaluate_onnx(artifact_dir, self.blocks, batch_size=self.batch_size, threads=threads,
+                                     latency=latency, golden=golden, _spool=self)
+        gc.collect()  # its session's arena, before a candidate's
+
+    def _save(self, i: int, logits: np.ndarray) -> None:
+        np.save(self.folder / f"{i}.npy", logits[:, :-1])  # the scored positions only
+        self.count = i + 1
+
+    def batches(self) -> Iterator[np.ndarray]:
+        for i in range(self.count):
+            yield np.load(self.folder / f"{i}.npy")
+
+    def check(self, eval_blocks: np.ndarray, vocab: int, who) -> None:
+        if np.shape(eval_blocks) != self.blocks.shape or not np.array_equal(eval_blocks, self.blocks):
+            raise EvaluateError(f"{who}: the reference pass of {self.artifact_dir} was over other eval blocks")
+        if vocab != self.vocab:
+            raise EvaluateError(f"reference {self.artifact_dir} has vocab {self.vocab}, candidate {vocab}: not comparable")
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+    def __enter__(self) -> ReferencePass:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def evaluate_onnx(
     artifact_dir: str | Path,
     eval_blocks: np.ndarray,
@@ -147,6 +172,8 @@ def evaluate_onnx(
     latency: bool = True,
     threads: int | None = None,
     reference_top1: np.ndarray | None = None,
+    reference: ReferencePass | None = None,
+    _spool: ReferencePass | None = None,
 ) -> dict[str, float]:
     """Perplexity, top-1 agreement and KL vs a reference artifact, golden greedy-prefix match, size, decode latency.
 
@@ -155,25 +182,22 @@ def evaluate_onnx(
     reference_top1: the reference's argmax [n, block] over the same eval_blocks (from `prefill_logits(...).argmax(-1)`),
     to measure agreement without running the reference again (then no KL); its last column is not compared.
     Agreement and KL cover the positions perplexity scores (module docstring), `eval_tokens` of them.
+    reference: a ReferencePass over the same eval_blocks, read instead of running its artifact again;
+    reference_artifact makes one for this call (the reference runs first, then the candidate).
     """
     eval_blocks = np.asarray(eval_blocks, dtype=np.int64)
     if eval_blocks.ndim != 2 or len(eval_blocks) == 0 or eval_blocks.shape[1] < 2:
         raise EvaluateError(f"eval_blocks must be a non-empty [n, block_size >= 2] array, got shape {eval_blocks.shape}")
-    ref_iter, spool = None, None
     man0 = read_manifest(artifact_dir, verify=False)
-    batch_size = logits_batch(batch_size, eval_blocks.shape[1], int(man0["vocab_size"]))
-    if reference_artifact is not None:
-        rman = read_manifest(reference_artifact, verify=False)
-        if int(rman["vocab_size"]) != int(man0["vocab_size"]):
-            raise EvaluateError(f"reference {reference_artifact} has vocab {rman['vocab_size']}, candidate {man0['vocab_size']}: not comparable")
-        if _onnx_bytes(reference_artifact) + _onnx_bytes(artifact_dir) > SEQUENTIAL_BYTES:
-            # Two large sessions side by side (a 3B model's fp32 baseline is 12 GB on its own): run the reference
-            # first, its logits to disk batch by batch, and only then load the candidate. Same numbers.
-            spool = tempfile.TemporaryDirectory(prefix="eval_ref_")
-            ref_iter = _spooled(reference_artifact, eval_blocks, batch_size, threads, Path(spool.name))
-        else:
-            _, _, ref_lm = _load(reference_artifact, threads)
-            ref_iter = ref_lm.prefill_batches(eval_blocks, batch_size)
+    own_ref = reference is None and reference_artifact is not None
+    if own_ref:
+        reference = ReferencePass(reference_artifact, eval_blocks, batch_size, threads, latency=False)
+    if reference is not None:
+        reference.check(eval_blocks, int(man0["vocab_size"]), artifact_dir)
+        batch_size = reference.batch_size  # its spooled batches line up with this run's
+    else:
+        batch_size = logits_batch(batch_size, eval_blocks.shape[1], int(man0["vocab_size"]))
+    ref_iter = reference.batches() if reference is not None else None
     t0 = time.perf_counter()
     path, man, lm = _load(artifact_dir, threads)
     load_s = time.perf_counter() - t0
@@ -189,13 +213,15 @@ def evaluate_onnx(
         if reference_top1 is not None and ref_iter is None:
             agree += int((np.asarray(reference_top1)[i * batch_size : i * batch_size + len(logits), :-1] == am).sum())
         if ref_iter is not None:
-            ref = next(ref_iter)[:, :-1]  # the scored positions only, as for perplexity
+            ref = next(ref_iter)  # the scored positions only, as for perplexity
             agree += int((ref.argmax(-1) == am).sum())
             kl += _kl_sum(ref, logits[:, :-1])
             del ref
+        if _spool is not None:
+            _spool._save(i, logits)
     prefill_s = time.perf_counter() - t0
-    if spool is not None:
-        spool.cleanup()
+    if own_ref:
+        reference.close()
     out: dict[str, float] = {
         "perplexity": math.exp(nll / max(count, 1)),
         "nll": nll / max(count, 1),

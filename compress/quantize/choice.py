@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from compress.config import AcceptConfig, QuantizeConfig
+from compress.evaluate.onnx_eval import ReferencePass
 from compress.quantize.relax import AcceptanceResult, quantize_with_acceptance
 
 AUTO_FORMS: dict[str, dict] = {
@@ -160,16 +161,17 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
     forms = forms or AUTO_FORMS
     results: dict[str, AcceptanceResult] = {}
     record: dict[str, dict] = {}
-    baseline = None
-    for i, (name, update) in enumerate(forms.items()):
-        cfg = qcfg.model_copy(update=update)
-        res = quantize_with_acceptance(src_artifact, out_dir.with_name(f"{out_dir.name}.{name}"), calib_blocks, eval_blocks,
-                                       cfg, acfg, baseline=baseline, threads=threads,
-                                       on_trial=(lambda k, m, name=name: on_trial(name, k, m)) if on_trial else None)
-        baseline = res.baseline  # the fp32 figures are the same for every form
-        results[name] = res
-        record[name] = {"accepted": res.verdict.accepted, "reasons": list(res.verdict.reasons),
-                        "metrics": dict(res.metrics), "trials": len(res.trials)}
+    # One pass of the source over the selection split for every form and trial: its figures are the baseline,
+    # its spooled logits the reference of each form's agreement and KL.
+    with ReferencePass(src_artifact, eval_blocks, threads=threads) as reference:
+        for name, update in forms.items():
+            cfg = qcfg.model_copy(update=update)
+            res = quantize_with_acceptance(src_artifact, out_dir.with_name(f"{out_dir.name}.{name}"), calib_blocks,
+                                           eval_blocks, cfg, acfg, threads=threads, reference=reference,
+                                           on_trial=(lambda k, m, name=name: on_trial(name, k, m)) if on_trial else None)
+            results[name] = res
+            record[name] = {"accepted": res.verdict.accepted, "reasons": list(res.verdict.reasons),
+                            "metrics": dict(res.metrics), "trials": len(res.trials)}
     accepted = [n for n, r in results.items() if r.verdict.accepted]
     if len(accepted) > 1:
         speed = decode_step_ms({n: results[n].artifact for n in accepted}, threads=threads,

@@ -16,7 +16,7 @@ import numpy as np
 
 from compress.config import AcceptConfig, QuantizeConfig
 from compress.evaluate.gate import Verdict, accept
-from compress.evaluate.onnx_eval import evaluate_onnx
+from compress.evaluate.onnx_eval import ReferencePass, evaluate_onnx
 from compress.quantize.quantizer import Quantizer, QuantReport
 from compress.quantize.sensitivity import float_groups_by_sensitivity
 
@@ -42,6 +42,7 @@ def quantize_with_acceptance(
     threads: int | None = None,
     on_trial: Callable[[int, dict], None] | None = None,
     eval_kwargs: dict | None = None,
+    reference: ReferencePass | None = None,
 ) -> AcceptanceResult:
     """Quantize `src_artifact` (the fp32 baseline, also the agreement reference) into out_dir until the gate accepts.
 
@@ -49,19 +50,34 @@ def quantize_with_acceptance(
     sensitive first (sensitivity scan results when qcfg.sensitivity_trials > 0, else the activation-range
     proxy). Calibration runs once, on calib_blocks only; eval_blocks (the selection split) are used only for the
     loop's gate. The pipeline's verdict is the accept stage's, on the test split no trial has seen (tasks/accept.py).
-    on_trial(i, record) is called after every trial (for MLflow child runs).
+    on_trial(i, record) is called after every trial (for MLflow child runs). reference: the source's
+    ReferencePass over eval_blocks (its figures are the baseline; choose_quant_form shares one between forms),
+    made here when not given (and no reference_top1 is in eval_kwargs).
     """
     src = Path(src_artifact)
     out_dir = Path(out_dir)
     ekw = dict(eval_kwargs or {})
     if threads:
         ekw.setdefault("threads", threads)
+    own_ref = reference is None and "reference_top1" not in ekw
+    if own_ref:
+        # One pass of the source, spooled: its figures are the baseline, its logits every trial's reference.
+        reference = ReferencePass(src, eval_blocks, threads=ekw.get("threads"), latency=ekw.get("latency", True))
+    try:
+        return _loop(src, out_dir, calib_blocks, eval_blocks, qcfg, acfg, baseline, threads, on_trial, ekw, reference)
+    finally:
+        if own_ref:
+            reference.close()
+
+
+def _loop(src: Path, out_dir: Path, calib_blocks, eval_blocks, qcfg: QuantizeConfig, acfg: AcceptConfig,
+          baseline: dict | None, threads: int | None, on_trial, ekw: dict,
+          reference: ReferencePass | None) -> AcceptanceResult:
     # eval_kwargs may carry reference_top1 (the baseline's argmax on eval_blocks) to skip re-running the baseline
-    ref = {} if "reference_top1" in ekw else {"reference_artifact": src}
+    ref = {"reference": reference} if reference is not None else {}
     if baseline is None:
-        # Without a reference, as the accept stage measures a baseline, so the quantize stage can hand its
-        # figures on (agreement of the baseline with itself would only cost a second pass over eval_blocks).
-        baseline = evaluate_onnx(src, eval_blocks, **{k: v for k, v in ekw.items() if k != "reference_top1"})
+        baseline = reference.figures if reference is not None else evaluate_onnx(
+            src, eval_blocks, **{k: v for k, v in ekw.items() if k != "reference_top1"})
     q = Quantizer(src, calib_blocks, qcfg, threads=threads)
     # The loop gates on the selection split alone: the other genres are the verdict's (tasks/accept.py).
     loop_cfg = acfg.model_copy(update={"max_heldout_perplexity_ratio": None})
