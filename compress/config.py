@@ -244,7 +244,10 @@ class QuantizeConfig(Section):
     # the calib split (compress/quantize/kv_int8.py): a quarter of the bytes per position, and attention over it
     # 2-2.4x faster on the CPU EP, which is what batched decode is bound by (docs/benchmarks.md run 10). The accept
     # stage gates the artifact with its int8 cache. CPU EP only: ORT's CUDA kernel takes int8 caches with fp16 queries.
-    kv_cache: Literal["float32", "int8"] = "float32"
+    # "auto": the quantize stage judges the cache forms too, per weight form, in the order of their speed at
+    # auto_concurrency users (from 8 users: int8 per tensor, int8 per channel, float32; below: float32 first) and
+    # keeps the first that passes the gate (compress/quantize/choice.py; docs/quantization.md).
+    kv_cache: Literal["float32", "int8", "auto"] = "float32"
     # The int8 cache's scales: "channel" (one per KV head and channel, the closer one) or "tensor" (one for each
     # layer's K and one for its V): 5 % more tokens/s at 32 users on this CPU, where ORT's per-tensor path is the
     # faster kernel, and coarser: on SmolLM2 the chat ratio went 1.016 -> 1.022 and the test split's top-1 agreement

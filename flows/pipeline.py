@@ -272,6 +272,37 @@ def search_rejection(search: dict) -> dict:
             "candidate": {}, "baseline": {}, "metrics": metrics, "split": "selection"}
 
 
+def quantize_rejection(choice: dict) -> dict:
+    """A rejected verdict for a quantize stage none of whose forms passed the gate on the selection split: the run
+    stops there (the accept stage would judge, on the test split, a form already known to fail). Its reasons name
+    every form's failed checks; the most accurate form is the registered, rejected candidate."""
+    reasons = [f"no INT8 form passed the gate on the selection split ({len(choice['attempts'])} tried); the most "
+               f"accurate is registered as the rejected candidate"]
+    reasons += [f"{a['form']} with {a['kv_label']}: {a['failed']}" for a in choice["attempts"]]
+    best = min(choice["attempts"], key=lambda a: a["perplexity_ratio"])
+    metrics = {"selection_perplexity_ratio": best["perplexity_ratio"], "selection_top1_agreement": best["top1_agreement"],
+               "selection_perplexity": best["perplexity"]}
+    return {"accepted": False, "reasons": reasons, "criteria": "fidelity", "checks": [], "candidate": {},
+            "baseline": {}, "metrics": metrics, "split": "selection", "hints": choice["hints"]}
+
+
+def forms_markdown(choice: dict) -> str:
+    """The quantize stage's forms: every attempt (weight form x K/V cache) with its selection-split figures."""
+    lines = ["### INT8 forms judged on the selection split", "",
+             "| form | K/V cache | passed | perplexity ratio | top-1 agreement | decode tokens/s at users | failed |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for a in choice["attempts"]:
+        levels = sorted((int(k[len("tokens_per_s_b"):]), v) for k, v in a.items() if k.startswith("tokens_per_s_b"))
+        tps = f"{levels[-1][1]:.0f} at {levels[-1][0]}" if levels else ""
+        kept = a["form"] == choice["chosen"] and a["kv"] == choice["kv"]
+        lines.append(f"| {a['form']}{' (kept)' if kept else ''} | {a['kv_label']} | "
+                     f"{'yes' if a['accepted'] else '**no**'} | {a['perplexity_ratio']:.4f} | {a['top1_agreement']:.4f} | "
+                     f"{tps} | {a['failed']} |")
+    if choice.get("hints"):
+        lines += ["", "What the cache cost:"] + [f"- {h}" for h in choice["hints"]]
+    return "\n".join(lines)
+
+
 def compare_with_champion(cfg: PipelineConfig, figures: dict) -> dict | None:
     """The candidate's figures against the current champion's registered ones (compress.evaluate.versus_champion),
     with the champion's version; None when the model has no champion yet."""
@@ -349,7 +380,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
         verdict, deployed, champion_vs, blocked = None, None, None, None
         searched_none = search is not None and search["picked"] is None
-        if searched_none:
+        choice = (quant or {}).get("choice") if search is None else None
+        quantized_none = choice is not None and choice["chosen"] is None
+        if quantized_none:
+            # No INT8 form passed on the selection split: rejected here, before the accept stage and the benchmark
+            # spend their time on a form known to fail (compress/quantize/choice.py).
+            verdict = quantize_rejection(choice)
+            for reason in verdict["reasons"]:
+                log.warning("acceptance: %s", reason)
+        elif searched_none:
             # No branch passed the gate on the selection split: the run is rejected here, without a verdict on
             # the test split (nothing is to be chosen) or a benchmark; the best branch is registered, as a
             # rejected candidate is, so it can be compared.
@@ -364,7 +403,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             for reason in verdict["reasons"]:
                 log.warning("acceptance: %s", reason)
         bench = None
-        if cfg.benchmark.enabled and candidate != teacher["artifact"] and not searched_none:
+        if cfg.benchmark.enabled and candidate != teacher["artifact"] and not searched_none and not quantized_none:
             k = stage_key(cfg, "benchmark", ["benchmark"], cand_key, k_exp)
             bench = timer.run("benchmark", submit_stage, benchmark_task, cfg, "benchmark", k, parent_run_id=pid,
                               candidate=candidate, baseline=teacher["artifact"])
@@ -419,6 +458,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         summary = timer.markdown(cfg, parent, tracking_uri, registered, verdict, champion_vs)
         if search is not None:
             summary += "\n\n" + search_markdown(search)
+        if choice is not None:
+            summary += "\n\n" + forms_markdown(choice)
         mlflow.log_text(summary, "summary.md")
     create_markdown_artifact(markdown=summary, key="compress-summary", description=f"compression run {cfg.name}")
     log.info("\n%s", summary)

@@ -32,8 +32,8 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
         log_params({"quantize": cfg.quantize.model_dump()})
         trials: list[dict] = []
         choice = None
-        if cfg.quantize.method == "auto":
-            # the forms the quantize stage chooses from, gated on the selection split, fastest accepted kept
+        if "auto" in (cfg.quantize.method, cfg.quantize.kv_cache):
+            # the forms (weights x K/V cache) the stage chooses from, gated on the selection split, fastest kept
             choice = choose_quant_form(src_artifact, out, data.calib, data.eval, cfg.quantize, cfg.accept,
                                        on_trial=lambda form, i, m: trials.append({"form": form, **m}))
             res = choice.result
@@ -52,7 +52,8 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
         metrics = {**report.metrics(), **(choice.metrics() if choice else {})}
         log_metrics(metrics)
         if choice is not None:
-            log_params({"quantize_auto_chosen": choice.chosen or "none"})
+            log_params({"quantize_auto_chosen": choice.chosen or "none",
+                        **({"quantize_auto_kv": choice.kv_chosen or "none"} if choice.kv_auto else {})})
             fig = profile_figure(choice.forms, choice.chosen) if run is not None else None
             if fig is not None:
                 log_figure(fig, "auto_forms_tokens_per_s.png")
@@ -61,4 +62,13 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
                       "auto_forms": choice.forms if choice else None},
                      "quantize_report.json")
             mlflow.log_artifact(str(artifact / "manifest.json"))
-    return mark_done(folder, {"artifact": str(artifact), "metrics": metrics, "evaluation": evaluation})
+    return mark_done(folder, {"artifact": str(artifact), "metrics": metrics, "evaluation": evaluation,
+                              "choice": choice_summary(choice) if choice else None})
+
+
+def choice_summary(choice) -> dict:
+    """What the run summary and a rejection say about the forms: each attempt's figures, the pick, the hints."""
+    return {"chosen": choice.chosen, "kv": choice.kv_chosen, "kv_auto": choice.kv_auto, "hints": choice.hints(),
+            "attempts": [{"form": name, **a, **({k: v for k, v in f.items() if k.startswith("tokens_per_s_b")}
+                                                 if a["kv"] == f["kv"] else {})}
+                         for name, f in choice.forms.items() for a in f["kv_attempts"]]}

@@ -184,3 +184,35 @@ def test_candidate_worse_than_the_champion_on_chat_is_not_promoted(tiny_flow_run
     blocked = registry.get_version("tiny-llama", out["registered"][-1]["version"])
     assert blocked.tags["promotion_blocked"] == out["promotion_blocked"] and blocked.aliases == []
     assert registry.version_for_alias("tiny-llama", "champion").version == champ_before
+
+
+def test_no_int8_form_passing_stops_the_run_before_acceptance(tiny_flow_run, mlflow_store):
+    """quantize.kv_cache auto with a gate no form can pass (KL to the source must be ~0): the run ends Rejected in the
+    quantize stage, naming every form's failed checks; no accept stage, no benchmark; the most accurate form is the
+    registered, rejected candidate, and the summary lists every form."""
+    from mlflow import MlflowClient
+
+    from flows.outcome import RunNotAccepted
+    from flows.pipeline import compress_flow
+
+    champ_before = registry.version_for_alias("tiny-llama", "champion").version
+    overrides = tiny_flow_run["overrides"] + ["quantize.method=weight_only", "quantize.kv_cache=auto",
+                                              "quantize.auto_concurrency=8", "accept.max_kl=1e-12",
+                                              "accept.relax_trials=0"]
+    with pytest.raises(RunNotAccepted) as e:
+        compress_flow(config="configs/tiny.yaml", overrides=overrides)
+    out = e.value.outcome
+    v = out["verdict"]
+    assert not v["accepted"] and v["split"] == "selection"
+    assert v["reasons"][0].startswith("no INT8 form passed the gate on the selection split (3 tried)")
+    assert [r.split(":")[0] for r in v["reasons"][1:]] == [
+        "weight_only with int8 K/V per tensor", "weight_only with int8 K/V per channel", "weight_only with float32 K/V"]
+    assert all("kl " in r and "(limit 1e-12)" in r for r in v["reasons"][1:])
+    ran = [r["stage"] for r in out["stages"]]
+    assert "quantize" in ran and "accept" not in ran and "benchmark" not in ran
+    rejected = registry.get_version("tiny-llama", out["registered"][-1]["version"])
+    assert rejected.tags["verdict"] == "rejected" and rejected.aliases == []
+    assert registry.version_for_alias("tiny-llama", "champion").version == champ_before
+    summary = MlflowClient(mlflow_store).download_artifacts(out["run_id"], "summary.md")
+    text = open(summary).read()
+    assert "INT8 forms judged on the selection split" in text and text.count("| weight_only") == 3

@@ -15,9 +15,21 @@ on a shared machine hits them alike), and the fastest is renamed to ``out_dir``.
 tokens/s with N requests decoding together on the serving engine instead: weight-only MatMulNBits is the faster
 kernel for one row, per-token W8A8's integer product several times faster from 8 rows up (docs/benchmarks.md); forms within
 ``quantize.auto_speed_tolerance`` of the fastest count as tied, and the lowest selection-split perplexity
-among them wins (timing noise on a shared box must not flip the choice to the less accurate form). When
-none passes, the last form's rejected artifact is kept, as a single-method run would keep it. The gate's
+among them wins (timing noise on a shared box must not flip the choice to the less accurate form). The gate's
 verdict is still the accept stage's, on the test split no trial has seen.
+
+The K/V cache is part of the choice with ``quantize.kv_cache: auto`` (issue 46: an int8 cache chosen on SmolLM2
+rejected a Gemma 3 that passes with a float one). Each weight form is written with each cache form of
+``kv_forms`` in the order of their speed at ``auto_concurrency`` users (from ``KV_INT8_FROM_USERS``: int8 per
+tensor, int8 per channel, float32, since batched decode is bound by attention over the cache; below it float32
+first, as an int8 cache buys one user little speed for its accuracy), from one calibrated Quantizer, and the first
+that passes is that weight form's candidate. The faster cache forms get one trial each (keeping more linears in
+float does not repair a cache); the last gets the accuracy-aware loop. Every attempt's figures are kept
+(``FormChoice.forms[name]["kv_attempts"]``) and ``FormChoice.hints`` says what the cache cost where it was measured.
+
+When no form passes, ``chosen`` is None and the most accurate attempt (lowest selection-split perplexity) is kept
+in ``out_dir``: the pipeline then ends the run Rejected with every form's failed checks instead of judging a form
+already known to fail on the test split (flows/pipeline.py ``quantize_rejection``).
 """
 
 from __future__ import annotations
@@ -39,16 +51,72 @@ AUTO_FORMS: dict[str, dict] = {
 }
 
 
+KV_FORMS: dict[str, dict] = {
+    "int8_tensor": {"kv_cache": "int8", "kv_cache_scales": "tensor"},
+    "int8_channel": {"kv_cache": "int8", "kv_cache_scales": "channel"},
+    "float32": {"kv_cache": "float32"},
+}
+# From this many users on, an int8 cache is the faster (attention over it ~2x faster, docs/benchmarks.md run 10).
+KV_INT8_FROM_USERS = 8
+
+
+def kv_forms(qcfg: QuantizeConfig, manifest: dict) -> dict[str, dict]:
+    """The cache forms to try, fastest first for the declared concurrency; one (the configured) unless kv_cache is
+    auto. An int8 cache needs the gqa layout with a float32 cache: other artifacts keep theirs."""
+    if qcfg.kv_cache != "auto":
+        name = "float32" if qcfg.kv_cache == "float32" else f"int8_{qcfg.kv_cache_scales}"
+        return {name: {}}
+    if manifest.get("attention_layout") != "gqa" or manifest.get("kv_dtype", "float32") != "float32":
+        return {"float32": KV_FORMS["float32"]}
+    order = (["int8_tensor", "int8_channel", "float32"] if qcfg.auto_concurrency >= KV_INT8_FROM_USERS
+             else ["float32", "int8_tensor", "int8_channel"])
+    return {n: KV_FORMS[n] for n in order}
+
+
+def kv_label(name: str) -> str:
+    return {"int8_tensor": "int8 K/V per tensor", "int8_channel": "int8 K/V per channel",
+            "float32": "float32 K/V"}.get(name, name)
+
+
+def failed_checks(verdict) -> str:
+    """The failed checks of a verdict with their values and limits, e.g. 'top1_agreement 0.885 (limit 0.9)'."""
+    return "; ".join(f"{c['name']} {c['value']:.4g} (limit {c['limit']:.4g})" for c in verdict.checks
+                     if not c["passed"]) or "; ".join(verdict.reasons)
+
+
 @dataclass
 class FormChoice:
     chosen: str | None  # None: no form passed the gate
-    result: AcceptanceResult  # of the chosen form (or the last one tried when none passed)
-    forms: dict[str, dict] = field(default_factory=dict)  # per form: accepted, reasons, decode ms/step, metrics
+    result: AcceptanceResult  # of the chosen form (or the most accurate attempt when none passed)
+    # per weight form: accepted, reasons, decode ms/step, metrics, kv (its cache form), kv_attempts
+    forms: dict[str, dict] = field(default_factory=dict)
+    kv_chosen: str | None = None  # the kept candidate's cache form (KV_FORMS' names)
+    kv_auto: bool = False
+
+    def hints(self) -> list[str]:
+        """What the cache cost where both forms of it were measured: 'dynamic_token: int8 K/V per tensor: agreement
+        0.885, perplexity ratio 1.054; with float32 K/V 0.941, 1.018'."""
+        out = []
+        for name, f in self.forms.items():
+            att = f.get("kv_attempts", [])
+            fl = next((a for a in att if a["kv"] == "float32"), None)
+            for a in att:
+                if fl is None or a["kv"] == "float32" or a["accepted"]:
+                    continue
+                out.append(f"{name}: {kv_label(a['kv'])}: top-1 agreement {a['top1_agreement']:.3f}, perplexity ratio "
+                           f"{a['perplexity_ratio']:.3f}; with float32 K/V {fl['top1_agreement']:.3f}, "
+                           f"{fl['perplexity_ratio']:.3f}" + ("" if fl["accepted"] else " (also rejected)"))
+        return out
 
     def metrics(self) -> dict[str, float]:
         out = {}
         for name, f in self.forms.items():
             out[f"auto_{name}_accepted"] = float(f["accepted"])
+            if self.kv_auto:
+                for a in f.get("kv_attempts", []):
+                    out[f"auto_{name}_kv_{a['kv']}_accepted"] = float(a["accepted"])
+                    out[f"auto_{name}_kv_{a['kv']}_top1_agreement"] = a["top1_agreement"]
+                    out[f"auto_{name}_kv_{a['kv']}_perplexity_ratio"] = a["perplexity_ratio"]
             if f.get("decode_ms_per_step") is not None:
                 out[f"auto_{name}_decode_ms_per_step"] = f["decode_ms_per_step"]
             for k, v in f.items():
@@ -152,26 +220,84 @@ def pick_form(ms_per_step: dict[str, float], perplexity: dict[str, float], toler
     return min(tied, key=lambda n: (perplexity[n], ms_per_step[n]))
 
 
+def weight_forms(qcfg: QuantizeConfig) -> dict[str, dict]:
+    """AUTO_FORMS for method auto, else the configured method alone (its cache form may still be auto)."""
+    if qcfg.method == "auto":
+        return AUTO_FORMS
+    name = "dynamic_token" if qcfg.method == "dynamic" and qcfg.activation_granularity == "token" else qcfg.method
+    return {name: {}}
+
+
+def _attempt_record(kv: str, res: AcceptanceResult) -> dict:
+    m = res.metrics
+    base = res.baseline.get("perplexity") or float("nan")
+    return {"kv": kv, "kv_label": kv_label(kv), "accepted": res.verdict.accepted, "failed": "" if res.verdict.accepted else failed_checks(res.verdict),
+            "top1_agreement": float(m.get("top1_agreement", float("nan"))),
+            "perplexity_ratio": float(m["perplexity"] / base), "perplexity": float(m["perplexity"]),
+            "trials": len(res.trials)}
+
+
+def _judge_weight_form(src: Path, out_dir: Path, calib_blocks, eval_blocks, cfg: QuantizeConfig, acfg: AcceptConfig,
+                       kvs: dict[str, dict], threads, reference, on_trial) -> tuple[str, AcceptanceResult, list[dict]]:
+    """One weight form with each cache form in turn (kvs' order) until one passes: (its cache form, its result,
+    every attempt). The faster cache forms get one trial, the last the whole loop; only the returned one's
+    artifact is left on disk."""
+    from compress.quantize.quantizer import Quantizer
+
+    first = next(iter(kvs.values()))
+    q = Quantizer(src, calib_blocks, cfg.model_copy(update=first), threads=threads)
+    attempts: list[dict] = []
+    best: tuple[str, AcceptanceResult] | None = None
+    names = list(kvs)
+    for k, kv in enumerate(names):
+        if kvs[kv]:  # {} = the configured cache, which q.cfg has
+            q.use_kv_cache(kvs[kv]["kv_cache"], kvs[kv].get("kv_cache_scales", "channel"))
+        loop = acfg if k == len(names) - 1 else acfg.model_copy(update={"relax_trials": 0})
+        res = quantize_with_acceptance(src, out_dir.with_name(f"{out_dir.name}.kv_{kv}"), calib_blocks, eval_blocks,
+                                       q.cfg, loop, threads=threads, reference=reference, quantizer=q,
+                                       on_trial=(lambda i, m, kv=kv: on_trial(kv, i, m)) if on_trial else None)
+        attempts.append(_attempt_record(kv, res))
+        if best is None or res.verdict.accepted or (not best[1].verdict.accepted and
+                                                   res.metrics["perplexity"] < best[1].metrics["perplexity"]):
+            if best is not None:
+                shutil.rmtree(best[1].artifact, ignore_errors=True)
+            best = (kv, res)
+        else:
+            shutil.rmtree(res.artifact, ignore_errors=True)
+        if res.verdict.accepted:
+            break
+    return best[0], best[1], attempts
+
+
 def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_blocks: np.ndarray, eval_blocks: np.ndarray,
                       qcfg: QuantizeConfig, acfg: AcceptConfig, threads: int | None = None,
                       forms: dict[str, dict] | None = None, on_trial=None) -> FormChoice:
-    """Every form of ``forms`` (default AUTO_FORMS) through the accuracy-aware loop; the fastest accepted one
-    ends up in ``out_dir``. ``qcfg``'s other settings (block size, accuracy level, keep_float, ...) apply to all."""
+    """Every weight form of ``forms`` (default: weight_forms(qcfg)) with its cache forms (kv_forms) through the
+    accuracy-aware loop; the fastest accepted candidate ends up in ``out_dir``. ``qcfg``'s other settings (block
+    size, accuracy level, keep_float, ...) apply to all. on_trial(form, trial, record): form is the weight form's
+    name, with ``.kv_<cache form>`` when the cache is chosen too."""
+    from compress.artifact import read_manifest
+
+    src = Path(src_artifact)
     out_dir = Path(out_dir)
-    forms = forms or AUTO_FORMS
+    forms = forms or weight_forms(qcfg)
+    kvs = kv_forms(qcfg, read_manifest(src, verify=False))
+    kv_auto = qcfg.kv_cache == "auto"
     results: dict[str, AcceptanceResult] = {}
     record: dict[str, dict] = {}
     # One pass of the source over the selection split for every form and trial: its figures are the baseline,
     # its spooled logits the reference of each form's agreement and KL.
-    with ReferencePass(src_artifact, eval_blocks, threads=threads) as reference:
+    with ReferencePass(src, eval_blocks, threads=threads) as reference:
         for name, update in forms.items():
-            cfg = qcfg.model_copy(update=update)
-            res = quantize_with_acceptance(src_artifact, out_dir.with_name(f"{out_dir.name}.{name}"), calib_blocks,
-                                           eval_blocks, cfg, acfg, threads=threads, reference=reference,
-                                           on_trial=(lambda k, m, name=name: on_trial(name, k, m)) if on_trial else None)
+            cfg = qcfg.model_copy(update={**update, "method": update.get("method", qcfg.method)})
+            tag = (lambda kv, i, m, name=name: on_trial(f"{name}.kv_{kv}" if kv_auto else name, i, m)) if on_trial else None
+            kv, res, attempts = _judge_weight_form(src, out_dir.with_name(f"{out_dir.name}.{name}"), calib_blocks,
+                                                   eval_blocks, cfg, acfg, kvs, threads, reference, tag)
             results[name] = res
             record[name] = {"accepted": res.verdict.accepted, "reasons": list(res.verdict.reasons),
-                            "metrics": dict(res.metrics), "trials": len(res.trials)}
+                            "metrics": dict(res.metrics), "trials": len(res.trials), "kv": kv,
+                            "kv_attempts": attempts}
+    kv_of = {n: r["kv"] for n, r in record.items()}
     accepted = [n for n, r in results.items() if r.verdict.accepted]
     if len(accepted) > 1:
         speed = decode_step_ms({n: results[n].artifact for n in accepted}, threads=threads,
@@ -195,7 +321,8 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
             chosen = pick_form(speed, ppl, qcfg.auto_speed_tolerance)
     else:
         chosen = accepted[0] if accepted else None
-    keep = chosen or list(results)[-1]
+    # none passed: the most accurate attempt is kept, to be registered as the rejected candidate
+    keep = chosen or min(results, key=lambda n: results[n].metrics["perplexity"])
     if out_dir.exists():
         shutil.rmtree(out_dir)
     Path(results[keep].artifact).rename(out_dir)
@@ -205,4 +332,4 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
     res = results[keep]
     res.artifact = out_dir
     res.report.out_dir = str(out_dir)
-    return FormChoice(chosen, res, record)
+    return FormChoice(chosen, res, record, kv_of[keep] if chosen else None, kv_auto)

@@ -143,9 +143,9 @@ class Quantizer:
             # before any work: the cache scales are calibrated last, on the written graph
             raise QuantizeError("quantize.kv_cache int8 calibrates its scales on the calib split: pass calib_blocks "
                                 "(the pipeline does), or set quantize.kv_cache: float32")
-        if cfg.method == "auto":
-            raise QuantizeError("quantize.method 'auto' picks among forms in the quantize stage "
-                                "(compress.quantize.choice.choose_quant_form); give Quantizer a concrete method")
+        if cfg.method == "auto" or cfg.kv_cache == "auto":
+            raise QuantizeError("quantize.method and quantize.kv_cache 'auto' pick among forms in the quantize stage "
+                                "(compress.quantize.choice.choose_quant_form); give Quantizer concrete ones")
         self.src = Path(src_artifact)
         self.calibration_cache = Path(calibration_cache) if calibration_cache else None
         self.cfg = cfg
@@ -303,6 +303,14 @@ class Quantizer:
             peak_rss_mb=_peak_rss_mb(),
         )
         return report
+
+    def use_kv_cache(self, kv_cache: str, kv_cache_scales: str = "channel") -> None:
+        """Write the next variants with this K/V cache; the weights' calibration and smoothing stay as they are
+        (quantize.kv_cache auto writes each cache form of one weight form from one Quantizer)."""
+        if kv_cache == "int8" and (self.calib is None or len(self.calib) == 0):
+            raise QuantizeError("quantize.kv_cache int8 calibrates its scales on the calib split: pass calib_blocks "
+                                "(the pipeline does), or set quantize.kv_cache: float32")
+        self.cfg = self.cfg.model_copy(update={"kv_cache": kv_cache, "kv_cache_scales": kv_cache_scales})
 
     def settings(self, extra_float_groups: list[str] | tuple[str, ...] = ()) -> dict:
         cfg = self.cfg

@@ -43,6 +43,7 @@ def quantize_with_acceptance(
     on_trial: Callable[[int, dict], None] | None = None,
     eval_kwargs: dict | None = None,
     reference: ReferencePass | None = None,
+    quantizer: Quantizer | None = None,
 ) -> AcceptanceResult:
     """Quantize `src_artifact` (the fp32 baseline, also the agreement reference) into out_dir until the gate accepts.
 
@@ -52,7 +53,8 @@ def quantize_with_acceptance(
     loop's gate. The pipeline's verdict is the accept stage's, on the test split no trial has seen (tasks/accept.py).
     on_trial(i, record) is called after every trial (for MLflow child runs). reference: the source's
     ReferencePass over eval_blocks (its figures are the baseline; choose_quant_form shares one between forms),
-    made here when not given (and no reference_top1 is in eval_kwargs).
+    made here when not given (and no reference_top1 is in eval_kwargs). quantizer: one already calibrated on
+    this source (choose_quant_form writes several K/V forms from one), else one is made from qcfg.
     """
     src = Path(src_artifact)
     out_dir = Path(out_dir)
@@ -64,21 +66,20 @@ def quantize_with_acceptance(
         # One pass of the source, spooled: its figures are the baseline, its logits every trial's reference.
         reference = ReferencePass(src, eval_blocks, threads=ekw.get("threads"), latency=ekw.get("latency", True))
     try:
-        return _loop(src, out_dir, calib_blocks, eval_blocks, qcfg, acfg, baseline, threads, on_trial, ekw, reference)
+        q = quantizer or Quantizer(src, calib_blocks, qcfg, threads=threads)
+        return _loop(q, out_dir, eval_blocks, acfg, baseline, on_trial, ekw, reference)
     finally:
         if own_ref:
             reference.close()
 
 
-def _loop(src: Path, out_dir: Path, calib_blocks, eval_blocks, qcfg: QuantizeConfig, acfg: AcceptConfig,
-          baseline: dict | None, threads: int | None, on_trial, ekw: dict,
+def _loop(q: Quantizer, out_dir: Path, eval_blocks, acfg: AcceptConfig, baseline: dict | None, on_trial, ekw: dict,
           reference: ReferencePass | None) -> AcceptanceResult:
     # eval_kwargs may carry reference_top1 (the baseline's argmax on eval_blocks) to skip re-running the baseline
     ref = {"reference": reference} if reference is not None else {}
     if baseline is None:
         baseline = reference.figures if reference is not None else evaluate_onnx(
-            src, eval_blocks, **{k: v for k, v in ekw.items() if k != "reference_top1"})
-    q = Quantizer(src, calib_blocks, qcfg, threads=threads)
+            q.src, eval_blocks, **{k: v for k, v in ekw.items() if k != "reference_top1"})
     # The loop gates on the selection split alone: the other genres are the verdict's (tasks/accept.py).
     loop_cfg = acfg.model_copy(update={"max_heldout_perplexity_ratio": None})
     extra: list[str] = []
