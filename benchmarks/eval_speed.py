@@ -7,8 +7,9 @@ Both paths in one process, one after the other, on the same prompts (the gate's 
 
 * ``one_at_a_time``: what compress/evaluate/chat.py did before issue 41: per prompt, the driver's batch-1 greedy loop
   (``LanguageModelDriver.greedy``) and one prefill per scored answer (``score_answer``);
-* ``batched``: what it does now: ``teacher_targets`` (no cache) and ``evaluate_chat``, answers from the serving
-  engine with every prompt in, scoring in padded batches.
+* ``batched``: what it does now: ``evaluate_chat`` with no teacher answers cached (the accept stage's first run):
+  answers from the serving engine with every prompt in, the teacher loaded once for its answers and its judging,
+  scoring in padded batches.
 
 Printed: seconds of each and their ratio, whether the teacher's and the candidate's answers are the same token for
 token, and the largest difference between the two paths' chat figures.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     prompts = chat_eval.render(a.teacher, chat_eval.load_sets(["builtin"]))[:a.prompts]
 
-    t0 = time.perf_counter()
-    targets = chat_eval.teacher_targets(a.teacher, prompts, a.new_tokens, progress=False)
-    new = chat_eval.evaluate_chat(a.candidate, a.teacher, prompts, targets, 16, a.new_tokens, progress=False)
-    batched_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as cache:  # the accept stage's call: no teacher answers cached yet
+        t0 = time.perf_counter()
+        new = chat_eval.evaluate_chat(a.candidate, a.teacher, prompts, None, 16, a.new_tokens, progress=False,
+                                      cache_dir=cache)
+        batched_s = time.perf_counter() - t0
+        targets = chat_eval.cached_targets(a.teacher, prompts, a.new_tokens, cache)
     # the candidate's answers, for the token-for-token comparison (outside the timed part)
     from compress.evaluate.generate import greedy_answers
 

@@ -98,7 +98,9 @@ class Engine:
         # onnxruntime's intra-op threads, started in the session's constructor, inherit the lowered priority.
         self.runner: ModelRunner = call_in_lowered_thread(make_runner, config.model_thread_nice)
         # a finished, cancelled or preempted sequence's K/V is dead for the runner too (RunRow key = id + epoch)
-        self.block_manager.on_free = lambda seq: self.runner.release((seq.request_id, seq.epoch))
+        # (the hook holds the runner, not the engine: no cycle, so a dropped engine frees its weights at once)
+        runner = self.runner
+        self.block_manager.on_free = lambda seq: runner.release((seq.request_id, seq.epoch))
         release_free_memory()  # the loader's freed temporaries, ~100 MiB for SmolLM2 (serve/heap.py)
         pool_bytes = num_blocks * spec.bytes_per_block(bs)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)%s; context %d; provider %s",

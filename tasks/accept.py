@@ -68,12 +68,10 @@ def chat_figures(cfg: PipelineConfig, candidate: str, baseline: str, check=None)
     if not chat_eval.has_chat_template(baseline):
         return {}, "not scored: the model has no chat template (set accept.chat_sets: [] to say so)"
     prompts = chat_eval.render(baseline, chat_eval.load_sets(a.chat_sets))
-    targets = chat_eval.teacher_targets(baseline, prompts, a.chat_max_new_tokens, workdir(cfg) / "chat_targets",
-                                        check=check)
-    chat = chat_eval.evaluate_chat(candidate, baseline, prompts, targets, a.chat_divergence_tokens,
-                                   a.chat_max_new_tokens, check=check)
+    chat = chat_eval.evaluate_chat(candidate, baseline, prompts, None, a.chat_divergence_tokens,
+                                   a.chat_max_new_tokens, check=check, cache_dir=workdir(cfg) / "chat_targets")
     return chat, (f"{len(prompts)} conversations of {', '.join(a.chat_sets)}; teacher answers "
-                  f"{'reused from cache' if targets.cached else 'generated'}")
+                  f"{'reused from cache' if chat['teacher_cached'] else 'generated'}")
 
 
 @task(name="accept", cache_key_fn=cache_key_fn, persist_result=True)
@@ -103,7 +101,7 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
                 base.update(downstream_scores(baseline, held.test, held.heldout, n, seed=cfg.data.seed))
         with budget.part("chat"):
             chat, chat_note = chat_figures(cfg, candidate, baseline, budget.check)
-        cand.update({k: v for k, v in chat.items() if k not in ("by_kind", "seconds")})
+        cand.update({k: v for k, v in chat.items() if k not in ("by_kind", "seconds", "teacher_cached")})
         if chat:  # the teacher against itself, under the same names, so the registry's Compare lines them up
             base.update({"chat_perplexity": chat["chat_baseline_perplexity"], "chat_perplexity_ratio": 1.0,
                          "chat_top1_agreement": 1.0}

@@ -113,6 +113,27 @@ def test_invariants_hold_between_steps(tiny_artifact):
     check_clean(eng)
 
 
+def test_a_dropped_engine_frees_its_model_at_once(tiny_artifact, tiny_gqa):
+    """No reference cycle keeps an engine (and its session's weights) alive after its last reference goes: the
+    pipeline's evaluation makes one engine per model and loads the next right after (compress/evaluate/generate.py)."""
+    import gc
+    import weakref
+
+    gc.disable()  # only reference counting may free it
+    try:
+        for art in (tiny_artifact, tiny_gqa):
+            eng = engine(art)
+            h = eng.add_request([5, 6, 7], SamplingParams.greedy(4))
+            eng.run_until_done()
+            assert h.result().finish_reason in ("stop", "length")
+            refs = [weakref.ref(eng), weakref.ref(eng.runner)]
+            eng.shutdown()
+            del eng, h
+            assert [r() for r in refs] == [None, None], f"{art.name}: the engine outlived its last reference"
+    finally:
+        gc.enable()
+
+
 def test_every_runner_implements_the_whole_runner_protocol(tiny_artifact):
     """The engine calls its runner through serve.runner_protocol.ModelRunner without probing: every runner class
     defines every method of it, and a live runner has every attribute, with the KV figures the engine reports."""

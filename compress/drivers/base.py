@@ -87,6 +87,16 @@ class LanguageModelDriver:
         return self
 
     @classmethod
+    def from_session(cls, session, manifest: dict, folder: str | Path | None = None) -> LanguageModelDriver:
+        """A driver over a session that is already loaded (e.g. the serving engine's runner's): no second copy of
+        the weights."""
+        cls._check_layout(manifest, folder or "session")
+        self = cls.__new__(cls)
+        self.folder = Path(folder) if folder else None
+        self._setup(manifest, session)
+        return self
+
+    @classmethod
     def _check_layout(cls, manifest: dict, where) -> None:
         layout = manifest.get("attention_layout", "standard")
         if layout != cls.layout:

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from compress.artifact import read_manifest
 from compress.drivers import LanguageModelDriver, load_lm
-from compress.evaluate.generate import greedy_answers
+from compress.evaluate.generate import evaluation_engine, generate_on, greedy_answers, scoring_driver
 
 # bump when the cached teacher targets change meaning (2: the teacher's NLL of its own answers from the logits it
 # picked them from on the engine, and its argmax there the answer itself)
@@ -199,49 +199,78 @@ def targets_key(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_toke
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+def _cache_path(teacher_dir, prompts: list[ChatPrompt], max_new_tokens: int, cache_dir) -> Path | None:
+    return Path(cache_dir) / f"{targets_key(teacher_dir, prompts, max_new_tokens)}.json" if cache_dir else None
+
+
+def cached_targets(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_tokens: int,
+                   cache_dir: str | Path | None) -> TeacherTargets | None:
+    """The teacher's side from ``cache_dir``, or None when it has not been computed for this teacher and these
+    prompts."""
+    path = _cache_path(teacher_dir, prompts, max_new_tokens, cache_dir)
+    if path is None or not path.is_file():
+        return None
+    return TeacherTargets(**{**json.loads(path.read_text()), "cached": True})
+
+
 def teacher_targets(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_tokens: int,
                     cache_dir: str | Path | None = None, threads: int | None = None,
                     progress: bool = True, check: Callable[[str], None] | None = None) -> TeacherTargets:
     """The teacher's greedy answers (all prompts batched on the serving engine, their NLL from the logits they were
     picked from) and its NLL/argmax on the reference answers (scored in padded batches), from ``cache_dir`` when
     it has them."""
-    path = Path(cache_dir) / f"{targets_key(teacher_dir, prompts, max_new_tokens)}.json" if cache_dir else None
-    if path is not None and path.is_file():
-        return TeacherTargets(**{**json.loads(path.read_text()), "cached": True})
+    return cached_targets(teacher_dir, prompts, max_new_tokens, cache_dir) or _teacher_phase(
+        teacher_dir, prompts, max_new_tokens, None, cache_dir, threads, progress, check)[0]
+
+
+def _targets_on(engine, prompts: list[ChatPrompt], max_new_tokens: int, progress: bool, check) -> TeacherTargets:
     ids = [p.prompt_ids for p in prompts]
     t0 = time.perf_counter()
     # its NLL of its own answers from the logits it picked them from, and its argmax there is the answer itself
-    gen = greedy_answers(teacher_dir, ids, max_new_tokens, threads=threads, progress=progress,
-                         desc="teacher chat answers", check=check, logprobs=True)
+    gen = generate_on(engine, ids, max_new_tokens, progress=progress, desc="teacher chat answers", check=check,
+                      logprobs=True)
     seconds = {"teacher_answers": gen.seconds}
-    own = [(nll, np.asarray(a, np.int64)) for nll, a in zip(gen.nll, gen.answers)]
     refs = [p.reference_ids for p in prompts]
     with_ref = [i for i, r in enumerate(refs) if r is not None]
     by_ref = {}
     if with_ref:
         t1 = time.perf_counter()
-        lm = load_lm(teacher_dir, threads, verify=False)
-        by_ref = dict(zip(with_ref, score_answers(lm, [ids[i] for i in with_ref], [refs[i] for i in with_ref], check,
+        by_ref = dict(zip(with_ref, score_answers(scoring_driver(engine), [ids[i] for i in with_ref],
+                                                  [refs[i] for i in with_ref], check,
                                                   "the teacher scoring the reference answers")))
-        del lm
         seconds["teacher_scoring"] = time.perf_counter() - t1
     t = TeacherTargets([], [], [], [], [], [p.kind for p in prompts])
     for i, ans in enumerate(gen.answers):
-        nll, am = own[i]
         t.answers.append(ans)
-        t.answer_nll.append(nll)
-        target, tnll = (refs[i], by_ref[i][0]) if i in by_ref else (ans, nll)
-        am = by_ref[i][1] if i in by_ref else am
+        t.answer_nll.append(gen.nll[i])
+        target, tnll, am = (refs[i], *by_ref[i]) if i in by_ref else (ans, gen.nll[i], ans)
         t.targets.append(list(target))
         t.target_nll.append(tnll)
         t.target_argmax.append([int(x) for x in am])
     t.seconds = {**seconds, "teacher": time.perf_counter() - t0}
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({k: v for k, v in asdict(t).items() if k not in ("cached", "seconds")}))
-        tmp.replace(path)
     return t
+
+
+def _teacher_phase(teacher_dir, prompts: list[ChatPrompt], max_new_tokens: int, judged_answers: list | None,
+                   cache_dir, threads, progress, check,
+                   targets: TeacherTargets | None = None) -> tuple[TeacherTargets, list | None, float]:
+    """Everything the teacher does, on one load of it (an engine whose session also scores): its answers unless
+    ``targets`` has them (then cached in ``cache_dir``), and its NLL of ``judged_answers`` (the candidate's).
+    Returns the targets, the judged (nll, argmax) per answer or None, and the judging's seconds."""
+    with evaluation_engine(teacher_dir, [p.prompt_ids for p in prompts], max_new_tokens, threads) as engine:
+        if targets is None:
+            targets = _targets_on(engine, prompts, max_new_tokens, progress, check)
+            path = _cache_path(teacher_dir, prompts, max_new_tokens, cache_dir)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps({k: v for k, v in asdict(targets).items() if k not in ("cached", "seconds")}))
+                tmp.replace(path)
+        judged, t0 = None, time.perf_counter()
+        if judged_answers is not None:
+            judged = score_answers(scoring_driver(engine), [p.prompt_ids for p in prompts], judged_answers, check,
+                                   "the teacher judging the candidate's answers")
+        return targets, judged, time.perf_counter() - t0
 
 
 def _ppl(nll: float, n: int) -> float:
@@ -249,42 +278,51 @@ def _ppl(nll: float, n: int) -> float:
 
 
 def evaluate_chat(candidate_dir: str | Path, teacher_dir: str | Path, prompts: list[ChatPrompt],
-                  targets: TeacherTargets, divergence_tokens: int = 16, max_new_tokens: int = 48,
+                  targets: TeacherTargets | None = None, divergence_tokens: int = 16, max_new_tokens: int = 48,
                   judge: bool = True, threads: int | None = None, progress: bool = True,
-                  check: Callable[[str], None] | None = None) -> dict:
+                  check: Callable[[str], None] | None = None, cache_dir: str | Path | None = None) -> dict:
     """The chat figures of a candidate against the teacher (module docstring); ``by_kind`` holds the same per kind,
-    ``seconds`` what each part took (one model in memory at a time: the candidate scored, then its answers
-    generated on the engine, then the teacher judging them)."""
+    ``seconds`` what each part took, ``teacher_cached`` whether the teacher's side came from the cache.
+
+    One model in memory at a time, the teacher loaded once: the candidate's answers first (on the engine), then
+    the teacher's answers (unless ``targets`` or ``cache_dir`` has them) and its judgement of the candidate's on
+    one engine, then the candidate scoring the teacher's answers."""
     ids = [p.prompt_ids for p in prompts]
     t0 = time.perf_counter()
+    seconds: dict[str, float] = {}
+    targets = targets or cached_targets(teacher_dir, prompts, max_new_tokens, cache_dir)
+    gen = None
+    if judge:
+        gen = greedy_answers(candidate_dir, ids, max_new_tokens, threads=threads, progress=progress,
+                             desc="candidate chat answers", check=check)
+        seconds["candidate_answers"] = gen.seconds
+    judged = None
+    if targets is None or judge:
+        targets, judged, seconds["judging"] = _teacher_phase(
+            teacher_dir, prompts, max_new_tokens, gen.answers if judge else None, cache_dir, threads, progress,
+            check, targets)
+    t1 = time.perf_counter()
     cand = load_lm(candidate_dir, threads, verify=False)
     scored = score_answers(cand, ids, targets.targets, check, "the candidate scoring the targets")
     del cand
-    seconds = {"candidate_scoring": time.perf_counter() - t0}
+    seconds["candidate_scoring"] = time.perf_counter() - t1
     rows = []
     for i, p in enumerate(prompts):
         nll, am = scored[i]
         rows.append({"kind": p.kind, "tokens": len(targets.targets[i]), "nll": nll,
                      "teacher_nll": targets.target_nll[i],
                      "agree": int((am == np.asarray(targets.target_argmax[i], np.int64)).sum())})
-    if judge:
-        gen = greedy_answers(candidate_dir, ids, max_new_tokens, threads=threads, progress=progress,
-                             desc="candidate chat answers", check=check)
-        seconds["candidate_answers"] = gen.seconds
-        t1 = time.perf_counter()
-        teacher = load_lm(teacher_dir, threads, verify=False)
-        judged = score_answers(teacher, ids, gen.answers, check, "the teacher judging the candidate's answers")
-        del teacher
-        seconds["judging"] = time.perf_counter() - t1
-        for i, (row, ans) in enumerate(zip(rows, gen.answers)):
-            row.update({"answer_tokens": len(ans), "judged_nll": judged[i][0], "own_tokens": len(targets.answers[i]),
-                        "own_nll": targets.answer_nll[i],
-                        # an answer that never departs from the teacher's counts as departing at the end
-                        "divergence": min(first_divergence(ans, targets.answers[i]), float(max_new_tokens))})
+        if judge:
+            ans = gen.answers[i]
+            rows[-1].update({"answer_tokens": len(ans), "judged_nll": judged[i][0],
+                             "own_tokens": len(targets.answers[i]), "own_nll": targets.answer_nll[i],
+                             # an answer that never departs from the teacher's counts as departing at the end
+                             "divergence": min(first_divergence(ans, targets.answers[i]), float(max_new_tokens))})
     out = _figures(rows, divergence_tokens, judge)
     out["by_kind"] = {k: _figures([r for r in rows if r["kind"] == k], divergence_tokens, judge)
                       for k in sorted({r["kind"] for r in rows})}
-    out["seconds"] = {**targets.seconds, **seconds, "candidate": time.perf_counter() - t0}
+    out["seconds"] = {**targets.seconds, **seconds, "total": time.perf_counter() - t0}
+    out["teacher_cached"] = targets.cached
     return out
 
 

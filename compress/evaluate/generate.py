@@ -4,7 +4,7 @@ The pipeline's generation (the chat set's teacher and candidate answers, golden'
 prompt at a time through a driver's batch-1 loop: 33 s a prompt for a 1B on 2 cores. Here every prompt is a
 request to the engine the server runs (continuous batching, the same runner, sampler and KV rows), stepped by
 hand: the prompts go in as batched calls and all rows decode together. The tokens are the batch-1 loop's
-(``LanguageModelDriver.greedy``): tests/test_generate.py holds the two equal on every tiny family.
+(``LanguageModelDriver.greedy``): tests/test_architectures.py holds the two equal on every tiny family.
 
 The engine is sized for the work, not for a deployment: K/V for every row at once within ``kv_budget_mb`` (rows
 beyond it wait for a free one), no prefix cache (a cached prefix would change which call computes a position, not
@@ -14,11 +14,11 @@ copy of the weights: a 7B's fp32 graph twice), the calling thread at its own pri
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,55 +72,81 @@ def engine_config(manifest: dict, prompts: Sequence[Sequence[int]], max_new_toke
                        max_waiting=max(len(prompts), 1), max_wait_s=1e9, max_model_len=max(2, context))
 
 
+@contextmanager
+def evaluation_engine(artifact_dir: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      threads: int | None = None, kv_budget_mb: int = KV_BUDGET_MB) -> Iterator:
+    """An engine (manual mode) sized for these prompts; shut down on exit. Its runner's session also serves
+    ``scoring_driver``: generate and score with one copy of the weights. Keep no reference past the block (the
+    engine frees its model when the last one goes)."""
+    from serve.artifact import read_manifest
+    from serve.engine import Engine
+
+    manifest = read_manifest(artifact_dir, verify=False)
+    engine = Engine(artifact_dir, engine_config(manifest, prompts, max_new_tokens, threads, kv_budget_mb), start=False)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def scoring_driver(engine):
+    """A LanguageModelDriver over the engine's own session (compress/drivers/), for scoring with the loaded weights."""
+    from compress.drivers import lm_for_session
+
+    return lm_for_session(engine.runner.session, engine.manifest, engine.artifact_dir)
+
+
 def greedy_answers(artifact_dir: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    suppress_ids: Sequence[int] = (), threads: int | None = None, progress: bool = True,
                    desc: str = "greedy answers", kv_budget_mb: int = KV_BUDGET_MB,
                    check: Callable[[str], None] | None = None, stop_at_eos: bool = True,
                    logprobs: bool = False) -> Generated:
+    """generate_on a new evaluation_engine of ``artifact_dir``, gone (its weights freed) when this returns."""
+    if not prompts:
+        return Generated([], 0.0, 0)
+    with evaluation_engine(artifact_dir, prompts, max_new_tokens, threads, kv_budget_mb) as engine:
+        return generate_on(engine, prompts, max_new_tokens, suppress_ids, progress, desc, check, stop_at_eos,
+                           logprobs)
+
+
+def generate_on(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, suppress_ids: Sequence[int] = (),
+                progress: bool = True, desc: str = "greedy answers", check: Callable[[str], None] | None = None,
+                stop_at_eos: bool = True, logprobs: bool = False) -> Generated:
     """Each prompt's greedy continuation of at most ``max_new_tokens`` (ending at the model's EOS, which is kept,
-    unless ``stop_at_eos`` is false), all prompts batched on one engine. ``suppress_ids`` are never picked and EOS is no stop (golden holds EOS off
-    to compare a fixed number of tokens): every answer then has ``max_new_tokens``, as the driver's
-    ``greedy(..., suppress_ids=...)`` gives them. ``check(doing)`` runs before every engine step (a budget's: it
-    may raise to stop). ``logprobs``: each answer's NLL too, from the logits each token was picked from (what the
-    model's own prefill of prompt + answer gives, to float32 rounding), so the answers need no second pass to be
-    scored by the model that wrote them. One engine is made for the call and gone when it returns."""
-    from serve.artifact import read_manifest
-    from serve.engine import Engine
+    unless ``stop_at_eos`` is false), all prompts as requests to ``engine``, stepped here. ``suppress_ids`` are
+    never picked and EOS is no stop (golden holds EOS off to compare a fixed number of tokens): every answer then
+    has ``max_new_tokens``, as the driver's ``greedy(..., suppress_ids=...)`` gives them. ``check(doing)`` runs
+    before every engine step (a budget's: it may raise to stop). ``logprobs``: each answer's NLL too, from the
+    logits each token was picked from (what the model's own prefill of prompt + answer gives, to float32 rounding),
+    so the answers need no second pass to be scored by the model that wrote them."""
     from serve.sampling import SamplingParams
 
     if not prompts:
         return Generated([], 0.0, 0)
-    manifest = read_manifest(artifact_dir, verify=False)
-    engine = Engine(artifact_dir, engine_config(manifest, prompts, max_new_tokens, threads, kv_budget_mb), start=False)
     suppress = sorted({int(t) for t in suppress_ids})
     # min_tokens masks the stop ids until the last token; with ignore_eos they are the suppressed ids alone
     params = SamplingParams.greedy(max_new_tokens, min_tokens=max_new_tokens if suppress else 0,
                                    stop_token_ids=suppress, ignore_eos=bool(suppress) or not stop_at_eos,
                                    logprobs=0 if logprobs else None)
-    rows = engine.config.max_batch_size
     t0 = time.perf_counter()
-    try:
-        handles = [engine.add_request(list(p), params) for p in prompts]
-        done = 0
-        with tqdm(total=len(handles), desc=desc, unit="prompt", disable=not progress) as bar:
-            while engine.has_work():
-                if check is not None:
-                    check(f"{desc}: {done} of {len(handles)} prompts done")
-                engine.step()
-                now = sum(h.finished for h in handles)
-                if now > done:
-                    bar.update(now - done)
-                    done = now
-                    bar.set_postfix_str(f"{sum(len(h.output_ids) for h in handles) / (time.perf_counter() - t0):.0f} tok/s")
-        outs = [h.result() for h in handles]
-    finally:
-        engine.shutdown()
-        engine = None  # the runner's session (the weights) goes now, not at the next collection: the caller
-        gc.collect()  # loads the next model (the block pool's free hook keeps engine and runner in a cycle)
+    handles = [engine.add_request(list(p), params) for p in prompts]
+    done = 0
+    with tqdm(total=len(handles), desc=desc, unit="prompt", disable=not progress) as bar:
+        while engine.has_work():
+            if check is not None:
+                check(f"{desc}: {done} of {len(handles)} prompts done")
+            engine.step()
+            now = sum(h.finished for h in handles)
+            if now > done:
+                bar.update(now - done)
+                done = now
+                bar.set_postfix_str(f"{sum(len(h.output_ids) for h in handles) / (time.perf_counter() - t0):.0f} tok/s")
+    outs = [h.result() for h in handles]
     bad = [o for o in outs if o.finish_reason not in ("stop", "length")]
     if bad:
-        raise RuntimeError(f"{artifact_dir}: generation failed for {len(bad)} of {len(outs)} prompts: {bad[0].error}")
-    gen = Generated([list(o.output_ids) for o in outs], time.perf_counter() - t0, rows,
+        raise RuntimeError(f"{engine.artifact_dir}: generation failed for {len(bad)} of {len(outs)} prompts: "
+                           f"{bad[0].error}")
+    gen = Generated([list(o.output_ids) for o in outs], time.perf_counter() - t0, engine.config.max_batch_size,
                     [-sum(lp for lp, _ in o.logprobs) for o in outs] if logprobs else None)
     log.info("%s: %d prompts, %d tokens in %.1f s (%.1f tok/s, up to %d rows at once)", desc, len(prompts),
              gen.tokens, gen.seconds, gen.tokens_per_s, gen.rows)
