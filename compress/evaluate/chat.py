@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from compress.artifact import read_manifest
 from compress.drivers import LanguageModelDriver, load_lm

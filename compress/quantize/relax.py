@@ -17,7 +17,7 @@ import numpy as np
 from compress.config import AcceptConfig, QuantizeConfig
 from compress.evaluate.gate import Verdict, accept
 from compress.evaluate.onnx_eval import ReferencePass, evaluate_onnx
-from compress.quantize.quantizer import Quantizer, QuantReport
+from compress.quantize.quantizer import Quantizer
 from compress.quantize.sensitivity import float_groups_by_sensitivity
 
 
