@@ -131,3 +131,33 @@ def test_quantize_auto_for_many_users_keeps_the_form_with_the_most_tokens_per_s_
     assert all(f["tokens_per_s_b4"] > 0 for f in forms.values())  # the profile's extra level, measured and logged
     fig = profile_figure(forms, choice.chosen)
     assert [len(line.get_xdata()) for line in fig.axes[0].get_lines()] == [3, 3]  # 1, 4 and 8 users per form
+
+
+def test_quantize_auto_judges_every_form_against_one_reference_pass(tiny_gqa, tiny_splits, tmp_path, monkeypatch):
+    """The fp32 source runs once over the selection split for both forms (its logits spooled), and each form's
+    figures and verdict are those of judging it alone against its own pass of the source."""
+    import compress.evaluate.onnx_eval as ev
+    from compress.config import AcceptConfig, QuantizeConfig
+    from compress.quantize.choice import AUTO_FORMS, choose_quant_form
+    from compress.quantize.relax import quantize_with_acceptance
+
+    passes = []
+    real = ev.ReferencePass.__init__
+
+    def counted(self, artifact, *a, **k):
+        passes.append(str(artifact))
+        real(self, artifact, *a, **k)
+
+    acfg = AcceptConfig(enabled=True, max_perplexity_ratio=1.5, min_top1_agreement=0.5, relax_trials=0)
+    qcfg = QuantizeConfig(method="auto", quantize_embedding=False, smoothquant_alpha=None)
+    monkeypatch.setattr(ev.ReferencePass, "__init__", counted)
+    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, acfg)
+    assert passes == [str(tiny_gqa)]  # one pass for both forms
+    for name, update in AUTO_FORMS.items():
+        alone = quantize_with_acceptance(tiny_gqa, tmp_path / f"alone_{name}", tiny_splits.calib, tiny_splits.eval,
+                                         qcfg.model_copy(update=update), acfg)
+        shared = choice.forms[name]
+        assert alone.verdict.accepted == shared["accepted"] and alone.verdict.reasons == shared["reasons"]
+        for k in ("perplexity", "top1_agreement", "kl_to_reference", "eval_tokens"):
+            assert alone.metrics[k] == shared["metrics"][k], (name, k)
+    assert len(passes) == 3  # and each form alone made its own
