@@ -323,3 +323,19 @@ def test_batched_generation_and_scoring_equal_one_prompt_at_a_time(family, artif
         assert nll == pytest.approx(want_nll, rel=1e-5, abs=1e-4)
         assert am.tolist() == want_am.tolist()
     assert batched[0][1].size == 0 and sum(am.size for _, am in batched) == sum(len(a) for a in answers)
+
+
+def test_batched_generation_on_the_standard_layout_with_rows_to_spare_or_not(tiny_artifact):
+    """The standard layout (past in, present out: its rows take twice the K/V) through the evaluation's engine, with
+    room for all prompts and for a few at a time (the rest wait for a row): the batch-1 loop's tokens."""
+    from compress.drivers import load_lm
+    from compress.evaluate.generate import greedy_answers
+
+    lm = load_lm(tiny_artifact, verify=False)
+    assert lm.layout == "standard"
+    prompts = _chat_like_prompts(24, seed=3)
+    want = [lm.greedy(p, 8, eos_ids=[int(e) for e in lm.manifest.get("eos_token_ids") or []]) for p in prompts]
+    every = greedy_answers(tiny_artifact, prompts, 8, progress=False)
+    assert every.rows == 24 and every.answers == want
+    few = greedy_answers(tiny_artifact, prompts, 8, progress=False, kv_budget_mb=1)
+    assert 1 <= few.rows < 24 and few.answers == want

@@ -54,20 +54,23 @@ def engine_config(manifest: dict, prompts: Sequence[Sequence[int]], max_new_toke
                   kv_budget_mb: int = KV_BUDGET_MB):
     """A ServeConfig whose K/V holds as many of the prompts' rows at once as ``kv_budget_mb`` allows."""
     from serve.config import ServeConfig
-    from serve.kv_budget import KVCacheSpec
+    from serve.kv_budget import ROW_COPIES, KVCacheSpec
     from serve.onnx_session import CPU
 
-    bpt = KVCacheSpec.from_manifest(manifest).bytes_per_token
+    bpt = KVCacheSpec.from_manifest(manifest).exact_bytes_per_token
     longest = max(len(p) for p in prompts) + max_new_tokens
     block = 16
     per_row = -(-longest // block) * block + block  # a row's blocks, rounded up, and one to spare
-    rows = max(1, min(MAX_ROWS, len(prompts), int(kv_budget_mb * 2**20 // (2 * per_row * bpt))))
-    # Half for the block pool, half for the in-place rows (serve.kv_rows_share 0.5): both hold every row.
-    mb = max(1, math.ceil(2 * rows * per_row * bpt / 2**20) + 1)
+    # The block pool and the layout's dense rows (the gqa rows, or twice that for the standard layout's past and
+    # present) each hold every running row: the budget splits 1 : copies (serve/kv_budget.py).
+    copies = ROW_COPIES.get(manifest.get("attention_layout", "standard"), 1)
+    rows = max(1, min(MAX_ROWS, len(prompts), int(kv_budget_mb * 2**20 // ((1 + copies) * per_row * bpt))))
+    mb = max(1, math.ceil((1 + copies) * rows * per_row * bpt / 2**20) + 1)
     # the context this work needs, which the budget holds (a longer one would only be logged as lowered)
     context = min(longest, int(manifest.get("max_positions") or longest))
     return ServeConfig(providers=[CPU], max_batch_size=rows, kv_memory_mb=mb, block_size=block,
-                       enable_prefix_caching=False, decode_split_rows=0, model_thread_nice=0,
+                       kv_rows_share=copies / (1 + copies), enable_prefix_caching=False, decode_split_rows=0,
+                       model_thread_nice=0,
                        intra_op_threads=threads or 0, verify_artifact=False, result_cache_size=0,
                        max_waiting=max(len(prompts), 1), max_wait_s=1e9, max_model_len=max(2, context))
 
