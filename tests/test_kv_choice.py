@@ -64,3 +64,16 @@ def test_for_many_users_an_int8_cache_that_passes_is_kept_after_one_attempt(tiny
     assert (choice.chosen, choice.kv_chosen) == ("weight_only", "int8_tensor")
     assert [a["kv"] for a in choice.forms["weight_only"]["kv_attempts"]] == ["int8_tensor"]
     assert read_manifest(tmp_path / "q")["kv_dtype"] == "int8" and choice.hints() == []
+
+
+def test_a_failed_cache_is_compared_with_the_one_that_passed():
+    """Gemma 3 270M's figures (docs/models.md): per tensor failed, per channel passed; the hint names both."""
+    from compress.quantize.choice import FormChoice
+
+    att = [{"kv": "int8_tensor", "accepted": False, "top1_agreement": 0.8812, "perplexity_ratio": 1.056},
+           {"kv": "int8_channel", "accepted": True, "top1_agreement": 0.9366, "perplexity_ratio": 1.0256}]
+    choice = FormChoice("dynamic_token", None, {"dynamic_token": {"kv_attempts": att}}, "int8_channel", True)
+    assert choice.hints() == ["dynamic_token: int8 K/V per tensor: top-1 agreement 0.881, perplexity ratio 1.056; "
+                              "with int8 K/V per channel 0.937, 1.026"]
+    none = FormChoice(None, None, {"w": {"kv_attempts": [dict(att[0]), {**att[1], "accepted": False}]}}, None, True)
+    assert none.hints() == []  # nothing passed and no float32 measured: nothing to compare with

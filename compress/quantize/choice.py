@@ -25,7 +25,8 @@ tensor, int8 per channel, float32, since batched decode is bound by attention ov
 first, as an int8 cache buys one user little speed for its accuracy), from one calibrated Quantizer, and the first
 that passes is that weight form's candidate. The faster cache forms get one trial each (keeping more linears in
 float does not repair a cache); the last gets the accuracy-aware loop. Every attempt's figures are kept
-(``FormChoice.forms[name]["kv_attempts"]``) and ``FormChoice.hints`` says what the cache cost where it was measured.
+(``FormChoice.forms[name]["kv_attempts"]``) and ``FormChoice.hints`` says what the cache cost where it was measured
+(a failed cache form against the one that passed, or float32).
 
 When no form passes, ``chosen`` is None and the most accurate attempt (lowest selection-split perplexity) is kept
 in ``out_dir``: the pipeline then ends the run Rejected with every form's failed checks instead of judging a form
@@ -94,18 +95,19 @@ class FormChoice:
     kv_auto: bool = False
 
     def hints(self) -> list[str]:
-        """What the cache cost where both forms of it were measured: 'dynamic_token: int8 K/V per tensor: agreement
-        0.885, perplexity ratio 1.054; with float32 K/V 0.941, 1.018'."""
+        """What the cache cost where it was measured: each failed attempt against its weight form's passing one (or
+        the float32 one when none passed), e.g. 'dynamic_token: int8 K/V per tensor: top-1 agreement 0.881,
+        perplexity ratio 1.056; with int8 K/V per channel 0.937, 1.026'."""
         out = []
         for name, f in self.forms.items():
             att = f.get("kv_attempts", [])
-            fl = next((a for a in att if a["kv"] == "float32"), None)
+            ref = next((a for a in att if a["accepted"]), None) or next((a for a in att if a["kv"] == "float32"), None)
             for a in att:
-                if fl is None or a["kv"] == "float32" or a["accepted"]:
+                if ref is None or a is ref or a["accepted"]:
                     continue
                 out.append(f"{name}: {kv_label(a['kv'])}: top-1 agreement {a['top1_agreement']:.3f}, perplexity ratio "
-                           f"{a['perplexity_ratio']:.3f}; with float32 K/V {fl['top1_agreement']:.3f}, "
-                           f"{fl['perplexity_ratio']:.3f}" + ("" if fl["accepted"] else " (also rejected)"))
+                           f"{a['perplexity_ratio']:.3f}; with {kv_label(ref['kv'])} {ref['top1_agreement']:.3f}, "
+                           f"{ref['perplexity_ratio']:.3f}" + ("" if ref["accepted"] else " (also rejected)"))
         return out
 
     def metrics(self) -> dict[str, float]:
