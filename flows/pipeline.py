@@ -283,7 +283,7 @@ def quantize_rejection(choice: dict) -> dict:
     metrics = {"selection_perplexity_ratio": best["perplexity_ratio"], "selection_top1_agreement": best["top1_agreement"],
                "selection_perplexity": best["perplexity"]}
     return {"accepted": False, "reasons": reasons, "criteria": "fidelity", "checks": [], "candidate": {},
-            "baseline": {}, "metrics": metrics, "split": "selection", "hints": choice["hints"]}
+            "baseline": {}, "metrics": metrics, "split": "selection"}
 
 
 def forms_markdown(choice: dict) -> str:

@@ -2,9 +2,10 @@
 
 Entry points: ``load_lm(artifact_dir)`` (the driver an artifact's manifest asks for), ``lm_for_model(model,
 manifest)`` (the same over an in-memory graph), ``lm_for_session(session, manifest)`` (over a loaded session),
-``LanguageModelDriver`` (base.py: the interface and ``greedy``, written once), ``OnnxLM`` (standard.py: layout ``standard``, past in / present out) and ``GqaLM`` (gqa.py:
-layout ``gqa``, KV in place). The drivers import base.py and nothing here, so this loader is the only module
-that knows them all (no import circle; tests/test_layout.py).
+``LanguageModelDriver`` (base.py: the interface and ``greedy``, written once), ``OnnxLM`` (standard.py: layout
+``standard``, past in / present out) and ``GqaLM`` (gqa.py: layout ``gqa``, KV in place). The drivers import
+base.py and nothing here, so this loader is the only module that knows them all (no import circle;
+tests/test_layout.py).
 """
 
 from __future__ import annotations

@@ -129,9 +129,8 @@ class ReferencePass:
         self._tmp = tempfile.TemporaryDirectory(prefix="eval_ref_", dir=spool_dir)
         self.folder = Path(self._tmp.name)
         self.blocks = np.asarray(eval_blocks, np.int64)
-        self.batch_size = logits_batch(batch_size, self.blocks.shape[1] if self.blocks.ndim == 2 else 1,
-                                       int(read_manifest(artifact_dir, verify=False)["vocab_size"]))
         self.vocab = int(read_manifest(artifact_dir, verify=False)["vocab_size"])
+        self.batch_size = logits_batch(batch_size, self.blocks.shape[-1], self.vocab)
         self.count = 0
         self.figures = evaluate_onnx(artifact_dir, self.blocks, batch_size=self.batch_size, threads=threads,
                                      latency=latency, golden=golden, _spool=self)

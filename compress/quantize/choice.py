@@ -233,7 +233,8 @@ def weight_forms(qcfg: QuantizeConfig) -> dict[str, dict]:
 def _attempt_record(kv: str, res: AcceptanceResult) -> dict:
     m = res.metrics
     base = res.baseline.get("perplexity") or float("nan")
-    return {"kv": kv, "kv_label": kv_label(kv), "accepted": res.verdict.accepted, "failed": "" if res.verdict.accepted else failed_checks(res.verdict),
+    return {"kv": kv, "kv_label": kv_label(kv), "accepted": res.verdict.accepted,
+            "failed": "" if res.verdict.accepted else failed_checks(res.verdict),
             "top1_agreement": float(m.get("top1_agreement", float("nan"))),
             "perplexity_ratio": float(m["perplexity"] / base), "perplexity": float(m["perplexity"]),
             "trials": len(res.trials)}
@@ -291,7 +292,7 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
     # its spooled logits the reference of each form's agreement and KL.
     with ReferencePass(src, eval_blocks, threads=threads) as reference:
         for name, update in forms.items():
-            cfg = qcfg.model_copy(update={**update, "method": update.get("method", qcfg.method)})
+            cfg = qcfg.model_copy(update=update)
             tag = (lambda kv, i, m, name=name: on_trial(f"{name}.kv_{kv}" if kv_auto else name, i, m)) if on_trial else None
             kv, res, attempts = _judge_weight_form(src, out_dir.with_name(f"{out_dir.name}.{name}"), calib_blocks,
                                                    eval_blocks, cfg, acfg, kvs, threads, reference, tag)
@@ -299,7 +300,6 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
             record[name] = {"accepted": res.verdict.accepted, "reasons": list(res.verdict.reasons),
                             "metrics": dict(res.metrics), "trials": len(res.trials), "kv": kv,
                             "kv_attempts": attempts}
-    kv_of = {n: r["kv"] for n, r in record.items()}
     accepted = [n for n, r in results.items() if r.verdict.accepted]
     if len(accepted) > 1:
         speed = decode_step_ms({n: results[n].artifact for n in accepted}, threads=threads,
@@ -334,4 +334,4 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
     res = results[keep]
     res.artifact = out_dir
     res.report.out_dir = str(out_dir)
-    return FormChoice(chosen, res, record, kv_of[keep] if chosen else None, kv_auto)
+    return FormChoice(chosen, res, record, record[keep]["kv"] if chosen else None, kv_auto)
