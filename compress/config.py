@@ -342,6 +342,10 @@ class AcceptConfig(Section):
     # Wall-clock budget of the accept stage in minutes; past it the stage stops (between parts, or at the next
     # engine step while answers are generated) with a message naming what it was doing. null = no budget.
     max_minutes: float | None = Field(None, gt=0)
+    # What the candidate is judged against (compress/evaluate/checkpoint_ref.py): artifact = the exported fp32 graph;
+    # checkpoint = the source checkpoint in torch in its stored dtype (bf16: half the memory, AMX's bf16 GEMMs);
+    # auto = checkpoint from 1B parameters stored in 16 bits (unless min_decode_speed_ratio needs the graph's speed).
+    reference: Literal["auto", "artifact", "checkpoint"] = "auto"
     # candidate tokens/s over baseline tokens/s at batch-1 decode; null = no floor (formerly min_throughput_ratio).
     min_decode_speed_ratio: float | None = Field(None, gt=0)
     max_size_ratio: float | None = Field(None, gt=0)

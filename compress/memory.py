@@ -7,8 +7,11 @@ an embedding of V x h and a process overhead O (Python, torch, onnxruntime, Pref
 * export (gqa builder): the bf16 model plus one fp32 tensor and its transpose at a time: 2P + 8Vh;
 * golden: the fp32 torch model (4P), then (not at the same time) the fp32 ONNX session, which ONNX Runtime holds
   in 1.13 x its weights: 4.5P;
-* quantize and accept: one fp32 ONNX session at a time (calibration, the baseline's evaluation; the candidate
-  is scored after the baseline's logits went to disk, compress/evaluate/onnx_eval.py): 4.5P, plus a batch of logits;
+* quantize: one fp32 ONNX session at a time (calibration, the reference's evaluation; the candidate is scored
+  after the reference's logits went to disk, compress/evaluate/onnx_eval.py): 4.5P, plus a batch of logits;
+* accept: the same below 1B parameters; from 1B (accept.reference: auto) the reference is the bf16 checkpoint
+  with an fp32 copy of its head (compress/evaluate/checkpoint_ref.py), then the INT8 candidate's session:
+  2P + 4Vh, plus a batch of logits;
 * pruning: teacher and student in fp32 side by side: 8P, plus calibration activations;
 * distillation: the fp32 teacher (4P) and a trained fp32 student with its gradient and Adam's two moments
   (16P): 20P, plus activations.
@@ -28,6 +31,7 @@ OVERHEAD = 1.5 * GIB
 # ONNX Runtime's CPU session of an fp32 graph holds 1.13 x its weights (13.5 GiB for the 3B's 12.0, measured alone)
 SESSION = 1.13
 LOGIT_COPIES = 3  # logits of one batch: the session's output, the reference's, one row's float64 temporaries
+CHECKPOINT_FROM_PARAMS = 1_000_000_000  # compress/evaluate/checkpoint_ref.py's: the accept stage's bf16 reference
 
 
 class MemoryBudgetError(RuntimeError):
@@ -73,7 +77,7 @@ def stage_bytes(shape: Shape, batch: int = 4, block: int = 128) -> dict[str, flo
         "export": 2 * P + 8 * Vh + OVERHEAD,
         "golden": SESSION * 4 * P + OVERHEAD,
         "quantize": SESSION * 4 * P + logits + OVERHEAD,
-        "accept": SESSION * 4 * P + logits + OVERHEAD,
+        "accept": (2 * P + 4 * Vh if P >= CHECKPOINT_FROM_PARAMS else SESSION * 4 * P) + logits + OVERHEAD,
         "prune": 8 * P + logits + OVERHEAD,
         "distill": 20 * P + logits + OVERHEAD,
     }

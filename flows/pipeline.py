@@ -101,6 +101,8 @@ def genre_markdown(verdict: dict) -> list[str]:
               f"{'yes' if c['passed'] else '**no**'} |" for c in verdict["checks"]]
     if verdict.get("chat_note"):
         lines += ["", f"chat set: {verdict['chat_note']}"]
+    if verdict.get("reference") == "checkpoint":
+        lines += ["", "judged against the source checkpoint as stored (accept.reference), not the fp32 graph"]
     if verdict.get("seconds"):
         lines += ["", "accept stage seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
                                                         for k, v in verdict["seconds"].items())]
@@ -399,7 +401,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             k = stage_key(cfg, "accept", ["accept"], cand_key, k_exp, f"chat{chat_eval.sets_digest(cfg.accept.chat_sets)}")
             verdict = timer.run("accept", submit_stage, accept_task, cfg, "accept", k, parent_run_id=pid,
                                 candidate=candidate, baseline=teacher["artifact"], splits=loaded["splits"],
-                                heldout=loaded["heldout"], evaluated=quant.get("evaluation") if quant else None)
+                                heldout=loaded["heldout"], evaluated=quant.get("evaluation") if quant else None,
+                                model_dir=loaded["model_dir"])
             for reason in verdict["reasons"]:
                 log.warning("acceptance: %s", reason)
         bench = None

@@ -15,6 +15,7 @@ Three evaluations, each of the candidate against the baseline (the reference for
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import mlflow
@@ -25,10 +26,13 @@ from compress.data import load_heldout
 from compress.evaluate import accept, chat_limit, downstream_scores, evaluate_onnx, genre_table, resolve_criteria
 from compress.evaluate import chat as chat_eval
 from compress.evaluate.budget import Budget
+from compress.evaluate.checkpoint_ref import CheckpointReference, resolve
 from compress.evaluate.onnx_eval import ReferencePass
 from tasks.common import cache_key_fn, mark_done, open_stage, workdir
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
+
+log = logging.getLogger(__name__)
 
 
 def _same(a: str, b: str) -> bool:
@@ -53,13 +57,30 @@ def side_figures(prefix: str, cand: dict, base: dict) -> dict[str, float]:
     return out
 
 
-def against_baseline(candidate: str, baseline: str, blocks, latency: bool = False) -> tuple[dict, dict]:
-    """The baseline's figures and the candidate's against it on ``blocks``, the baseline run once (ReferencePass)."""
-    with ReferencePass(baseline, blocks, latency=latency) as ref:
+def against_baseline(candidate: str, baseline: str, blocks, latency: bool = False,
+                     reference: CheckpointReference | None = None) -> tuple[dict, dict]:
+    """The baseline's figures and the candidate's against it on ``blocks``, the baseline run once (ReferencePass):
+    its graph, or the checkpoint when ``reference`` is given (then only the candidate's latency is timed)."""
+    if reference is None:
+        with ReferencePass(baseline, blocks, latency=latency) as ref:
+            return ref.figures, evaluate_onnx(candidate, blocks, reference=ref, latency=latency)
+    with reference.loaded() as lm:
+        ref = ReferencePass(baseline, blocks, latency=False, lm=lm)
+    with ref:  # the spooled logits are all the candidate needs: the checkpoint is gone before its session comes
         return ref.figures, evaluate_onnx(candidate, blocks, reference=ref, latency=latency)
 
 
-def chat_figures(cfg: PipelineConfig, candidate: str, baseline: str, check=None) -> tuple[dict, str]:
+def reference_of(cfg: PipelineConfig, model_dir: str | None) -> CheckpointReference | None:
+    """The checkpoint as the reference when accept.reference resolves to it (checkpoint_ref.resolve), else None:
+    the baseline artifact's graph."""
+    if not resolve(cfg.accept.reference, model_dir, cfg.accept.min_decode_speed_ratio is not None):
+        return None
+    m = cfg.model
+    return CheckpointReference(str(model_dir), str(m.cache_dir), m.revision, m.trust_remote_code)
+
+
+def chat_figures(cfg: PipelineConfig, candidate: str, baseline: str, check=None,
+                 reference: CheckpointReference | None = None) -> tuple[dict, str]:
     """The chat set's figures of the candidate against the baseline (the teacher), and a note saying what was
     scored or why nothing was."""
     a = cfg.accept
@@ -69,30 +90,39 @@ def chat_figures(cfg: PipelineConfig, candidate: str, baseline: str, check=None)
         return {}, "not scored: the model has no chat template (set accept.chat_sets: [] to say so)"
     prompts = chat_eval.render(baseline, chat_eval.load_sets(a.chat_sets))
     chat = chat_eval.evaluate_chat(candidate, baseline, prompts, None, a.chat_divergence_tokens,
-                                   a.chat_max_new_tokens, check=check, cache_dir=workdir(cfg) / "chat_targets")
+                                   a.chat_max_new_tokens, check=check, cache_dir=workdir(cfg) / "chat_targets",
+                                   reference=reference)
     return chat, (f"{len(prompts)} conversations of {', '.join(a.chat_sets)}; teacher answers "
                   f"{'reused from cache' if chat['teacher_cached'] else 'generated'}")
 
 
 @task(name="accept", cache_key_fn=cache_key_fn, persist_result=True)
 def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, candidate: str,
-                baseline: str, splits: str, heldout: str, evaluated: dict | None = None) -> dict:
+                baseline: str, splits: str, heldout: str, evaluated: dict | None = None,
+                model_dir: str | None = None) -> dict:
     """heldout: the load stage's heldout.npz. evaluated: the quantize stage's `evaluation` of this candidate on
-    the selection split, or None (quantize off, or no loop ran)."""
+    the selection split, or None (quantize off, or no loop ran). model_dir: the source checkpoint's folder, the
+    reference when accept.reference resolves to it."""
     folder, done = open_stage(cfg, stage, key)
     if done is not None:
         return done
     with child_run(parent_run_id, stage) as run:
         log_params({"accept": cfg.accept.model_dump()})
         held = load_heldout(heldout)
+        reference_name = "artifact"
         budget = Budget(cfg.accept.max_minutes, "accept.max_minutes")
+        ref = reference_of(cfg, model_dir)
+        if ref is not None:
+            reference_name = "checkpoint"
+            log.info("accept: judged against the checkpoint %s as stored (accept.reference: %s)", model_dir,
+                     cfg.accept.reference)
         with budget.part("test"):
-            base, cand = against_baseline(candidate, baseline, held.test, latency=True)
+            base, cand = against_baseline(candidate, baseline, held.test, latency=True, reference=ref)
         criteria = resolve_criteria(cfg.accept, cfg.prune.enabled or cfg.distill.enabled)
         side: dict[str, float] = {}
         if held.heldout is not None:
             with budget.part("heldout"):
-                held_base, held_cand = against_baseline(candidate, baseline, held.heldout)
+                held_base, held_cand = against_baseline(candidate, baseline, held.heldout, reference=ref)
                 side.update(side_figures("heldout", held_cand, held_base))
         if criteria == "quality" and cfg.accept.max_downstream_drop is not None:
             n = cfg.accept.downstream_items
@@ -100,7 +130,7 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
                 cand.update(downstream_scores(candidate, held.test, held.heldout, n, seed=cfg.data.seed))
                 base.update(downstream_scores(baseline, held.test, held.heldout, n, seed=cfg.data.seed))
         with budget.part("chat"):
-            chat, chat_note = chat_figures(cfg, candidate, baseline, budget.check)
+            chat, chat_note = chat_figures(cfg, candidate, baseline, budget.check, ref)
         cand.update({k: v for k, v in chat.items() if k not in ("by_kind", "seconds", "teacher_cached")})
         if chat:  # the teacher against itself, under the same names, so the registry's Compare lines them up
             base.update({"chat_perplexity": chat["chat_baseline_perplexity"], "chat_perplexity_ratio": 1.0,
@@ -117,11 +147,11 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         else:
             evaluated_in = "accept"
             with budget.part("selection"):
-                sel_base, sel_cand = against_baseline(candidate, baseline, load_splits(splits).eval)
+                sel_base, sel_cand = against_baseline(candidate, baseline, load_splits(splits).eval, reference=ref)
         side.update(side_figures("selection", sel_cand, sel_base))
         if run is not None:
             mlflow.set_tags({"evaluated_in": evaluated_in, "heldout_source": held.heldout_source,
-                             "accept_criteria": verdict.criteria})
+                             "accept_criteria": verdict.criteria, "accept_reference": reference_name})
         seconds = {**budget.seconds, **{f"chat_{k}": v for k, v in chat.get("seconds", {}).items()}}
         metrics = {**{f"baseline_{k}": v for k, v in base.items()}, **{f"candidate_{k}": v for k, v in cand.items()},
                    **verdict.metrics, **side, "accepted": float(verdict.accepted),
@@ -137,11 +167,11 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
                   "candidate": cand, "baseline": base,
                   "split": "test", "heldout_source": held.heldout_source, "side": side,
                   "selection": {"candidate": sel_cand, "baseline": sel_base}, "evaluated_in": evaluated_in,
-                  "seconds": seconds},
+                  "seconds": seconds, "reference": reference_name},
                  "verdict.json")
     return mark_done(folder, {"accepted": verdict.accepted, "reasons": verdict.reasons, "metrics": metrics,
                               "criteria": verdict.criteria, "checks": verdict.checks, "genres": genres,
                               "chat_by_kind": chat.get("by_kind", {}), "chat_note": chat_note,
                               "candidate": cand, "baseline": base, "heldout_source": held.heldout_source,
                               "selection": {"candidate": sel_cand, "baseline": sel_base},
-                              "evaluated_in": evaluated_in, "seconds": seconds})
+                              "evaluated_in": evaluated_in, "seconds": seconds, "reference": reference_name})

@@ -31,15 +31,18 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from compress.artifact import read_manifest
 from compress.drivers import LanguageModelDriver, load_lm
-from compress.evaluate.generate import evaluation_engine, generate_on, greedy_answers, scoring_driver
+from compress.evaluate.checkpoint_ref import CheckpointReference
+from compress.evaluate.generate import Generated, evaluation_engine, generate_on, greedy_answers, scoring_driver
 
 # bump when the cached teacher targets change meaning (2: the teacher's NLL of its own answers from the logits it
 # picked them from on the engine, and its argmax there the answer itself)
@@ -190,23 +193,26 @@ class TeacherTargets:
     seconds: dict[str, float] = field(default_factory=dict)  # what generating and scoring took (empty when cached)
 
 
-def targets_key(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_tokens: int) -> str:
+def targets_key(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_tokens: int,
+                reference: CheckpointReference | None = None) -> str:
     files = read_manifest(teacher_dir, verify=False).get("files", {})
-    blob = json.dumps({"format": CHAT_FORMAT, "teacher": {k: v.get("sha256") for k, v in sorted(files.items())},
+    teacher = {k: v.get("sha256") for k, v in sorted(files.items())} if reference is None else reference.key
+    blob = json.dumps({"format": CHAT_FORMAT, "teacher": teacher,
                        "prompts": [[p.prompt_ids, p.reference_ids] for p in prompts], "max_new_tokens": max_new_tokens},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def _cache_path(teacher_dir, prompts: list[ChatPrompt], max_new_tokens: int, cache_dir) -> Path | None:
-    return Path(cache_dir) / f"{targets_key(teacher_dir, prompts, max_new_tokens)}.json" if cache_dir else None
+def _cache_path(teacher_dir, prompts: list[ChatPrompt], max_new_tokens: int, cache_dir,
+                reference: CheckpointReference | None = None) -> Path | None:
+    return Path(cache_dir) / f"{targets_key(teacher_dir, prompts, max_new_tokens, reference)}.json" if cache_dir else None
 
 
 def cached_targets(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_tokens: int,
-                   cache_dir: str | Path | None) -> TeacherTargets | None:
+                   cache_dir: str | Path | None, reference: CheckpointReference | None = None) -> TeacherTargets | None:
     """The teacher's side from ``cache_dir``, or None when it has not been computed for this teacher and these
     prompts."""
-    path = _cache_path(teacher_dir, prompts, max_new_tokens, cache_dir)
+    path = _cache_path(teacher_dir, prompts, max_new_tokens, cache_dir, reference)
     if path is None or not path.is_file():
         return None
     return TeacherTargets(**{**json.loads(path.read_text()), "cached": True})
@@ -214,27 +220,42 @@ def cached_targets(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_t
 
 def teacher_targets(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_tokens: int,
                     cache_dir: str | Path | None = None, threads: int | None = None,
-                    progress: bool = True, check: Callable[[str], None] | None = None) -> TeacherTargets:
+                    progress: bool = True, check: Callable[[str], None] | None = None,
+                    reference: CheckpointReference | None = None) -> TeacherTargets:
     """The teacher's greedy answers (all prompts batched on the serving engine, their NLL from the logits they were
     picked from) and its NLL/argmax on the reference answers (scored in padded batches), from ``cache_dir`` when
     it has them."""
-    return cached_targets(teacher_dir, prompts, max_new_tokens, cache_dir) or _teacher_phase(
-        teacher_dir, prompts, max_new_tokens, None, cache_dir, threads, progress, check)[0]
+    return cached_targets(teacher_dir, prompts, max_new_tokens, cache_dir, reference) or _teacher_phase(
+        teacher_dir, prompts, max_new_tokens, None, cache_dir, threads, progress, check, None, reference)[0]
 
 
-def _targets_on(engine, prompts: list[ChatPrompt], max_new_tokens: int, progress: bool, check) -> TeacherTargets:
+@contextmanager
+def _teacher(teacher_dir, prompts: list[ChatPrompt], max_new_tokens: int, threads,
+             reference: CheckpointReference | None) -> Iterator[tuple[Callable[..., Generated], object]]:
+    """The teacher loaded once: ``(generate(ids, max_new_tokens, **kw), scorer)``, the scorer a driver with
+    ``continuation_logits`` on the same weights. The artifact's graph on the serving engine, or the checkpoint
+    (compress/evaluate/checkpoint_ref.py)."""
+    if reference is None:
+        with evaluation_engine(teacher_dir, [p.prompt_ids for p in prompts], max_new_tokens, threads) as engine:
+            yield partial(generate_on, engine), scoring_driver(engine)
+    else:
+        with reference.loaded(read_manifest(teacher_dir, verify=False).get("eos_token_ids") or []) as lm:
+            yield lm.generate, lm
+
+
+def _targets_on(generate, scorer, prompts: list[ChatPrompt], max_new_tokens: int, progress: bool,
+                check) -> TeacherTargets:
     ids = [p.prompt_ids for p in prompts]
     t0 = time.perf_counter()
     # its NLL of its own answers from the logits it picked them from, and its argmax there is the answer itself
-    gen = generate_on(engine, ids, max_new_tokens, progress=progress, desc="teacher chat answers", check=check,
-                      logprobs=True)
+    gen = generate(ids, max_new_tokens, progress=progress, desc="teacher chat answers", check=check, logprobs=True)
     seconds = {"teacher_answers": gen.seconds}
     refs = [p.reference_ids for p in prompts]
     with_ref = [i for i, r in enumerate(refs) if r is not None]
     by_ref = {}
     if with_ref:
         t1 = time.perf_counter()
-        by_ref = dict(zip(with_ref, score_answers(scoring_driver(engine), [ids[i] for i in with_ref],
+        by_ref = dict(zip(with_ref, score_answers(scorer, [ids[i] for i in with_ref],
                                                   [refs[i] for i in with_ref], check,
                                                   "the teacher scoring the reference answers")))
         seconds["teacher_scoring"] = time.perf_counter() - t1
@@ -251,15 +272,15 @@ def _targets_on(engine, prompts: list[ChatPrompt], max_new_tokens: int, progress
 
 
 def _teacher_phase(teacher_dir, prompts: list[ChatPrompt], max_new_tokens: int, judged_answers: list | None,
-                   cache_dir, threads, progress, check,
-                   targets: TeacherTargets | None = None) -> tuple[TeacherTargets, list | None, float]:
-    """Everything the teacher does, on one load of it (an engine whose session also scores): its answers unless
-    ``targets`` has them (then cached in ``cache_dir``), and its NLL of ``judged_answers`` (the candidate's).
-    Returns the targets, the judged (nll, argmax) per answer or None, and the judging's seconds."""
-    with evaluation_engine(teacher_dir, [p.prompt_ids for p in prompts], max_new_tokens, threads) as engine:
+                   cache_dir, threads, progress, check, targets: TeacherTargets | None = None,
+                   reference: CheckpointReference | None = None) -> tuple[TeacherTargets, list | None, float]:
+    """Everything the teacher does, on one load of it (an engine whose session also scores, or the checkpoint):
+    its answers unless ``targets`` has them (then cached in ``cache_dir``), and its NLL of ``judged_answers`` (the
+    candidate's). Returns the targets, the judged (nll, argmax) per answer or None, and the judging's seconds."""
+    with _teacher(teacher_dir, prompts, max_new_tokens, threads, reference) as (generate, scorer):
         if targets is None:
-            targets = _targets_on(engine, prompts, max_new_tokens, progress, check)
-            path = _cache_path(teacher_dir, prompts, max_new_tokens, cache_dir)
+            targets = _targets_on(generate, scorer, prompts, max_new_tokens, progress, check)
+            path = _cache_path(teacher_dir, prompts, max_new_tokens, cache_dir, reference)
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(".tmp")
@@ -267,7 +288,7 @@ def _teacher_phase(teacher_dir, prompts: list[ChatPrompt], max_new_tokens: int, 
                 tmp.replace(path)
         judged, t0 = None, time.perf_counter()
         if judged_answers is not None:
-            judged = score_answers(scoring_driver(engine), [p.prompt_ids for p in prompts], judged_answers, check,
+            judged = score_answers(scorer, [p.prompt_ids for p in prompts], judged_answers, check,
                                    "the teacher judging the candidate's answers")
         return targets, judged, time.perf_counter() - t0
 
@@ -279,17 +300,19 @@ def _ppl(nll: float, n: int) -> float:
 def evaluate_chat(candidate_dir: str | Path, teacher_dir: str | Path, prompts: list[ChatPrompt],
                   targets: TeacherTargets | None = None, divergence_tokens: int = 16, max_new_tokens: int = 48,
                   judge: bool = True, threads: int | None = None, progress: bool = True,
-                  check: Callable[[str], None] | None = None, cache_dir: str | Path | None = None) -> dict:
+                  check: Callable[[str], None] | None = None, cache_dir: str | Path | None = None,
+                  reference: CheckpointReference | None = None) -> dict:
     """The chat figures of a candidate against the teacher (module docstring); ``by_kind`` holds the same per kind,
     ``seconds`` what each part took, ``teacher_cached`` whether the teacher's side came from the cache.
 
     One model in memory at a time, the teacher loaded once: the candidate's answers first (on the engine), then
     the teacher's answers (unless ``targets`` or ``cache_dir`` has them) and its judgement of the candidate's on
-    one engine, then the candidate scoring the teacher's answers."""
+    one engine, then the candidate scoring the teacher's answers. ``reference``: the teacher is the checkpoint
+    in torch (compress/evaluate/checkpoint_ref.py), not ``teacher_dir``'s graph, which then only renders."""
     ids = [p.prompt_ids for p in prompts]
     t0 = time.perf_counter()
     seconds: dict[str, float] = {}
-    targets = targets or cached_targets(teacher_dir, prompts, max_new_tokens, cache_dir)
+    targets = targets or cached_targets(teacher_dir, prompts, max_new_tokens, cache_dir, reference)
     gen = None
     if judge:
         gen = greedy_answers(candidate_dir, ids, max_new_tokens, threads=threads, progress=progress,
@@ -299,7 +322,7 @@ def evaluate_chat(candidate_dir: str | Path, teacher_dir: str | Path, prompts: l
     if targets is None or judge:
         targets, judged, seconds["judging"] = _teacher_phase(
             teacher_dir, prompts, max_new_tokens, gen.answers if judge else None, cache_dir, threads, progress,
-            check, targets)
+            check, targets, reference)
     t1 = time.perf_counter()
     cand = load_lm(candidate_dir, threads, verify=False)
     scored = score_answers(cand, ids, targets.targets, check, "the candidate scoring the targets")

@@ -120,11 +120,13 @@ class ReferencePass:
     So the reference runs once however many candidates (the quantize stage's forms and trials) or figures (the
     accept stage's baseline and agreement) need it, and its session is gone before a candidate's is made. The
     folder holds n x (block - 1) x vocab fp32: 0.8 GB for 32 blocks of 128 over SmolLM2's 49k vocabulary.
-    ``close()`` (or the context manager) removes it."""
+    ``close()`` (or the context manager) removes it. ``lm``: what computes the reference's logits instead of the
+    artifact's graph (the checkpoint in torch, compress/evaluate/checkpoint_ref.py); the artifact then only names
+    the vocabulary and the size."""
 
     def __init__(self, artifact_dir: str | Path, eval_blocks: np.ndarray, batch_size: int = 4,
                  threads: int | None = None, latency: bool = True, golden: Sequence | None = None,
-                 spool_dir: str | Path | None = None):
+                 spool_dir: str | Path | None = None, lm=None):
         self.artifact_dir = Path(artifact_dir)
         self._tmp = tempfile.TemporaryDirectory(prefix="eval_ref_", dir=spool_dir)
         self.folder = Path(self._tmp.name)
@@ -133,7 +135,7 @@ class ReferencePass:
         self.batch_size = logits_batch(batch_size, self.blocks.shape[-1], self.vocab)
         self.count = 0
         self.figures = evaluate_onnx(artifact_dir, self.blocks, batch_size=self.batch_size, threads=threads,
-                                     latency=latency, golden=golden, _spool=self)
+                                     latency=latency, golden=golden, lm=lm, _spool=self)
         gc.collect()  # its session's arena, before a candidate's
 
     def _save(self, i: int, logits: np.ndarray) -> None:
@@ -172,6 +174,7 @@ def evaluate_onnx(
     threads: int | None = None,
     reference_top1: np.ndarray | None = None,
     reference: ReferencePass | None = None,
+    lm=None,
     _spool: ReferencePass | None = None,
 ) -> dict[str, float]:
     """Perplexity, top-1 agreement and KL vs a reference artifact, golden greedy-prefix match, size, decode latency.
@@ -183,6 +186,8 @@ def evaluate_onnx(
     Agreement and KL cover the positions perplexity scores (module docstring), `eval_tokens` of them.
     reference: a ReferencePass over the same eval_blocks, read instead of running its artifact again;
     reference_artifact makes one for this call (the reference runs first, then the candidate).
+    lm: a loaded model that computes the logits in place of the artifact's graph (prefill_batches; no golden or
+    latency then: those are the graph's).
     """
     eval_blocks = np.asarray(eval_blocks, dtype=np.int64)
     if eval_blocks.ndim != 2 or len(eval_blocks) == 0 or eval_blocks.shape[1] < 2:
@@ -198,7 +203,12 @@ def evaluate_onnx(
         batch_size = logits_batch(batch_size, eval_blocks.shape[1], int(man0["vocab_size"]))
     ref_iter = reference.batches() if reference is not None else None
     t0 = time.perf_counter()
-    path, man, lm = _load(artifact_dir, threads)
+    if lm is None:
+        path, _, lm = _load(artifact_dir, threads)
+    elif golden or latency:
+        raise EvaluateError("evaluate_onnx with a loaded lm measures no golden match or latency; pass neither")
+    else:
+        path = Path(artifact_dir) / man0.get("onnx_file", "model.onnx")
     load_s = time.perf_counter() - t0
     nll, count, agree, kl = 0.0, 0, 0, 0.0
     t0 = time.perf_counter()
