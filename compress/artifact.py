@@ -36,6 +36,17 @@ def content_digest(folder: str | Path) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
+def checkpoint_digest(model_dir: str | Path) -> dict:
+    """Where a source checkpoint is and what it holds: its weight and config files' sha256, and one sha256 over them
+    (what a baseline registered by digest records instead of a copy of its weights)."""
+    path = Path(model_dir)
+    names = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".json")) \
+        if path.is_dir() else [path] if path.is_file() else []
+    files = {p.name: sha256_file(p) for p in names}
+    listing = json.dumps(files, sort_keys=True)
+    return {"path": str(path.resolve()), "files": files, "sha256": hashlib.sha256(listing.encode()).hexdigest()}
+
+
 def write_manifest(folder: str | Path, fields: dict[str, Any]) -> dict:
     """Write manifest.json listing every other file of the folder with its size and sha256."""
     folder = Path(folder)

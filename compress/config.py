@@ -405,6 +405,10 @@ class BenchmarkConfig(Section):
 class RegistryConfig(Section):
     model_name: str = "smollm2-135m"
     register_baseline: bool = True
+    # The baseline version's weights: copy = the fp32 graph's files uploaded (servable from the registry); digest =
+    # only its manifest, tokenizer and a record of the weights (their sha256 and the source checkpoint's path and
+    # sha256), not a second fp32 copy in the store; auto = digest when the graph's weights exceed 2 GiB (a 1B+).
+    baseline_weights: Literal["auto", "copy", "digest"] = "auto"
     # Accepted candidates become `champion` (via the deploy flow) when true.
     promote: bool = False
     # An accepted candidate that is worse than the current champion on the chat set (its chat perplexity ratio

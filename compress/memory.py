@@ -61,6 +61,11 @@ class Shape:
         return cls(L * (attn + mlp + 2 * h) + emb + h, config.vocab_size, h, tied)
 
     @classmethod
+    def of_manifest(cls, manifest: dict) -> "Shape":
+        """From an artifact's manifest.json (num_parameters, vocab_size, hidden_size)."""
+        return cls(int(manifest["num_parameters"]), int(manifest["vocab_size"]), int(manifest["hidden_size"]))
+
+    @classmethod
     def of_model(cls, model) -> "Shape":
         c = model.config
         return cls(sum(p.numel() for p in model.parameters()), c.vocab_size, c.hidden_size,
@@ -77,10 +82,18 @@ def stage_bytes(shape: Shape, batch: int = 4, block: int = 128) -> dict[str, flo
         "export": 2 * P + 8 * Vh + OVERHEAD,
         "golden": SESSION * 4 * P + OVERHEAD,
         "quantize": SESSION * 4 * P + logits + OVERHEAD,
-        "accept": (2 * P + 4 * Vh if P >= CHECKPOINT_FROM_PARAMS else SESSION * 4 * P) + logits + OVERHEAD,
+        "accept": accept_bytes(shape, P >= CHECKPOINT_FROM_PARAMS, batch, block),
         "prune": 8 * P + logits + OVERHEAD,
         "distill": 20 * P + logits + OVERHEAD,
     }
+
+
+def accept_bytes(shape: Shape, checkpoint: bool, batch: int = 4, block: int = 128) -> float:
+    """The accept stage's peak: the reference (the bf16 checkpoint and its fp32 head, or the fp32 graph's session),
+    then the candidate's smaller session, plus a batch of logits."""
+    P, Vh = shape.params, shape.vocab * shape.hidden
+    logits = LOGIT_COPIES * batch * block * shape.vocab * 4
+    return (2 * P + 4 * Vh if checkpoint else SESSION * 4 * P) + logits + OVERHEAD
 
 
 def estimate_for_shape(name: str) -> dict:
@@ -114,6 +127,28 @@ def check_fits(stage: str, need: float, fix: str, available: int | None = None) 
         raise MemoryBudgetError(
             f"{stage} on the CPU needs about {need / GIB:.1f} GiB of memory for this model and {have / GIB:.1f} GiB "
             f"are free ({fix})")
+
+
+# What each evaluation stage holds, and the way out when it does not fit, for check_stage_memory.
+STAGE_HOLDS = {
+    "golden": ("the fp32 torch model, then the fp32 ONNX session (4.5 bytes a parameter)",
+               "there is no 16-bit golden check yet"),
+    "quantize": ("the fp32 ONNX session of the graph being calibrated and judged (4.5 bytes a parameter)",
+                 "set quantize.enabled=false to register the fp32 export unquantized"),
+    "accept": ("the reference (the fp32 graph's session, or from 1B parameters the bf16 checkpoint) and then the "
+               "candidate's session", "set accept.reference=checkpoint to judge against the 16-bit checkpoint"),
+}
+
+
+def check_stage_memory(stage: str, shape: Shape, batch: int = 4, block: int = 128,
+                       available: int | None = None, need: float | None = None) -> float:
+    """Raise MemoryBudgetError, before the stage starts, when golden, quantize or accept cannot fit this machine's
+    free memory (``need``: the caller's own estimate, else stage_bytes'); returns the estimate (bytes)."""
+    need = stage_bytes(shape, batch, block)[stage] if need is None else need
+    holds, way_out = STAGE_HOLDS[stage]
+    check_fits(stage, need, f"it holds {holds} for {shape.params / 1e9:.2f}B parameters. Run it on a machine with "
+                            f"{need / GIB:.0f} GiB free, or {way_out}", available)
+    return need
 
 
 def shape_of_folder(model_dir: str, trust_remote_code: bool = False) -> Shape:

@@ -70,17 +70,65 @@ def model_link(ui: str, model_name: str, version: str | None = None) -> str:
     return f"{ui}/#/models/{model_name}" + (f"/versions/{version}" if version else "") + ML_VIEW
 
 
+# registry.baseline_weights: auto records a baseline's weights by digest above this many bytes of graph weights.
+DIGEST_ABOVE_BYTES = 2 * 2**30
+
+
+def weight_files(folder: str | Path) -> list[str]:
+    """The manifest's files that hold the graph and its weights (model.onnx and its external data)."""
+    from compress.artifact import read_manifest
+
+    manifest = read_manifest(folder, verify=False)
+    onnx = manifest.get("onnx_file", "model.onnx")
+    return sorted(f for f in manifest.get("files", {}) if f.startswith(onnx))
+
+
+def keeps_weights(folder: str | Path, setting: str) -> bool:
+    """Whether registry.baseline_weights ``setting`` uploads this folder's weights (copy) or records them (digest)."""
+    if setting != "auto":
+        return setting == "copy"
+    return sum((Path(folder) / f).stat().st_size for f in weight_files(folder)) <= DIGEST_ABOVE_BYTES
+
+
+def _by_digest(folder: Path, staging: Path, source: dict) -> Path:
+    """``folder`` without its weights, plus WEIGHTS_BY_DIGEST recording them (name, bytes, sha256 from the
+    manifest) and where they came from (``source``: the checkpoint's path and digest)."""
+    import json
+    import shutil
+
+    from compress.artifact import read_manifest
+    from serve.artifact import WEIGHTS_BY_DIGEST
+
+    files = read_manifest(folder, verify=False)["files"]
+    weights = set(weight_files(folder))
+    for p in folder.rglob("*"):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and rel not in weights:
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(p, staging / rel)
+    (staging / WEIGHTS_BY_DIGEST).write_text(json.dumps(
+        {"weights": {f: files[f] for f in sorted(weights)}, "source": source}, indent=1))
+    return staging
+
+
 def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict | None = None,
                     aliases: list[str] | None = None, metrics: dict | None = None,
-                    params: dict | None = None) -> Version:
+                    params: dict | None = None, weights: str = "copy", source: dict | None = None) -> Version:
     """Log the artifact folder (and the version's figures and params) to the run and create a model version from it.
 
-    The files are uploaded before the version is created, so a failure leaves no
-    half-registered version behind.
+    weights="digest": the graph's weight files are recorded, not uploaded (``_by_digest``; ``source`` says where
+    they came from), so a large baseline costs the store kilobytes instead of a second fp32 copy. The files are
+    uploaded before the version is created, so a failure leaves no half-registered version behind.
     """
+    import tempfile
+
     client = _client()
     _log_to_run(client, run_id, metrics or {}, params or {})
-    client.log_artifacts(run_id, str(folder), ARTIFACT_PATH)
+    if weights == "digest":
+        with tempfile.TemporaryDirectory(prefix="by_digest_") as tmp:
+            client.log_artifacts(run_id, str(_by_digest(Path(folder), Path(tmp), source or {})), ARTIFACT_PATH)
+    else:
+        client.log_artifacts(run_id, str(folder), ARTIFACT_PATH)
     try:
         client.get_registered_model(model_name)
     except Exception:

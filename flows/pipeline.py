@@ -369,7 +369,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             tags = {"role": "baseline", "config_hash": cfg.section_hash()}
             reg = timer.run("register_baseline", lambda: register_task(
                 cfg, pid, teacher["artifact"], ["baseline"], tags, stage="register_baseline",
-                metrics=gold["metrics"], params=version_params(cfg, "baseline"), same_config_only=False))
+                metrics=gold["metrics"], params=version_params(cfg, "baseline"), same_config_only=False,
+                weights=cfg.registry.baseline_weights))
             registered.append(reg)
             baseline_version = reg["version"]
 

@@ -27,6 +27,10 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# A registered version whose weights are recorded, not copied (compress/registry.py register_folder weights="digest").
+WEIGHTS_BY_DIGEST = "weights_by_digest.json"
+
+
 def read_manifest(folder: str | Path, verify: bool = True) -> dict:
     folder = Path(folder)
     path = folder / MANIFEST
@@ -45,6 +49,10 @@ def verify_files(folder: Path, manifest: dict) -> None:
     for rel, meta in manifest.get("files", {}).items():
         p = folder / rel
         if not p.is_file():
+            if (folder / WEIGHTS_BY_DIGEST).is_file():
+                raise ArtifactError(f"{folder}: this version records its weights by digest only ({WEIGHTS_BY_DIGEST}: "
+                                    f"the baseline of a large model, kept without its fp32 copy); serve a candidate "
+                                    f"version, or export {manifest.get('source_model', 'the source checkpoint')} again")
             raise ArtifactError(f"{folder}: {rel} listed in the manifest is missing")
         size = p.stat().st_size
         if size != meta["bytes"]:

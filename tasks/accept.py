@@ -16,11 +16,13 @@ Three evaluations, each of the candidate against the baseline (the reference for
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 
 import mlflow
 from prefect import task
 
+from compress.artifact import read_manifest
 from compress.config import PipelineConfig
 from compress.data import load_heldout
 from compress.evaluate import accept, chat_limit, downstream_scores, evaluate_onnx, genre_table, resolve_criteria
@@ -28,6 +30,8 @@ from compress.evaluate import chat as chat_eval
 from compress.evaluate.budget import Budget
 from compress.evaluate.checkpoint_ref import CheckpointReference, resolve
 from compress.evaluate.onnx_eval import ReferencePass
+from compress.memory import Shape, accept_bytes, check_stage_memory
+from compress.room import check_room
 from tasks.common import cache_key_fn, mark_done, open_stage, workdir
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
@@ -112,6 +116,13 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         reference_name = "artifact"
         budget = Budget(cfg.accept.max_minutes, "accept.max_minutes")
         ref = reference_of(cfg, model_dir)
+        shape = Shape.of_manifest(read_manifest(baseline, verify=False))
+        check_stage_memory("accept", shape, block=held.test.shape[1],
+                           need=accept_bytes(shape, ref is not None, block=held.test.shape[1]))
+        # the reference's logits of the largest split, spooled while the candidate reads them (onnx_eval.ReferencePass)
+        spool = max(len(b) * (b.shape[1] - 1) for b in (held.test, held.heldout) if b is not None) * shape.vocab * 4
+        check_room("accept", tempfile.gettempdir(), spool, "the reference's logits, spooled: free the room or set "
+                   "TMPDIR to a larger disk")
         if ref is not None:
             reference_name = "checkpoint"
             log.info("accept: judged against the checkpoint %s as stored (accept.reference: %s)", model_dir,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prefect import task
 
 from compress.config import PipelineConfig
+from compress.memory import check_fits, shape_of_folder, stage_bytes
+from compress.room import check_room, export_bytes
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_logger
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params
@@ -17,6 +19,10 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         return done
     from compress.export import build_artifact, build_gqa_artifact, choose_exporter
 
+    shape = shape_of_folder(model_dir, cfg.model.trust_remote_code)
+    check_fits("export", stage_bytes(shape)["export"], "the checkpoint as stored plus one fp32 tensor at a time: "
+               "run it on a machine with that much free")
+    check_room("export", folder, export_bytes(shape), "the fp32 graph: free the room, or set workdir to a larger disk")
     with child_run(parent_run_id, stage) as run:
         # As stored (bf16 for most checkpoints): the gqa builder reads one weight at a time in fp32
         model, tok = load_model(model_dir, cfg, dtype="auto")

@@ -7,6 +7,7 @@ import gc
 from prefect import task
 
 from compress.config import PipelineConfig
+from compress.memory import check_stage_memory, shape_of_folder
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params
@@ -23,6 +24,7 @@ def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
 
     from compress.evaluate import GoldenSet, compare_from_config, record_golden
 
+    check_stage_memory("golden", shape_of_folder(model_dir, cfg.model.trust_remote_code))
     with child_run(parent_run_id, stage) as run:
         model, tok = load_model(model_dir, cfg)
         g = cfg.golden

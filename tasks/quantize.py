@@ -7,7 +7,10 @@ from pathlib import Path
 import mlflow
 from prefect import task
 
+from compress.artifact import read_manifest
 from compress.config import PipelineConfig
+from compress.memory import Shape, check_stage_memory
+from compress.room import check_room, int8_bytes
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
@@ -27,6 +30,11 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
 
     data = load_splits(splits)
     out = folder / "artifact"
+    shape = Shape.of_manifest(read_manifest(src_artifact, verify=False))
+    check_stage_memory("quantize", shape, block=data.eval.shape[1])
+    forms = 2 if cfg.quantize.method == "auto" else 1  # auto writes each weight form before it keeps one
+    check_room("quantize", folder, forms * int8_bytes(shape), "the INT8 forms it writes: free the room, or set "
+               "workdir to a larger disk")
     evaluation = None
     with child_run(parent_run_id, stage) as run:
         log_params({"quantize": cfg.quantize.model_dump()})

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlflow
 from prefect import task
 
 from compress import registry
-from compress.artifact import MANIFEST, content_digest, read_manifest, sha256_file
+from compress.artifact import MANIFEST, checkpoint_digest, content_digest, read_manifest, sha256_file
 from compress.config import PipelineConfig
+from compress.room import check_room, folder_bytes, local_artifact_dir
 from tasks.tracking import child_run
 
 
 @task(name="register", retries=2, retry_delay_seconds=3)
 def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str, aliases: list[str],
                   tags: dict, stage: str = "register", metrics: dict | None = None,
-                  params: dict | None = None, same_config_only: bool = True) -> dict:
-    """metrics become the version's figures (its source run's metrics); tags say what it is."""
+                  params: dict | None = None, same_config_only: bool = True, weights: str = "copy") -> dict:
+    """metrics become the version's figures (its source run's metrics); tags say what it is. weights: "copy" uploads
+    the graph's weights, "digest" records them, "auto" decides by their size (registry.baseline_weights)."""
     folder = Path(artifact)
     read_manifest(folder, verify=True)  # a truncated or swapped file stops here, before the registry changes
     sha = sha256_file(folder / MANIFEST)
@@ -33,12 +36,27 @@ def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str,
     else:
         found = registry.find_by_content(name, content) or registry.find_by_digest(name, sha)
     if found is None:
+        keep = registry.keeps_weights(folder, weights)
         with child_run(parent_run_id, stage) as run:
+            store = local_artifact_dir(mlflow.get_artifact_uri()) if mlflow.active_run() else None
+            upload = folder_bytes(folder) - (0 if keep else sum((folder / f).stat().st_size
+                                                                for f in registry.weight_files(folder)))
+            if store is not None:  # a remote store's room is its own to refuse
+                check_room(f"registering {folder.name} as a version of {name}", store, upload,
+                           "the registry copies the artifact's files: free the room, or point MLflow's artifact "
+                           "store at a larger disk")
             run_id = run.info.run_id if run is not None else parent_run_id
+            source = None
+            if not keep:
+                src = read_manifest(folder, verify=False).get("source_model")
+                source = {"source_model": src, "checkpoint": checkpoint_digest(src) if src and Path(src).exists()
+                          else None}
             found = registry.register_folder(folder, name, run_id, {**tags, "artifact_sha256": sha,
                                                                     "content_sha256": content,
+                                                                    "weights": "copy" if keep else "digest",
                                                                     "parent_run_id": parent_run_id or ""},
-                                             aliases, metrics=metrics, params=params)
+                                             aliases, metrics=metrics, params=params,
+                                             weights="copy" if keep else "digest", source=source)
         reused = False
     else:
         if metrics:

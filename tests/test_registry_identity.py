@@ -90,3 +90,42 @@ def test_the_champion_is_named_on_its_version_and_run_and_moves_with_the_alias(t
     assert registry.version_for_alias(name, "champion").version == v1
     registry.set_alias(name, "candidate", v2)  # other aliases carry no label
     assert label(v2)[0].startswith("champion until ")
+
+
+def test_a_large_baseline_is_recorded_by_digest_not_copied(tiny_artifact, tiny_model_dir, tmp_path, mlflow_store,
+                                                          monkeypatch):
+    """registry.baseline_weights auto: above DIGEST_ABOVE_BYTES the store gets the manifest, tokenizer and a record
+    of the weights (their sha256, the checkpoint's), not a second fp32 copy; the version says it cannot be served."""
+    import pytest
+
+    from compress.artifact import checkpoint_digest
+    from serve.artifact import WEIGHTS_BY_DIGEST, ArtifactError
+
+    registry.configure(mlflow_store)
+    name = unique("digest")
+    cfg = load_config(None, [f"registry.model_name={name}"])
+    art = reexported(tiny_artifact, tmp_path / "a", source_model=str(tiny_model_dir))
+    assert registry.keeps_weights(art, "auto")  # the tiny graph is small: copied, as SmolLM2's is
+    monkeypatch.setattr(registry, "DIGEST_ABOVE_BYTES", 0)
+    assert not registry.keeps_weights(art, "auto") and registry.keeps_weights(art, "copy")
+    with mlflow.start_run() as run:
+        reg = register_task.fn(cfg, run.info.run_id, str(art), ["baseline"], {"role": "baseline"},
+                               same_config_only=False, weights="auto")
+    v = registry.get_version(name, reg["version"])
+    assert v.tags["weights"] == "digest"
+    got = registry.download(f"models:/{name}/{v.version}", tmp_path / "dl")
+    weights = registry.weight_files(art)
+    assert weights and not any((got / f).exists() for f in weights)
+    record = json.loads((got / WEIGHTS_BY_DIGEST).read_text())
+    manifest = read_manifest(art)
+    assert {f: r["sha256"] for f, r in record["weights"].items()} == {f: manifest["files"][f]["sha256"] for f in weights}
+    assert record["source"]["checkpoint"]["sha256"] == checkpoint_digest(tiny_model_dir)["sha256"]
+    stored = sum(p.stat().st_size for p in got.rglob("*") if p.is_file())
+    assert stored < sum((art / f).stat().st_size for f in weights) / 10
+    with pytest.raises(ArtifactError, match="by digest only"):
+        read_manifest(got)  # what the server checks before it loads a version
+    # the same export again is the same version (its content digest), not a new upload
+    with mlflow.start_run() as run:
+        again = register_task.fn(cfg, run.info.run_id, str(art), ["baseline"], {"role": "baseline"},
+                                 same_config_only=False, weights="auto")
+    assert again["reused"] and again["version"] == reg["version"]
