@@ -122,13 +122,19 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
     """
     import tempfile
 
+    from compress.artifact import read_manifest
+    from serve.mlflow_model import write_mlmodel
+
     client = _client()
     _log_to_run(client, run_id, metrics or {}, params or {})
-    if weights == "digest":
-        with tempfile.TemporaryDirectory(prefix="by_digest_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="version_") as tmp:
+        if weights == "digest":
             client.log_artifacts(run_id, str(_by_digest(Path(folder), Path(tmp), source or {})), ARTIFACT_PATH)
-    else:
-        client.log_artifacts(run_id, str(folder), ARTIFACT_PATH)
+        else:
+            client.log_artifacts(run_id, str(folder), ARTIFACT_PATH)
+            # an MLflow Model over the folder's own files (serve/mlflow_model.py): MLmodel beside them
+            write_mlmodel(tmp, read_manifest(folder, verify=False), run_id)
+            client.log_artifacts(run_id, tmp, ARTIFACT_PATH)
     try:
         client.get_registered_model(model_name)
     except Exception:
