@@ -235,17 +235,30 @@ def _name_champion(model_name: str, version: str, before: Version | None) -> Non
         if before is not None:
             term = f"champion until {now} (then version {version})"
             set_tags(model_name, before.version, {CHAMPION: term})
-            client.update_model_version(model_name, before.version, description=f"Was {term}.")
+            describe(model_name, before.version, f"Was {term}.")
             if before.run_id:
                 client.set_tag(before.run_id, CHAMPION, f"version {before.version}: {term}")
         since = f"since {now}" + (f" (after version {before.version})" if before is not None else "")
         set_tags(model_name, version, {CHAMPION: since})
-        client.update_model_version(model_name, version, description=f"Champion {since}: what the servers serve.")
+        describe(model_name, version, f"Champion {since}: what the servers serve.")
         run_id = get_version(model_name, version).run_id
         if run_id:
             client.set_tag(run_id, CHAMPION, f"version {version}: champion {since}")
+        client.update_registered_model(model_name, description=(
+            f"Champion: version {version}, {since}; the servers follow the `champion` alias. Roll back with "
+            f"`prefect deployment run 'rollback/on-demand' -p model_name={model_name}` (the previous champion) or by "
+            f"giving another version the `champion` alias here. Each version holds an MLflow Model "
+            f"(`mlflow.pyfunc.load_model('models:/{model_name}@champion')`); its figures are its source run's."))
     except Exception as e:  # noqa: BLE001 - the alias has moved; a label that failed to write must not undo that
         logging.getLogger(__name__).warning("champion moved to %s v%s but naming it failed: %s", model_name, version, e)
+
+
+def describe(model_name: str, version: str | int, lead: str = "") -> None:
+    """The version's description: ``lead`` (what it is now: champion since / was champion until) and its ``note``
+    tag (the verdict, its reasons and links to the runs), so its page tells its story."""
+    client = _client()
+    note = client.get_model_version(model_name, str(version)).tags.get("note", "")
+    client.update_model_version(model_name, str(version), description=" ".join(x for x in (lead, note) if x))
 
 
 def set_tags(model_name: str, version: str | int, tags: dict) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 # Errors that mean "the input is wrong": their message names the field and the fix, a traceback adds nothing.
 USER_ERRORS = ("ConfigError", "DataError", "ModelError", "ArtifactError", "RegistryError", "GoldenMismatch",
                "UnsupportedArchitectureError", "GqaBuildError", "QuantizeError", "DistillError", "EvaluateError",
-               "SmokeTestFailed", "Reverted", "BudgetExceeded", "MemoryBudgetError", "DiskSpaceError")
+               "SmokeTestFailed", "Reverted", "BudgetExceeded", "MemoryBudgetError", "DiskSpaceError",
+               "ReferenceSettingError")
 
 
 def is_user_error(e: BaseException) -> bool:

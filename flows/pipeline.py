@@ -435,9 +435,20 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 tags["reasons"] = "; ".join(verdict["reasons"])
             if blocked:
                 tags["promotion_blocked"] = blocked
+            ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)
+            exp = parent.info.experiment_id
+            tags["note"] = (f"{status}: " + ("; ".join(verdict["reasons"]) if verdict and verdict["reasons"]
+                                             else "every check passed" if verdict else "not judged")
+                            + f". Run: {registry.run_link(ui, exp, pid)}"
+                            + (f"; verdict, checks and plots: {registry.run_link(ui, exp, verdict['run_id'])}"
+                               if verdict and verdict.get("run_id") else ""))
+            if verdict and verdict.get("run_id"):
+                tags["accept_run_id"] = verdict["run_id"]
             reg = timer.run("register", lambda: register_task(cfg, pid, candidate, aliases, tags, metrics=figures,
                                                               params=version_params(cfg, "candidate", status)))
             registered.append(reg)
+            if not reg["reused"]:
+                registry.describe(cfg.registry.model_name, reg["version"])
             if baseline_version is not None and (verdict or bench):
                 # The baseline's own figures under the same names, so the UI's Compare lines them up.
                 base = baseline_figures(verdict) if verdict else {}

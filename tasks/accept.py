@@ -185,4 +185,5 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
                               "chat_by_kind": chat.get("by_kind", {}), "chat_note": chat_note,
                               "candidate": cand, "baseline": base, "heldout_source": held.heldout_source,
                               "selection": {"candidate": sel_cand, "baseline": sel_base},
-                              "evaluated_in": evaluated_in, "seconds": seconds, "reference": reference_name})
+                              "evaluated_in": evaluated_in, "seconds": seconds, "reference": reference_name,
+                              "run_id": run.info.run_id if run is not None else None})

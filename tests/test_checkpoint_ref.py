@@ -14,7 +14,8 @@ import torch
 from compress.drivers import load_lm
 from compress.evaluate import chat as chat_eval
 from compress.evaluate import checkpoint_ref
-from compress.evaluate.checkpoint_ref import CheckpointReference, ReferenceError, resolve, stored_params_and_dtype
+from compress.evaluate.checkpoint_ref import (CheckpointReference, ReferenceSettingError, resolve,
+                                             stored_params_and_dtype)
 from compress.evaluate.generate import greedy_answers
 from compress.evaluate.onnx_eval import ReferencePass, evaluate_onnx
 from compress.export.gqa import build_gqa_artifact
@@ -104,7 +105,7 @@ def test_auto_picks_the_checkpoint_only_when_large_16_bit_and_no_speed_floor(che
     assert not resolve("auto", str(bf16), True)  # the speed floor needs the graph's decode speed
     assert not resolve("artifact", str(bf16), False) and not resolve("auto", None, False)
     assert resolve("checkpoint", str(fp32), False)
-    with pytest.raises(ReferenceError, match="min_decode_speed_ratio"):
+    with pytest.raises(ReferenceSettingError, match="min_decode_speed_ratio"):
         resolve("checkpoint", str(bf16), True)
-    with pytest.raises(ReferenceError, match="checkpoint's folder"):
+    with pytest.raises(ReferenceSettingError, match="checkpoint's folder"):
         resolve("checkpoint", None, False)

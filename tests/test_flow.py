@@ -4,6 +4,7 @@ configs/tiny.yaml switches every stage on: load, export, golden, prune, distill,
 student export + golden, static INT8, acceptance, registration and promotion.
 """
 
+import mlflow
 import onnx
 import pytest
 from mlflow import MlflowClient
@@ -50,6 +51,13 @@ def test_accepted_int8_candidate_is_registered_and_promoted(tiny_flow_run, mlflo
     base = registry.version_for_alias("tiny-llama", "baseline")
     assert cand.version == champ.version != base.version
     assert cand.tags["verdict"] == "accepted" and cand.tags["parent_run_id"] == out["run_id"]
+    # its page tells the story: what it is, the verdict, links to the run and the accept run; an MLflow Model
+    assert cand.tags["accept_run_id"] == out["verdict"]["run_id"] and cand.tags["weights"] == "copy"
+    desc = registry._client().get_model_version("tiny-llama", cand.version).description
+    assert desc.startswith("Champion since") and "accepted: every check passed" in desc
+    assert out["verdict"]["run_id"] in desc and out["run_id"] in desc
+    info = mlflow.models.get_model_info("models:/tiny-llama@champion")
+    assert info.flavors["python_function"]["loader_module"] == "serve.mlflow_model"
     assert registry.figures("tiny-llama", cand.version)["gate_perplexity_ratio"] <= 1.5 and cand.tags["config_hash"]
     graph = onnx.load(out["candidate_artifact"] + "/model.onnx", load_external_data=False).graph
     assert any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in graph.node)

@@ -88,6 +88,9 @@ def test_the_champion_is_named_on_its_version_and_run_and_moves_with_the_alias(t
     assert registry.rollback(name) == v1
     assert label(v1)[0].startswith("since ") and label(v2)[0].startswith("champion until ")
     assert registry.version_for_alias(name, "champion").version == v1
+    # the registered model's own page names the champion and how to roll back
+    desc = registry._client().get_registered_model(name).description
+    assert desc.startswith(f"Champion: version {v1}, since") and "rollback/on-demand" in desc
     registry.set_alias(name, "candidate", v2)  # other aliases carry no label
     assert label(v2)[0].startswith("champion until ")
 

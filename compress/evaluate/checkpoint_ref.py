@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 GENERATE_ROWS = 64
 
 
-class ReferenceError(ValueError):
-    pass
+class ReferenceSettingError(ValueError):
+    """accept.reference asks for what this run cannot give (the message names the key and the fix)."""
 
 
 @dataclass(frozen=True)
@@ -89,40 +89,41 @@ class CheckpointReference:
 
 
 def stored_params_and_dtype(model_dir: str) -> tuple[int, str]:
-    """The parameter count and stored dtype from the checkpoint's config and safetensors headers (nothing loaded);
-    (0, "") when they cannot be read."""
+    """The parameter count and the dtype most of them are stored in, from the safetensors headers (nothing
+    loaded); (0, "") when there are none."""
     import json
     import struct
 
     path = Path(model_dir)
-    count, dtypes = 0, set()
+    by_dtype: dict[str, int] = {}
     for f in sorted(path.glob("*.safetensors")) if path.is_dir() else []:
         with open(f, "rb") as fh:
             n = struct.unpack("<Q", fh.read(8))[0]
             header = json.loads(fh.read(n))
         for name, t in header.items():
             if name != "__metadata__":
-                count += math.prod(t["shape"])
-                dtypes.add(t["dtype"])
-    return count, ",".join(sorted(dtypes))
+                by_dtype[t["dtype"]] = by_dtype.get(t["dtype"], 0) + math.prod(t["shape"])
+    if not by_dtype:
+        return 0, ""
+    return sum(by_dtype.values()), max(by_dtype, key=by_dtype.get)
 
 
 def resolve(setting: str, model_dir: str | None, needs_decode_speed: bool) -> bool:
     """Whether the checkpoint is the accept stage's reference: ``checkpoint`` yes, ``artifact`` no, ``auto`` when
-    it has CHECKPOINT_FROM_PARAMS or more parameters stored in 16 bits and the gate needs no baseline decode speed
-    (which is the fp32 graph's, timed on ONNX Runtime)."""
+    it has CHECKPOINT_FROM_PARAMS or more parameters, most stored in 16 bits, and the gate needs no baseline decode
+    speed (which is the fp32 graph's, timed on ONNX Runtime)."""
     if setting == "artifact" or model_dir is None:
         if setting == "checkpoint":
-            raise ReferenceError("accept.reference: checkpoint needs the source checkpoint's folder; this run has none")
+            raise ReferenceSettingError("accept.reference: checkpoint needs the source checkpoint's folder; this run "
+                                        "has none")
         return False
     if setting == "checkpoint":
         if needs_decode_speed:
-            raise ReferenceError("accept.reference: checkpoint has no baseline decode speed for "
+            raise ReferenceSettingError("accept.reference: checkpoint has no baseline decode speed for "
                                  "accept.min_decode_speed_ratio; set accept.reference: artifact, or drop the floor")
         return True
-    params, dtypes = stored_params_and_dtype(model_dir)
-    return (not needs_decode_speed and params >= CHECKPOINT_FROM_PARAMS and bool(dtypes)
-            and set(dtypes.split(",")) <= {"BF16", "F16"})
+    params, dtype = stored_params_and_dtype(model_dir)
+    return not needs_decode_speed and params >= CHECKPOINT_FROM_PARAMS and dtype in ("BF16", "F16")
 
 
 class CheckpointLM:
