@@ -62,7 +62,9 @@ def test_mlflow_models_serve_answers_a_request(version, mlflow_store):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_store}
+    # mlflow starts its scoring server as `uvicorn` from PATH: the environment's bin first, as an activated venv has
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_store,
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{name}@champion",
                              "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -153,13 +153,50 @@ class _Graph:
     would make of them afterwards, without first writing the three apart).
     """
 
-    def __init__(self, float_dtype=np.float32, data_path: Path | None = None, pack_qkv: bool = False):
+    def __init__(self, float_dtype=np.float32, data_path: Path | None = None, pack_qkv: bool = False,
+                 int8: tuple[int, int] | None = None):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.float_dtype = float_dtype  # weights and activations (fp16 for the paged graph)
         self.data_path = data_path
         self.pack_qkv = pack_qkv
         self._data = open(data_path, "wb") if data_path is not None else None
+        # (block_size, accuracy_level): every linear written as 8-bit MatMulNBits straight from the checkpoint's
+        # tensor, the arithmetic of the quantize stage's weight_only form (ORT's block quantizer), no fp32 graph
+        self.int8 = int8
+        self._q8 = None
+        if int8 is not None:
+            from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
+                                                                         DefaultWeightOnlyQuantizer)
+
+            self._q8 = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
+                block_size=int8[0], is_symmetric=True, accuracy_level=int8[1], bits=8))
+
+    def embedding(self, E: np.ndarray, tied: bool) -> tuple[str, str | None]:
+        """The token Gather over the table ``E`` [V, h]: (its output, the fp32 table's name, None when written in
+        8 bits, _embedding_q8)."""
+        if self._q8 is not None:
+            return _embedding_q8(self, E, tied), None
+        emb = self.init("model.embed_tokens.weight", E)
+        (x,) = self.node("Gather", [emb, "input_ids"], ["/model/embed_tokens/Gather_output_0"],
+                         "/model/embed_tokens/Gather", module="model.embed_tokens")
+        return x, emb
+
+    def matmul(self, x: str, wt: np.ndarray, w_name: str, path: str, module: str | None,
+               out: str | None = None) -> str:
+        """x @ wt ([K, N]): a MatMul on the fp32 weight, or with ``int8`` a MatMulNBits on its 8-bit blocks."""
+        out = out or f"{path}/MatMul_output_0"
+        if self._q8 is None:
+            w = self.init(w_name, wt)
+            (y,) = self.node("MatMul", [x, w], [out], f"{path}/MatMul", module=module)
+            return y
+        K, N = wt.shape
+        packed, scales, _ = self._q8.qbits_block_quant(np.ascontiguousarray(wt, np.float32))
+        b, sc = self.init(f"{w_name}_Q8", packed), self.init(f"{w_name}_scales", scales)
+        kw = {"accuracy_level": self.int8[1]} if self.int8[1] else {}
+        (y,) = self.node("MatMulNBits", [x, b, sc], [out], f"{path}/MatMul_Q8", module=module,
+                         domain=MS_DOMAIN, K=K, N=N, bits=8, block_size=self.int8[0], **kw)
+        return y
 
     def init(self, name: str, arr: np.ndarray) -> str:
         if arr.dtype.kind == "f":
@@ -206,19 +243,18 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy()
 
 
-def _packed_qkv(g: _Graph, x: str, lins, module: str) -> str:
-    """q/k/v as one MatMul(x, [Wq^T | Wk^T | Wv^T]), named and tagged as graph_fusion.pack_siblings names it."""
-    w = g.init(f"{module}.qkv_proj.weight_t", np.concatenate([_np(lin.weight).T for lin in lins], axis=1))
-    path = "/" + f"{module}.qkv_proj".replace(".", "/")
-    (y,) = g.node("MatMul", [x, w], [f"{path}/MatMul_output_0"], f"{path}/MatMul", module=f"{module}.qkv_proj")
-    return y
+def _packed_qkv(g: _Graph, x: str, lins, module: str, role: str = "qkv_proj") -> str:
+    """q/k/v (or gate/up) as one MatMul(x, [Wq^T | Wk^T | Wv^T]), named and tagged as graph_fusion.pack_siblings
+    names it. Block quantization runs along K, so the 8-bit form of the packed weight is the packed 8-bit forms."""
+    path = "/" + f"{module}.{role}".replace(".", "/")
+    return g.matmul(x, np.concatenate([_np(lin.weight).T for lin in lins], axis=1), f"{module}.{role}.weight_t",
+                    path, f"{module}.{role}")
 
 
 def _linear(g: _Graph, x: str, lin, module: str) -> str:
     """MatMul(x, W^T) [+ bias], named like the exported graph."""
-    w = g.init(f"{module}.weight_t", _np(lin.weight).T)
     path = "/" + module.replace(".", "/")
-    (y,) = g.node("MatMul", [x, w], [f"{path}/MatMul_output_0"], f"{path}/MatMul", module=module)
+    y = g.matmul(x, _np(lin.weight).T, f"{module}.weight_t", path, module)
     if getattr(lin, "bias", None) is not None:
         b = g.init(f"{module}.bias", _np(lin.bias))
         (y,) = g.node("Add", [y, b], [f"{path}/Add_output_0"], f"{path}/Add")
@@ -250,9 +286,9 @@ def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "
     act = fams.activation(c)
     eps = float(getattr(c, "rms_norm_eps", 1e-6))
     off = fam.norm_offset
-    emb = g.init("model.embed_tokens.weight", _np(model.model.embed_tokens.weight))
-    (x,) = g.node("Gather", [emb, "input_ids"], ["/model/embed_tokens/Gather_output_0"], "/model/embed_tokens/Gather",
-                  module="model.embed_tokens")
+    head = model.lm_head
+    tied = head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    x, emb = g.embedding(_np(model.model.embed_tokens.weight), tied)
     if fam.embed_scale:
         x = _embed_scale(g, x, c.hidden_size)
     for i, layer in enumerate(model.model.layers):
@@ -281,8 +317,17 @@ def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "
             h = _rmsnorm(g, x, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps, off)
         mlp = layer.mlp
         gp, upp = fams.mlp_linears(fam, layer)
-        gate = _linear(g, h, gp, f"{pre}.mlp.gate_proj")
-        up = _linear(g, h, upp, f"{pre}.mlp.up_proj")
+        if g.int8 is not None and g.pack_qkv and all(getattr(p, "bias", None) is None for p in (gp, upp)):
+            # as the quantize stage packs them after quantization (graph_fusion.pack_siblings), written packed
+            gu_out = _packed_qkv(g, h, (gp, upp), f"{pre}.mlp", "gate_up_proj")
+            n = int(gp.weight.shape[0])
+            mp = f"/model/layers/{i}/mlp"
+            g.init(f"{mp}/gate_up_split", np.array([n, n], np.int64))
+            gate, up = g.node("Split", [gu_out, f"{mp}/gate_up_split"], [f"{mp}/gate_output_0", f"{mp}/up_output_0"],
+                              f"{mp}/gate_up_Split", axis=-1)
+        else:
+            gate = _linear(g, h, gp, f"{pre}.mlp.gate_proj")
+            up = _linear(g, h, upp, f"{pre}.mlp.up_proj")
         gu = _gated(g, gate, up, act, f"/model/layers/{i}/mlp")
         down = _linear(g, gu, mlp.down_proj, f"{pre}.mlp.down_proj")
         if fam.sandwich_norms:
@@ -290,20 +335,50 @@ def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "
         (x,) = g.node("Add", [x, down], [f"/model/layers/{i}/mlp_residual_output_0"], f"/model/layers/{i}/mlp_residual")
     x = select_positions(g, x)
     h = _rmsnorm(g, x, model.model.norm, "model.norm", eps, off)
-    head = model.lm_head
     if getattr(head, "bias", None) is not None:
         raise GqaBuildError("lm_head with a bias is not supported")
-    if head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr():
+    cap = float(getattr(c, "final_logit_softcapping", None) or 0.0)
+    out = "/lm_head/MatMul_output_0" if cap else logits_name
+    if g.int8 is not None and tied:  # the 8-bit table the Gather reads, as MatMulNBits' blocks
+        V, K = head.weight.shape
+        kw = {"accuracy_level": g.int8[1]} if g.int8[1] else {}
+        (logits,) = g.node("MatMulNBits", [h, "model.embed_tokens.weight_q8", "model.embed_tokens.weight_q8_scales"],
+                           [out], "/lm_head/MatMul_q8", module="lm_head", domain=MS_DOMAIN, K=K, N=V, bits=8,
+                           block_size=g.int8[0], **kw)
+    elif tied:
         # Tied: keep one table (quantize_tied_embedding recognises this exact pattern).
         (wt,) = g.node("Transpose", [emb], ["/lm_head/Transpose_output_0"], "/lm_head/Transpose", perm=[1, 0])
+        (logits,) = g.node("MatMul", [h, wt], [out], "/lm_head/MatMul", module="lm_head")
     else:
-        wt = g.init("lm_head.weight_t", _np(head.weight).T)
-    cap = float(getattr(c, "final_logit_softcapping", None) or 0.0)
-    (logits,) = g.node("MatMul", [h, wt], ["/lm_head/MatMul_output_0" if cap else logits_name], "/lm_head/MatMul",
-                       module="lm_head")
+        logits = g.matmul(h, _np(head.weight).T, "lm_head.weight_t", "/lm_head", "lm_head", out)
     if cap:  # Gemma 2: cap * tanh(logits / cap)
         logits = _softcap(g, logits, cap, logits_name)
     return logits, emb
+
+
+def _embedding_q8(g: _Graph, E: np.ndarray, tied: bool) -> str:
+    """The table as 8-bit blocks along the hidden axis, read by the token Gather (GatherBlockQuantized) and, tied, by
+    the lm_head (MatMulNBits): compress.quantize.graph.quantize_tied_embedding's arithmetic, written once."""
+    V, K = E.shape
+    b = g.int8[0]
+    Eb = E.reshape(V, K // b, b)
+    scale = (np.abs(Eb).max(-1) / 127.0).astype(np.float32)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = (np.clip(np.round(Eb / scale[..., None]), -127, 127) + 128).astype(np.uint8)
+    del Eb
+    qn = "model.embed_tokens.weight_q8"
+    g.init(qn, q)
+    g.init(f"{qn}_gather_scales", scale.reshape(V, K // b, 1))
+    g.init(f"{qn}_gather_zero_points", np.full((V, K // b, 1), 128, np.uint8))
+    if tied:
+        g.init(f"{qn}_scales", scale.reshape(-1))
+    g.init(f"{qn}_shape", np.array([0, 0, K], np.int64))
+    out = "/model/embed_tokens/Gather_output_0"
+    (blocks,) = g.node("GatherBlockQuantized", [qn, "input_ids", f"{qn}_gather_scales", f"{qn}_gather_zero_points"],
+                       [f"{out}_blocks"], "/model/embed_tokens/Gather_q8", domain=MS_DOMAIN, gather_axis=0,
+                       quantize_axis=2, block_size=b, bits=8)
+    (x,) = g.node("Reshape", [blocks, f"{qn}_shape"], [out], "/model/embed_tokens/Gather_q8_reshape")
+    return x
 
 
 def _embed_scale(g: _Graph, x: str, hidden: int) -> str:
@@ -374,13 +449,16 @@ def _layer_attention(model, g: _Graph, max_positions: int, head_dim: int) -> lis
 
 
 def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True,
-                    data_path: Path | None = None) -> onnx.ModelProto:
+                    data_path: Path | None = None, int8: tuple[int, int] | None = None) -> onnx.ModelProto:
     """The decoder as an ONNX model with fp32 weights (the torch model may be bf16: converted tensor by tensor).
 
     fuse: residual Add + RMSNorm as SkipSimplifiedLayerNormalization and q/k/v as one packed MatMul into
     GroupQueryAttention (compress/export/graph_fusion.py; the same logits, fewer and larger kernels per step).
     data_path: weights go straight into this external-data file as they are made; the returned proto holds
     only their offsets (save it with serve.onnx_external.save_external, into the same folder).
+    int8: (block_size, accuracy_level): the weight-only INT8 graph written straight from the checkpoint's tensors,
+    one at a time (every linear as MatMulNBits, gate/up packed, a tied table as 8-bit blocks for the Gather and the
+    lm_head): what the quantize stage's weight_only form makes of the fp32 graph, with no fp32 graph in between.
     """
     check_supported(model)
     model.eval()
@@ -388,7 +466,7 @@ def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True,
     L, H, KV, D = info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]
     vocab = info["vocab_size"]
     max_positions = int(max_positions or info["max_positions"])
-    g = _Graph(data_path=data_path, pack_qkv=fuse)
+    g = _Graph(data_path=data_path, pack_qkv=fuse, int8=int8)
     names = gqa_io_names(L)
     attrs = _layer_attention(model, g, max_positions, D)
 
@@ -517,18 +595,23 @@ def save_model(m: onnx.ModelProto, path: Path, external_data_threshold_mb: int =
     save_external(m, path, inline_limit=external_data_threshold_mb * 2**20)
 
 
+def _tied(model) -> bool:
+    return model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
 def _fp32_bytes(model) -> int:
     return 4 * sum(p.numel() for p in model.parameters())
 
 
 def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int | None = None,
                        extra: dict | None = None, layout: str = "gqa", block_size: int = 16,
-                       kv_dtype: str = "float32") -> tuple[GqaBuildResult, dict]:
+                       kv_dtype: str = "float32", int8: tuple[int, int] | None = None) -> tuple[GqaBuildResult, dict]:
     """Graph + tokenizer + generation_config + manifest.json: a servable folder.
 
     layout 'gqa' (default; CPU and CUDA) or 'paged' (PagedAttention, fp16, CUDA only, unverified; the
     graph's block size is fixed and recorded in the manifest).
     kv_dtype: the gqa layout's cache type, float32 or float16 (compress/export/kv_fp16.py).
+    int8: (block_size, accuracy_level): weight-only INT8 written straight from the checkpoint (build_gqa_model).
     """
     if layout not in ("gqa", "paged"):
         raise GqaBuildError(f"layout {layout!r}: the builder writes 'gqa' or 'paged' (the dynamo export writes 'standard')")
@@ -542,7 +625,8 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
     # A model whose fp32 weights pass protobuf's limit is written straight into model.onnx.data, tensor by tensor.
     stream = layout == "gqa" and _fp32_bytes(model) > STREAM_BYTES
     with torch.no_grad():
-        m = build_gqa_model(model, max_positions, data_path=out_dir / (MODEL_FILE + ".data") if stream else None) \
+        m = build_gqa_model(model, max_positions, data_path=out_dir / (MODEL_FILE + ".data") if stream else None,
+                            int8=int8) \
             if layout == "gqa" else build_paged_model(model, block_size=block_size, max_positions=max_positions)
     if layout == "gqa" and kv_dtype == "float16":
         kv_to_fp16(m)
@@ -563,6 +647,10 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
         "opset": OPSET,
         "export_seconds": round(seconds, 2),
         **({"block_size": block_size} if layout == "paged" else {}),
+        **({"quantization": {"method": "weight_only", "written_from": "checkpoint",
+                             "weights": f"int8 block-wise (block {int8[0]}, MatMulNBits accuracy_level {int8[1]})",
+                             "embedding": "int8 block-wise, shared by Gather and lm_head" if _tied(model) else "float"}}
+           if int8 else {}),
         **(extra or {}),
     }
     manifest = write_manifest(out_dir, fields)

@@ -42,9 +42,7 @@ def neox_decoder(model, g, attention, select_positions, logits_name: str, linear
     c = model.config
     base = model.gpt_neox
     H, D = c.num_attention_heads, c.hidden_size // c.num_attention_heads
-    emb = g.init("model.embed_tokens.weight", base.embed_in.weight.detach().float().numpy())
-    (x,) = g.node("Gather", [emb, "input_ids"], ["/model/embed_tokens/Gather_output_0"], "/model/embed_tokens/Gather",
-                  module="model.embed_tokens")
+    x, emb = g.embedding(base.embed_in.weight.detach().float().numpy(), tied=False)
     for i, layer in enumerate(base.layers):
         pre, path = f"model.layers.{i}", f"/model/layers/{i}"
         a = layer.attention
@@ -73,6 +71,6 @@ def neox_decoder(model, g, attention, select_positions, logits_name: str, linear
     head = model.get_output_embeddings()  # embed_out in the checkpoint
     if getattr(head, "bias", None) is not None:
         raise GqaBuildError("an output head with a bias is not supported")
-    wt = g.init("lm_head.weight_t", np.ascontiguousarray(head.weight.detach().float().numpy().T))
-    (logits,) = g.node("MatMul", [h, wt], [logits_name], "/lm_head/MatMul", module="lm_head")
+    logits = g.matmul(h, np.ascontiguousarray(head.weight.detach().float().numpy().T), "lm_head.weight_t", "/lm_head",
+                      "lm_head", logits_name)
     return logits, emb
