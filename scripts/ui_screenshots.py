@@ -8,6 +8,7 @@ pipeline (parent) run, the registered model with its versions and aliases, and w
   3-compare-versions.png   the model-version compare page: baseline, candidate, champion side by side
   3b-compare-key-figures.png  the same, folded to the accuracy, size and speed figures
   4-registered-model.png   the registered model page: its versions and their aliases
+  5-model-version.png      the champion's version page: its story (description, tags) and its MLflow Model schema
 
 Not part of CI and not installed. It needs the ``ui`` extra (Playwright for Python) and a
 Chromium binary (Debian: ``apt-get install -y chromium`` -> /usr/bin/chromium); Playwright's own
@@ -547,6 +548,15 @@ def shoot(base: str, t: dict, out: Path, args: argparse.Namespace) -> list[Path]
             for alias in t["aliases"]:
                 page.get_by_text(alias, exact=False).first.wait_for(state="visible")
             save(page, "4-registered-model.png", grow=True)
+
+            # 5. the champion's (else the newest) version page: its description (verdict, links), tags and the
+            # MLflow Model's schema (serve/mlflow_model.py)
+            shown = t["aliases"].get("champion", newest)
+            url = f"{base}/#/models/{quote(t['model'], safe='')}/versions/{shown}"
+            log(f"model version: {url}")
+            page.goto(url)
+            page.get_by_text("Inputs (", exact=False).first.wait_for(state="visible")
+            save(page, "5-model-version.png", grow=True)
         except PlaywrightTimeout as e:
             raise ShotError(f"page did not render in {args.timeout:.0f} s ({page.url if page else base}): "
                             f"{e.message.splitlines()[0]}") from None
