@@ -109,6 +109,10 @@ def genre_markdown(verdict: dict) -> list[str]:
     return lines
 
 
+# What a version's note (its description in the UI) says of the verdict, beside the reasons and the links.
+VERSION_FIGURES = (("gate_perplexity_ratio", "perplexity ratio"), ("gate_top1_agreement", "top-1 agreement"),
+                   ("gate_chat_perplexity_ratio", "chat perplexity ratio"), ("gate_chat_judged_ratio", "judged ratio"),
+                   ("gate_size_ratio", "size ratio"))
 SIDE_FIGURES = ("heldout_", "selection_")  # beside the verdict's: the held-out source's, the selection split's
 
 
@@ -437,8 +441,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 tags["promotion_blocked"] = blocked
             ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)
             exp = parent.info.experiment_id
+            shown = [f"{label} {figures[k]:.4g}" for k, label in VERSION_FIGURES if k in figures]
             tags["note"] = (f"{status}: " + ("; ".join(verdict["reasons"]) if verdict and verdict["reasons"]
                                              else "every check passed" if verdict else "not judged")
+                            + (f" ({', '.join(shown)})" if shown else "")
                             + f". Run: {registry.run_link(ui, exp, pid)}"
                             + (f"; verdict, checks and plots: {registry.run_link(ui, exp, verdict['run_id'])}"
                                if verdict and verdict.get("run_id") else ""))

@@ -54,7 +54,7 @@ def test_accepted_int8_candidate_is_registered_and_promoted(tiny_flow_run, mlflo
     # its page tells the story: what it is, the verdict, links to the run and the accept run; an MLflow Model
     assert cand.tags["accept_run_id"] == out["verdict"]["run_id"] and cand.tags["weights"] == "copy"
     desc = registry._client().get_model_version("tiny-llama", cand.version).description
-    assert desc.startswith("Champion since") and "accepted: every check passed" in desc
+    assert desc.startswith("Champion since") and "accepted: every check passed (perplexity ratio " in desc
     assert out["verdict"]["run_id"] in desc and out["run_id"] in desc
     info = mlflow.models.get_model_info("models:/tiny-llama@champion")
     assert info.flavors["python_function"]["loader_module"] == "serve.mlflow_model"
