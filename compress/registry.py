@@ -261,6 +261,25 @@ def describe(model_name: str, version: str | int, lead: str = "") -> None:
     client.update_model_version(model_name, str(version), description=" ".join(x for x in (lead, note) if x))
 
 
+def attach_from_run(model_name: str, version: str | int, run_id: str, paths: list[str],
+                    under: str = "verdict") -> list[str]:
+    """Copy ``paths`` (artifacts of ``run_id``, e.g. the accept run's verdict.json and chat_by_kind.png) into the
+    version's source run under ``under``, where its page's "Source run" link leads; returns what was copied
+    (a path the run lacks is skipped)."""
+    import tempfile
+
+    client = _client()
+    target = get_version(model_name, version).run_id
+    have = {f.path for f in client.list_artifacts(run_id)}
+    done = []
+    with tempfile.TemporaryDirectory(prefix="attach_") as tmp:
+        for p in paths:
+            if p in have:
+                client.log_artifact(target, client.download_artifacts(run_id, p, tmp), under)
+                done.append(p)
+    return done
+
+
 def set_tags(model_name: str, version: str | int, tags: dict) -> None:
     client = _client()
     for k, v in tags.items():

@@ -455,6 +455,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             registered.append(reg)
             if not reg["reused"]:
                 registry.describe(cfg.registry.model_name, reg["version"])
+                if verdict and verdict.get("run_id"):  # the verdict and its plot where the version's run shows them
+                    registry.attach_from_run(cfg.registry.model_name, reg["version"], verdict["run_id"],
+                                             ["verdict.json", "chat_by_kind.png"])
             if baseline_version is not None and (verdict or bench):
                 # The baseline's own figures under the same names, so the UI's Compare lines them up.
                 base = baseline_figures(verdict) if verdict else {}

@@ -56,6 +56,8 @@ def test_accepted_int8_candidate_is_registered_and_promoted(tiny_flow_run, mlflo
     desc = registry._client().get_model_version("tiny-llama", cand.version).description
     assert desc.startswith("Champion since") and "accepted: every check passed (perplexity ratio " in desc
     assert out["verdict"]["run_id"] in desc and out["run_id"] in desc
+    attached = {f.path for f in registry._client().list_artifacts(cand.run_id, "verdict")}
+    assert "verdict/verdict.json" in attached  # in the version's source run, beside its files
     info = mlflow.models.get_model_info("models:/tiny-llama@champion")
     assert info.flavors["python_function"]["loader_module"] == "serve.mlflow_model"
     assert registry.figures("tiny-llama", cand.version)["gate_perplexity_ratio"] <= 1.5 and cand.tags["config_hash"]
