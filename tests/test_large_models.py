@@ -254,6 +254,8 @@ def test_estimates_for_the_published_shapes():
     assert (e1["pipeline_gib"], e3["pipeline_gib"]) == (7.4, 15.8)
     assert e1["pipeline_gib"] <= 2 * e1["fp32_gib"] and e3["pipeline_gib"] <= 16
     assert estimate_for_shape("llama-3.1-8b")["pipeline_gib"] > 32  # an 8B's fp32 reference does not fit 32 GB
+    # the accept stage judges 1B+ against the bf16 checkpoint: 2P + 4Vh (the 1B measured 5.99 GiB, whole tree)
+    assert e1["stages"]["accept"] == 5.5 and estimate_for_shape("qwen2.5-7b")["stages"]["accept"] < 20
 
 
 # ---------------------------------------------------------------- the real 1B shape (pytest -m large)
