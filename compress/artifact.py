@@ -14,8 +14,8 @@ from typing import Any
 # Re-exported: the pipeline reads and verifies manifests through this module too.
 from serve.artifact import MANIFEST, MANIFEST_VERSION, ArtifactError, read_manifest, sha256_file, verify_files
 
-__all__ = ["MANIFEST", "MANIFEST_VERSION", "ArtifactError", "content_digest", "io_names", "read_manifest", "sha256_file",
-           "verify_files", "write_manifest"]
+__all__ = ["MANIFEST", "MANIFEST_VERSION", "ArtifactError", "checkpoint_digest", "checkpoint_files", "content_digest",
+           "io_names", "read_manifest", "sha256_file", "verify_files", "write_manifest"]
 
 
 def io_names(num_layers: int) -> dict[str, list[str]]:
@@ -36,13 +36,20 @@ def content_digest(folder: str | Path) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """A source checkpoint's weight and config files (a folder's), or the one file it is (a .gguf)."""
+    path = Path(model_dir)
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".json")) \
+        if path.is_dir() else []
+
+
 def checkpoint_digest(model_dir: str | Path) -> dict:
     """Where a source checkpoint is and what it holds: its weight and config files' sha256, and one sha256 over them
     (what a baseline registered by digest records instead of a copy of its weights)."""
     path = Path(model_dir)
-    names = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".json")) \
-        if path.is_dir() else [path] if path.is_file() else []
-    files = {p.name: sha256_file(p) for p in names}
+    files = {p.name: sha256_file(p) for p in checkpoint_files(path)}
     listing = json.dumps(files, sort_keys=True)
     return {"path": str(path.resolve()), "files": files, "sha256": hashlib.sha256(listing.encode()).hexdigest()}
 

@@ -83,11 +83,15 @@ def weight_files(folder: str | Path) -> list[str]:
     return sorted(f for f in manifest.get("files", {}) if f.startswith(onnx))
 
 
+def weight_bytes(folder: str | Path) -> int:
+    return sum((Path(folder) / f).stat().st_size for f in weight_files(folder))
+
+
 def keeps_weights(folder: str | Path, setting: str) -> bool:
     """Whether registry.baseline_weights ``setting`` uploads this folder's weights (copy) or records them (digest)."""
     if setting != "auto":
         return setting == "copy"
-    return sum((Path(folder) / f).stat().st_size for f in weight_files(folder)) <= DIGEST_ABOVE_BYTES
+    return weight_bytes(folder) <= DIGEST_ABOVE_BYTES
 
 
 def _by_digest(folder: Path, staging: Path, source: dict) -> Path:

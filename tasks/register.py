@@ -39,8 +39,7 @@ def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str,
         keep = registry.keeps_weights(folder, weights)
         with child_run(parent_run_id, stage) as run:
             store = local_artifact_dir(mlflow.get_artifact_uri()) if mlflow.active_run() else None
-            upload = folder_bytes(folder) - (0 if keep else sum((folder / f).stat().st_size
-                                                                for f in registry.weight_files(folder)))
+            upload = folder_bytes(folder) - (0 if keep else registry.weight_bytes(folder))
             if store is not None:  # a remote store's room is its own to refuse
                 check_room(f"registering {folder.name} as a version of {name}", store, upload,
                            "the registry copies the artifact's files: free the room, or point MLflow's artifact "

@@ -60,11 +60,10 @@ class CheckpointReference:
     @property
     def key(self) -> dict:
         """What identifies these weights for a cache: the checkpoint's files by name, size and mtime."""
-        path = Path(self.model_dir)
-        files = sorted(p for p in path.glob("*") if p.suffix in (".safetensors", ".bin", ".gguf", ".json")) \
-            if path.is_dir() else [path]
-        return {"checkpoint": str(path.resolve()), "revision": self.revision, "dtype": self.dtype,
-                "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files if p.is_file()}}
+        from compress.artifact import checkpoint_files
+
+        return {"checkpoint": str(Path(self.model_dir).resolve()), "revision": self.revision, "dtype": self.dtype,
+                "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in checkpoint_files(self.model_dir)}}
 
     @contextmanager
     def loaded(self, eos_ids: Sequence[int] = ()) -> Iterator[CheckpointLM]:
@@ -212,16 +211,17 @@ class CheckpointLM:
         with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress) as bar:
             for start in range(0, len(order), rows):
                 batch = order[start:start + rows]
-                self._generate_batch([prompts[i] for i in batch], max_new_tokens, check, desc,
-                                     [answers[i] for i in batch], nll, batch)
+                outs, nlls = self._generate_batch([prompts[i] for i in batch], max_new_tokens, check, desc)
+                for i, out, n in zip(batch, outs, nlls):
+                    answers[i], nll[i] = out, n
                 bar.update(len(batch))
         gen = Generated(answers, time.perf_counter() - t0, rows, nll if logprobs else None)
         log.info("%s: %d prompts, %d tokens in %.1f s (%.1f tok/s, %d rows at once)", desc, len(prompts), gen.tokens,
                  gen.seconds, gen.tokens_per_s, min(rows, len(prompts)))
         return gen
 
-    def _generate_batch(self, prompts, max_new_tokens, check, desc, outs: list[list[int]], nll: list[float],
-                        index: list[int]) -> None:
+    def _generate_batch(self, prompts, max_new_tokens, check, desc) -> tuple[list[list[int]], list[float]]:
+        """One left-padded batch's greedy answers and their NLLs."""
         import torch
         from transformers import DynamicCache
 
@@ -235,6 +235,8 @@ class CheckpointLM:
         past = DynamicCache()
         h, past = self._hidden(ids, mask, positions, past)
         live = [True] * len(prompts)
+        outs: list[list[int]] = [[] for _ in prompts]
+        nll = [0.0] * len(prompts)
         for step in range(max_new_tokens):
             if check is not None:
                 check(f"{desc}: step {step + 1} of {max_new_tokens}")
@@ -245,10 +247,11 @@ class CheckpointLM:
                 if live[r]:
                     tok = int(picked[r])
                     outs[r].append(tok)
-                    nll[index[r]] += float(lse[r] - lg[r, tok])
+                    nll[r] += float(lse[r] - lg[r, tok])
                     live[r] = tok not in self.eos_ids
             if not any(live) or step == max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], -1)
             positions = positions[:, -1:] + 1
             h, past = self._hidden(torch.as_tensor(picked, dtype=torch.long)[:, None], mask, positions, past)
+        return outs, nll

@@ -287,7 +287,7 @@ def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "
     eps = float(getattr(c, "rms_norm_eps", 1e-6))
     off = fam.norm_offset
     head = model.lm_head
-    tied = head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    tied = _tied(model)
     x, emb = g.embedding(_np(model.model.embed_tokens.weight), tied)
     if fam.embed_scale:
         x = _embed_scale(g, x, c.hidden_size)
