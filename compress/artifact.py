@@ -15,6 +15,7 @@ from typing import Any
 from serve.artifact import MANIFEST, MANIFEST_VERSION, ArtifactError, read_manifest, sha256_file, verify_files
 
 __all__ = ["MANIFEST", "MANIFEST_VERSION", "ArtifactError", "checkpoint_digest", "checkpoint_files", "content_digest",
+           "write_checkpoint_record",
            "io_names", "read_manifest", "sha256_file", "verify_files", "write_manifest"]
 
 
@@ -31,8 +32,11 @@ def content_digest(folder: str | Path) -> str:
     """sha256 of what the folder holds: every file's name and sha256 as its manifest lists them, not the
     manifest's other fields (config hash, export seconds). The same weights and tokenizer exported under two
     configs have one content digest and two manifest digests (the registry's baseline identity)."""
-    files = read_manifest(folder).get("files", {})
-    listing = json.dumps({name: f["sha256"] for name, f in sorted(files.items())}, sort_keys=True)
+    manifest = read_manifest(folder)
+    listing = {name: f["sha256"] for name, f in sorted(manifest.get("files", {}).items())}
+    if "checkpoint" in manifest:  # a checkpoint record: what it stands for is the checkpoint's files
+        listing["checkpoint"] = manifest["checkpoint"]["sha256"]
+    listing = json.dumps(listing, sort_keys=True)
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
@@ -52,6 +56,31 @@ def checkpoint_digest(model_dir: str | Path) -> dict:
     files = {p.name: sha256_file(p) for p in checkpoint_files(path)}
     listing = json.dumps(files, sort_keys=True)
     return {"path": str(path.resolve()), "files": files, "sha256": hashlib.sha256(listing.encode()).hexdigest()}
+
+
+# A checkpoint's files a record copies: what says what the model is, never its weights.
+RECORD_MAX_BYTES = 64 * 2**20
+
+
+def write_checkpoint_record(model_dir: str | Path, out_dir: str | Path, fields: dict[str, Any]) -> dict:
+    """A folder that stands for a source checkpoint without its weights: its config, generation config and tokenizer
+    files, and a manifest (kind CHECKPOINT_RECORD) with ``fields`` and the checkpoint's digest (checkpoint_digest).
+    The baseline version of a run whose export wrote INT8 from the checkpoint (export.weights int8)."""
+    import shutil
+
+    from serve.artifact import CHECKPOINT_RECORD
+
+    src, out = Path(model_dir), Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    weights = {p.name for p in checkpoint_files(src) if p.suffix != ".json"}
+    for p in sorted(src.iterdir()) if src.is_dir() else []:
+        if p.is_file() and p.name not in weights and p.stat().st_size <= RECORD_MAX_BYTES \
+                and not p.name.endswith((".safetensors", ".bin", ".gguf", ".pt", ".pth")):
+            shutil.copy2(p, out / p.name)
+    return write_manifest(out, {"kind": CHECKPOINT_RECORD, "source_model": str(src),
+                                "checkpoint": checkpoint_digest(src), **fields})
 
 
 def write_manifest(folder: str | Path, fields: dict[str, Any]) -> dict:

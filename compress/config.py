@@ -77,9 +77,19 @@ class ExportConfig(Section):
     # The KV cache's element type (gqa layout only): float16 halves the bytes per cached token, so the same
     # serve.kv_memory_mb holds twice the tokens; the K/V are rounded to fp16 (docs/gqa.md has the figures).
     kv_dtype: Literal["float32", "float16"] = "float32"
+    # The graph's weights. float32: the fp32 graph every later stage starts from (pruning, distillation, the INT8
+    # forms of the quantize stage). int8: the weight-only INT8 graph written straight from the checkpoint, tensor by
+    # tensor (quantize.block_size and accuracy_level), with no fp32 copy in memory, on disk or in the registry: it is
+    # the candidate (the quantize stage has nothing left to do), golden and acceptance judge it against the checkpoint
+    # as stored, and the baseline version records the checkpoint by digest. gqa layout only; not with pruning or
+    # distillation. auto: int8 from 1B parameters when neither is on, float32 otherwise (docs/models.md#large-models).
+    weights: Literal["auto", "float32", "int8"] = "auto"
 
     @model_validator(mode="after")
     def _fp16_kv_needs_gqa(self) -> "ExportConfig":
+        if self.weights == "int8" and self.exporter in ("dynamo", "torchscript"):
+            raise ValueError(f"export.weights int8 is written by the gqa builder; set export.exporter to gqa or auto, "
+                             f"or export.weights to float32")
         if self.kv_dtype == "float16" and self.exporter in ("dynamo", "torchscript"):
             raise ValueError(f"export.kv_dtype float16 needs the gqa layout (GroupQueryAttention takes fp16 caches); "
                              f"set export.exporter to gqa or auto, or export.kv_dtype to float32")
@@ -104,6 +114,10 @@ class GoldenConfig(Section):
     min_top1_agreement: float = Field(1.0, ge=0, le=1)
     min_prefix_match: float = Field(1.0, ge=0, le=1)
     check_batched: bool = True
+    # An INT8 graph written from the checkpoint (export.weights int8) is judged against the checkpoint as stored with
+    # tolerances derived from its weights: this many times the distance of the checkpoint with the graph's rounding
+    # applied (compress/evaluate/golden_int8.py); the fp32 tolerances above stay for the left-padded batch.
+    int8_margin: float = Field(2.0, ge=1)
 
 
 class PruneConfig(Section):
@@ -486,6 +500,23 @@ class PipelineConfig(Section):
     search: SearchConfig = Field(default_factory=SearchConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    @model_validator(mode="after")
+    def _int8_export_is_the_candidate(self) -> "PipelineConfig":
+        if self.export.weights != "int8":
+            return self
+        if self.prune.enabled or self.distill.enabled:
+            raise ValueError("export.weights int8 writes the INT8 candidate at export, with no fp32 graph, and "
+                             "pruning and distillation start from the fp32 model: set prune.enabled and "
+                             "distill.enabled to false, or export.weights to float32 (or auto) to run them")
+        if self.quantize.enabled and self.quantize.method in ("static", "dynamic"):
+            raise ValueError(f"quantize.method {self.quantize.method} (W8A8) calibrates the fp32 graph, which "
+                             f"export.weights int8 never writes; set quantize.method to weight_only or auto, or "
+                             f"export.weights to float32")
+        if self.accept.reference == "artifact":
+            raise ValueError("accept.reference artifact judges against the fp32 graph, which export.weights int8 never "
+                             "writes; set accept.reference to auto or checkpoint, or export.weights to float32")
+        return self
 
     @model_validator(mode="after")
     def _search_needs_its_stages(self) -> "PipelineConfig":

@@ -7,6 +7,8 @@ an embedding of V x h and a process overhead O (Python, torch, onnxruntime, Pref
 * export (gqa builder): the bf16 model plus one fp32 tensor and its transpose at a time: 2P + 8Vh;
 * golden: the fp32 torch model (4P), then (not at the same time) the fp32 ONNX session, which ONNX Runtime holds
   in 1.13 x its weights: 4.5P;
+* golden of an INT8 graph written from the checkpoint (export.weights int8): the checkpoint as stored (2P), then its
+  INT8 session (about 1.1P): 2P;
 * quantize: one fp32 ONNX session at a time (calibration, the reference's evaluation; the candidate is scored
   after the reference's logits went to disk, compress/evaluate/onnx_eval.py): 4.5P, plus a batch of logits;
 * accept: the same below 1B parameters; from 1B (accept.reference: auto) the reference is the bf16 checkpoint
@@ -81,6 +83,7 @@ def stage_bytes(shape: Shape, batch: int = 4, block: int = 128) -> dict[str, flo
         "load": 2 * P + OVERHEAD,
         "export": 2 * P + 8 * Vh + OVERHEAD,
         "golden": SESSION * 4 * P + OVERHEAD,
+        "golden_int8": 2 * P + 2 * Vh + OVERHEAD,
         "quantize": SESSION * 4 * P + logits + OVERHEAD,
         "accept": accept_bytes(shape, P >= CHECKPOINT_FROM_PARAMS, batch, block),
         "prune": 8 * P + logits + OVERHEAD,
@@ -132,7 +135,9 @@ def check_fits(stage: str, need: float, fix: str, available: int | None = None) 
 # What each evaluation stage holds, and the way out when it does not fit, for check_stage_memory.
 STAGE_HOLDS = {
     "golden": ("the fp32 torch model, then the fp32 ONNX session (4.5 bytes a parameter)",
-               "there is no 16-bit golden check yet"),
+               "set export.weights=int8 to check the INT8 graph against the checkpoint as stored"),
+    "golden_int8": ("the checkpoint as stored, then the INT8 graph's session (2 bytes a parameter)",
+                    "run it on a larger machine: this is the smallest golden check there is"),
     "quantize": ("the fp32 ONNX session of the graph being calibrated and judged (4.5 bytes a parameter)",
                  "set quantize.enabled=false to register the fp32 export unquantized"),
     "accept": ("the reference (the fp32 graph's session, or from 1B parameters the bf16 checkpoint) and then the "

@@ -127,6 +127,7 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
     import tempfile
 
     from compress.artifact import read_manifest
+    from serve.artifact import CHECKPOINT_RECORD
     from serve.mlflow_model import write_mlmodel
 
     client = _client()
@@ -136,9 +137,11 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
             client.log_artifacts(run_id, str(_by_digest(Path(folder), Path(tmp), source or {})), ARTIFACT_PATH)
         else:
             client.log_artifacts(run_id, str(folder), ARTIFACT_PATH)
-            # an MLflow Model over the folder's own files (serve/mlflow_model.py): MLmodel beside them
-            write_mlmodel(tmp, read_manifest(folder, verify=False), run_id)
-            client.log_artifacts(run_id, tmp, ARTIFACT_PATH)
+            manifest = read_manifest(folder, verify=False)
+            if manifest.get("kind") != CHECKPOINT_RECORD:  # a checkpoint record has no graph to load
+                # an MLflow Model over the folder's own files (serve/mlflow_model.py): MLmodel beside them
+                write_mlmodel(tmp, manifest, run_id)
+                client.log_artifacts(run_id, tmp, ARTIFACT_PATH)
     try:
         client.get_registered_model(model_name)
     except Exception:

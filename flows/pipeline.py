@@ -23,7 +23,8 @@ from compress import registry
 from compress.config import ConfigError, PipelineConfig, load_config, project_root
 from compress.data import DATA_FORMAT
 from compress.evaluate import chat as chat_eval
-from compress.export import EXPORT_FORMAT
+from compress.export import EXPORT_FORMAT, fp32_needed_by, resolve_weights
+from compress.memory import shape_of_folder
 from compress.search import describe
 from flows.deploy import deploy_flow, served_model
 from flows.outcome import pipeline_state
@@ -360,9 +361,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
         k_load = stage_key(cfg, "load", ["model", "data"], f"data{DATA_FORMAT}")
         loaded = timer.run("load", submit_stage, load_task, cfg, "load", k_load, parent_run_id=pid)
-        k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}")
+        weights, why = resolve_weights(cfg.export.weights, shape_of_folder(
+            loaded["model_dir"], cfg.model.trust_remote_code).params, fp32_needed_by(cfg))
+        log.info("export: %s", why)
+        q = cfg.quantize
+        k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}",
+                          f"int8b{q.block_size}a{q.accuracy_level}" if weights == "int8" else "")
         teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
-                            model_dir=loaded["model_dir"])
+                            model_dir=loaded["model_dir"], weights=weights)
+        int8_export = teacher.get("weights") == "int8"
         k_gold = stage_key(cfg, "golden", ["golden"], k_exp)
         gold = timer.run("golden", submit_stage, golden_task, cfg, "golden", k_gold, parent_run_id=pid,
                          model_dir=loaded["model_dir"], artifact=teacher["artifact"])
@@ -371,8 +378,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         if cfg.registry.register_baseline:
             # Registered before the compression stages so a later failure still leaves the baseline.
             tags = {"role": "baseline", "config_hash": cfg.section_hash()}
+            # With an INT8 export the baseline is the checkpoint itself, recorded by digest (its weights stay put).
             reg = timer.run("register_baseline", lambda: register_task(
-                cfg, pid, teacher["artifact"], ["baseline"], tags, stage="register_baseline",
+                cfg, pid, teacher["record"] if int8_export else teacher["artifact"], ["baseline"], tags,
+                stage="register_baseline",
                 metrics=gold["metrics"], params=version_params(cfg, "baseline"), same_config_only=False,
                 weights=cfg.registry.baseline_weights))
             registered.append(reg)
@@ -411,11 +420,16 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             for reason in verdict["reasons"]:
                 log.warning("acceptance: %s", reason)
         bench = None
-        if cfg.benchmark.enabled and candidate != teacher["artifact"] and not searched_none and not quantized_none:
+        compressed = candidate != teacher["artifact"] or int8_export
+        if cfg.benchmark.enabled and int8_export:
+            log.warning("benchmark: skipped, the export wrote INT8 from the checkpoint (export.weights int8) and "
+                        "there is no fp32 graph to serve beside it (python -m benchmarks.large_models --serve "
+                        "measures the server at this size)")
+        elif cfg.benchmark.enabled and compressed and not searched_none and not quantized_none:
             k = stage_key(cfg, "benchmark", ["benchmark"], cand_key, k_exp)
             bench = timer.run("benchmark", submit_stage, benchmark_task, cfg, "benchmark", k, parent_run_id=pid,
                               candidate=candidate, baseline=teacher["artifact"])
-        if candidate != teacher["artifact"]:
+        if compressed:
             status = "unchecked" if verdict is None else ("accepted" if verdict["accepted"] else "rejected")
             blocked = bench["promotion_blocked"] if bench else None
             figures = {**(model_figures(verdict) if verdict else {}),

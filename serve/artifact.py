@@ -27,6 +27,20 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# manifest["kind"] of a registered checkpoint record (compress.artifact.write_checkpoint_record): the source model by
+# digest, the baseline of a run whose export wrote INT8 (export.weights int8); no graph to serve.
+CHECKPOINT_RECORD = "checkpoint_record"
+
+
+def refuse_record(folder: str | Path, manifest: dict) -> None:
+    """A clear refusal for a checkpoint record where a servable artifact is wanted."""
+    if manifest.get("kind") == CHECKPOINT_RECORD:
+        src = manifest.get("source_model", "the source checkpoint")
+        raise ArtifactError(f"{folder}: this version records the source checkpoint {src} by digest (the baseline of a "
+                            f"run whose export wrote INT8 straight from it); it has no graph to serve: serve a "
+                            f"candidate version, or export the checkpoint with export.weights float32")
+
+
 # A registered version whose weights are recorded, not copied (compress/registry.py register_folder weights="digest").
 WEIGHTS_BY_DIGEST = "weights_by_digest.json"
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serve.artifact import read_manifest
+from serve.artifact import read_manifest, refuse_record
 from serve.config import ServeConfig
 from serve.engine_stats import EngineCounters, EngineStats, FinishedRequestSample
 from serve.heap import release_free_memory
@@ -66,6 +66,7 @@ class Engine:
         self.config = config = config or ServeConfig()
         self.artifact_dir = Path(artifact_dir)
         self.manifest = read_manifest(self.artifact_dir, verify=config.verify_artifact)
+        refuse_record(self.artifact_dir, self.manifest)
         self.tokenizer = load_tokenizer(self.artifact_dir)
         spec = KVCacheSpec.from_manifest(self.manifest)
         bs = config.block_size

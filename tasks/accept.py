@@ -30,6 +30,7 @@ from compress.evaluate import chat as chat_eval
 from compress.evaluate.budget import Budget
 from compress.evaluate.checkpoint_ref import CheckpointReference, resolve
 from compress.evaluate.onnx_eval import ReferencePass
+from compress.export.weights import written_int8
 from compress.memory import Shape, accept_bytes, check_stage_memory
 from compress.room import check_room
 from tasks.common import cache_key_fn, mark_done, open_stage, workdir
@@ -71,13 +72,18 @@ def against_baseline(candidate: str, baseline: str, blocks, latency: bool = Fals
     with reference.loaded() as lm:
         ref = ReferencePass(baseline, blocks, latency=False, lm=lm)
     with ref:  # the spooled logits are all the candidate needs: the checkpoint is gone before its session comes
-        return ref.figures, evaluate_onnx(candidate, blocks, reference=ref, latency=latency)
+        return ({**ref.figures, "size_bytes": float(reference.stored_bytes())},
+                evaluate_onnx(candidate, blocks, reference=ref, latency=latency))
 
 
-def reference_of(cfg: PipelineConfig, model_dir: str | None) -> CheckpointReference | None:
-    """The checkpoint as the reference when accept.reference resolves to it (checkpoint_ref.resolve), else None:
-    the baseline artifact's graph."""
-    if not resolve(cfg.accept.reference, model_dir, cfg.accept.min_decode_speed_ratio is not None):
+def reference_of(cfg: PipelineConfig, model_dir: str | None, baseline: str | None = None) -> CheckpointReference | None:
+    """The checkpoint as the reference when accept.reference resolves to it (checkpoint_ref.resolve), or always when
+    the baseline artifact is the INT8 graph the export wrote from it (export.weights int8); else None: the baseline
+    artifact's graph."""
+    setting = cfg.accept.reference
+    if baseline is not None and written_int8(read_manifest(baseline, verify=False)):
+        setting = "checkpoint"
+    if not resolve(setting, model_dir, cfg.accept.min_decode_speed_ratio is not None):
         return None
     m = cfg.model
     return CheckpointReference(str(model_dir), str(m.cache_dir), m.revision, m.trust_remote_code)
@@ -115,7 +121,7 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         held = load_heldout(heldout)
         reference_name = "artifact"
         budget = Budget(cfg.accept.max_minutes, "accept.max_minutes")
-        ref = reference_of(cfg, model_dir)
+        ref = reference_of(cfg, model_dir, baseline)
         shape = Shape.of_manifest(read_manifest(baseline, verify=False))
         check_stage_memory("accept", shape, block=held.test.shape[1],
                            need=accept_bytes(shape, ref is not None, block=held.test.shape[1]))

@@ -6,14 +6,18 @@ from prefect import task
 
 from compress.config import PipelineConfig
 from compress.memory import check_fits, shape_of_folder, stage_bytes
-from compress.room import check_room, export_bytes
+from compress.artifact import write_checkpoint_record
+from compress.room import check_room, export_bytes, int8_bytes
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_logger
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params
 
 
 @task(name="export", cache_key_fn=cache_key_fn, persist_result=True)
-def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str) -> dict:
+def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str,
+                weights: str = "float32") -> dict:
+    """weights (export.weights, resolved): float32, the fp32 graph; int8, the weight-only INT8 graph written from the
+    checkpoint, and beside it a record of the checkpoint by digest (the run's baseline version)."""
     folder, done = open_stage(cfg, stage, key)
     if done is not None:
         return done
@@ -22,7 +26,9 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
     shape = shape_of_folder(model_dir, cfg.model.trust_remote_code)
     check_fits("export", stage_bytes(shape)["export"], "the checkpoint as stored plus one fp32 tensor at a time: "
                "run it on a machine with that much free")
-    check_room("export", folder, export_bytes(shape), "the fp32 graph: free the room, or set workdir to a larger disk")
+    int8 = weights == "int8"
+    check_room("export", folder, int8_bytes(shape) if int8 else export_bytes(shape),
+               f"the {'INT8' if int8 else 'fp32'} graph: free the room, or set workdir to a larger disk")
     with child_run(parent_run_id, stage) as run:
         # As stored (bf16 for most checkpoints): the gqa builder reads one weight at a time in fp32
         model, tok = load_model(model_dir, cfg, dtype="auto")
@@ -30,17 +36,28 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         extra = {"source_model": model_dir, "config_hash": cfg.section_hash()}
         exporter, why = choose_exporter(model, cfg.export.exporter)
         stage_logger().info("export: %s", why)
+        if int8 and exporter != "gqa":
+            raise ValueError(f"export.weights int8: this model is exported with {exporter} ({why}), and only the gqa "
+                             f"builder writes INT8 from the checkpoint; set export.weights to float32")
         if exporter != "gqa" and cfg.export.kv_dtype != "float32":
             raise ValueError(f"export.kv_dtype {cfg.export.kv_dtype}: this model is exported with {exporter} ({why}), "
                              f"whose caches are float32; set export.kv_dtype to float32")
         if exporter != "gqa":
             model = model.float()  # the traced exporters write the graph in the model's dtype
         if exporter == "gqa":
-            result, manifest = build_gqa_artifact(model, tok, art, extra=extra, kv_dtype=cfg.export.kv_dtype)
+            q = cfg.quantize
+            result, manifest = build_gqa_artifact(model, tok, art, extra=extra, kv_dtype=cfg.export.kv_dtype,
+                                                  int8=(q.block_size, q.accuracy_level) if int8 else None)
         else:
             result, manifest = build_artifact(model, tok, art, exporter, cfg.export.opset,
                                               cfg.export.external_data_threshold_mb, extra=extra)
-        log_params({"export": cfg.export.model_dump(), "export_used": exporter})
+        del model
+        record = None
+        if int8:  # the baseline: the checkpoint itself, by digest (its weights stay where they are)
+            record = str(folder / "checkpoint")
+            write_checkpoint_record(model_dir, record, {k: manifest[k] for k in (
+                "num_parameters", "vocab_size", "hidden_size", "family", "num_layers") if k in manifest})
+        log_params({"export": cfg.export.model_dump(), "export_used": exporter, "export_weights": weights})
         onnx_bytes = sum(p.stat().st_size for p in art.glob("model.onnx*"))
         metrics = {"export_seconds": result.seconds, "onnx_mb": onnx_bytes / 2**20}
         log_metrics(metrics)
@@ -48,4 +65,4 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
             import mlflow
 
             mlflow.log_artifact(str(art / "manifest.json"))
-    return mark_done(folder, {"artifact": str(art), "metrics": metrics})
+    return mark_done(folder, {"artifact": str(art), "metrics": metrics, "weights": weights, "record": record})

@@ -6,7 +6,9 @@ import gc
 
 from prefect import task
 
+from compress.artifact import read_manifest
 from compress.config import PipelineConfig
+from compress.export.weights import written_int8
 from compress.memory import check_stage_memory, shape_of_folder
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model
@@ -23,23 +25,32 @@ def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
     import mlflow
 
     from compress.evaluate import GoldenSet, compare_from_config, record_golden
+    from compress.evaluate.golden_int8 import int8_thresholds
 
-    check_stage_memory("golden", shape_of_folder(model_dir, cfg.model.trust_remote_code))
+    int8 = written_int8(read_manifest(artifact, verify=False))
+    check_stage_memory("golden_int8" if int8 else "golden", shape_of_folder(model_dir, cfg.model.trust_remote_code))
     with child_run(parent_run_id, stage) as run:
-        model, tok = load_model(model_dir, cfg)
+        # the INT8 graph written from the checkpoint is judged against it as stored (golden_int8.py)
+        model, tok = load_model(model_dir, cfg, dtype="auto" if int8 else "float32")
         g = cfg.golden
         golden = record_golden(model, tok, g.prompts, g.top_k, g.new_tokens)
         golden.save(folder)
         pad_id = tok.pad_token_id or 0
-        # The fp32 torch model and the fp32 ONNX session are each the size of the weights: never both at once
+        thresholds, expected = None, {}
+        if int8:
+            q = read_manifest(artifact, verify=False)["quantization"]
+            thresholds, expected = int8_thresholds(model, golden, q["block_size"], q["accuracy_level"], g.int8_margin)
+        # The torch model and the ONNX session are each the size of the weights: never both at once
         del model
         gc.collect()
-        report = compare_from_config(artifact, golden, g, pad_id=pad_id)
-        metrics = report.metrics()
+        report = compare_from_config(artifact, golden, g, pad_id=pad_id, thresholds=thresholds,
+                                     decode_against="self" if int8 else "golden")
+        metrics = {**report.metrics(), **expected}
         if reference_golden:
             drift = compare_from_config(artifact, GoldenSet.load(reference_golden), g, pad_id=pad_id)
             metrics.update(drift.metrics(prefix="drift_vs_teacher_"))
-        log_params({"golden": {k: v for k, v in g.model_dump().items() if k != "prompts"}})
+        log_params({"golden": {k: v for k, v in g.model_dump().items() if k != "prompts"},
+                    **({"golden_thresholds": thresholds} if thresholds else {})})
         log_metrics(metrics)
         if run is not None:
             mlflow.log_table(report.table(), artifact_file="golden_report.json")

@@ -17,6 +17,7 @@ from compress import registry
 from compress.artifact import MANIFEST, checkpoint_digest, content_digest, read_manifest, sha256_file
 from compress.config import PipelineConfig
 from compress.room import check_room, folder_bytes, local_artifact_dir
+from serve.artifact import CHECKPOINT_RECORD
 from tasks.tracking import child_run
 
 
@@ -29,6 +30,7 @@ def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str,
     folder = Path(artifact)
     read_manifest(folder, verify=True)  # a truncated or swapped file stops here, before the registry changes
     sha = sha256_file(folder / MANIFEST)
+    record = read_manifest(folder, verify=False).get("kind") == CHECKPOINT_RECORD  # the checkpoint, by digest
     name = cfg.registry.model_name
     content = content_digest(folder)
     if same_config_only:
@@ -52,7 +54,8 @@ def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str,
                           else None}
             found = registry.register_folder(folder, name, run_id, {**tags, "artifact_sha256": sha,
                                                                     "content_sha256": content,
-                                                                    "weights": "copy" if keep else "digest",
+                                                                    "weights": "checkpoint_record" if record
+                                                                    else "copy" if keep else "digest",
                                                                     "parent_run_id": parent_run_id or ""},
                                              aliases, metrics=metrics, params=params,
                                              weights="copy" if keep else "digest", source=source)

@@ -25,7 +25,7 @@ from compress.export import EXPORT_FORMAT
 from compress.quantize import QUANT_FORMAT
 from compress.search import (Candidate, best_rejected, describe, pareto_figure, pareto_front,
                              pick_fastest_accepted, search_table)
-from tasks.common import cache_key_fn, mark_done, open_stage, stage_key, submit_stage
+from tasks.common import cache_key_fn, mark_done, open_stage, stage_key, stage_logger, submit_stage
 from tasks.distill import distill_task
 from tasks.export import export_task
 from tasks.golden import golden_task
@@ -69,7 +69,12 @@ def candidate_chain(cfg: PipelineConfig, pid: str | None, loaded: dict, teacher:
             model_dir=student_dir, artifact=student["artifact"], reference_golden=gold["golden"])
         candidate = student["artifact"]
     quant = None
-    if cfg.quantize.enabled:
+    if teacher.get("weights") == "int8":
+        # the export wrote the weight-only INT8 graph from the checkpoint: it is the candidate, nothing is left to
+        # quantize (W8A8 would calibrate the fp32 graph, which was never written)
+        stage_logger().info("quantize: skipped, the export wrote the INT8 candidate from the checkpoint "
+                            "(export.weights int8)")
+    elif cfg.quantize.enabled:
         cand_key = stage_key(cfg, "quantize", ["quantize", "accept"], cand_key, f"format{QUANT_FORMAT}")
         quant = run("quantize", submit_stage, quantize_task, cfg, "quantize", cand_key, parent_run_id=pid,
                     src_artifact=candidate, splits=loaded["splits"])

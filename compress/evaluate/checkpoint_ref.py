@@ -65,6 +65,12 @@ class CheckpointReference:
         return {"checkpoint": str(Path(self.model_dir).resolve()), "revision": self.revision, "dtype": self.dtype,
                 "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in checkpoint_files(self.model_dir)}}
 
+    def stored_bytes(self) -> int:
+        """The checkpoint's weight files as stored: the reference's size beside a candidate's."""
+        from compress.artifact import checkpoint_files
+
+        return sum(p.stat().st_size for p in checkpoint_files(self.model_dir) if p.suffix != ".json")
+
     @contextmanager
     def loaded(self, eos_ids: Sequence[int] = ()) -> Iterator[CheckpointLM]:
         import torch

@@ -8,7 +8,8 @@ Entry points (lazy: importing this package imports no torch):
   around GroupQueryAttention (layout ``gqa``), and which exporter ``export.exporter: auto`` picks.
 
 Beside them: gqa_families.py / gqa_neox.py (what differs per family in the gqa graph), graph_fusion.py (the
-fusions, also run after quantization) and kv_fp16.py (``export.kv_dtype: float16``).
+fusions, also run after quantization), kv_fp16.py (``export.kv_dtype: float16``) and weights.py (``export.weights``:
+the fp32 graph, or the INT8 one written from the checkpoint).
 """
 
 from compress._lazy import lazy_exports
@@ -17,4 +18,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "version": ["EXPORT_FORMAT"],
     "standard": ["ExportError", "ExportResult", "build_artifact", "export_onnx"],
     "gqa": ["GqaBuildResult", "build_gqa_artifact", "build_gqa_model", "choose_exporter"],
+    "weights": ["fp32_needed_by", "resolve_weights", "written_int8"],
 })

@@ -48,6 +48,7 @@ from compress.export.gqa_families import GqaBuildError
 from compress.export.graph_fusion import fuse_decoder
 from compress.export.kv_fp16 import kv_to_fp16
 from compress.export.servable import MODEL_FILE, serving_fields, write_tokenizer_files
+from compress.export.weights import FROM_CHECKPOINT
 from compress.models import model_info
 from serve.onnx_external import ALIGN, BASE_KEY, save_external
 
@@ -647,7 +648,8 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
         "opset": OPSET,
         "export_seconds": round(seconds, 2),
         **({"block_size": block_size} if layout == "paged" else {}),
-        **({"quantization": {"method": "weight_only", "written_from": "checkpoint",
+        **({"quantization": {"method": "weight_only", "written_from": FROM_CHECKPOINT, "block_size": int8[0],
+                             "accuracy_level": int8[1],
                              "weights": f"int8 block-wise (block {int8[0]}, MatMulNBits accuracy_level {int8[1]})",
                              "embedding": "int8 block-wise, shared by Gather and lm_head" if _tied(model) else "float"}}
            if int8 else {}),

@@ -1,0 +1,101 @@
+"""export.weights int8 (compress/export/weights.py): the INT8 graph written straight from the checkpoint is the
+candidate, the checkpoint (recorded by digest, no weights copied) the baseline and the reference; the settings that
+need the fp32 graph are refused up front; auto picks int8 from 1B parameters only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from compress.artifact import checkpoint_digest, read_manifest
+from compress.config import ConfigError, load_config
+from compress.export.weights import fp32_needed_by, resolve_weights
+from compress.memory import GIB, MemoryBudgetError, Shape, check_stage_memory
+from serve.artifact import ArtifactError
+
+INT8_RUN = ["prune.enabled=false", "distill.enabled=false", "quantize.method=weight_only", "accept.relax_trials=0",
+            "export.weights=int8", "registry.model_name=tiny-int8", "mlflow.experiment=tiny-int8"]
+
+
+def test_auto_writes_int8_from_1b_parameters_unless_a_stage_needs_fp32():
+    assert resolve_weights("auto", 1_240_000_000, None)[0] == "int8"
+    assert resolve_weights("auto", 135_000_000, None)[0] == "float32"
+    weights, why = resolve_weights("auto", 7_600_000_000, "pruning or distillation starts from the fp32 model")
+    assert weights == "float32" and "pruning" in why
+    assert resolve_weights("float32", 7_600_000_000, None)[0] == "float32"
+    assert fp32_needed_by(load_config("configs/large.yaml")) is None
+    assert "pruning" in fp32_needed_by(load_config("configs/tiny.yaml"))
+    w8a8 = load_config("configs/large.yaml", ["quantize.method=static"])
+    assert "quantize.method static" in fp32_needed_by(w8a8)
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["prune.enabled=true"], "prune.enabled"),
+    (["quantize.method=static"], "quantize.method"),
+    (["accept.reference=artifact"], "accept.reference"),
+    (["export.exporter=dynamo"], "export.exporter"),
+])
+def test_settings_that_need_the_fp32_graph_are_refused_by_name(extra, names):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", INT8_RUN + extra)
+    assert names in str(e.value) and "export.weights" in str(e.value)
+
+
+def test_golden_of_the_int8_graph_refuses_up_front_with_its_figures():
+    seven_b = Shape(params=7_615_616_512, vocab=152_064, hidden=3584, tied=False)
+    with pytest.raises(MemoryBudgetError) as e:
+        check_stage_memory("golden_int8", seven_b, available=8 * GIB)
+    msg = str(e.value)
+    assert "golden_int8" in msg and "7.62B parameters" in msg and "8.0 GiB are free" in msg
+    need = check_stage_memory("golden_int8", seven_b, available=64 * GIB)
+    assert 2 * seven_b.params < need < 2.5 * seven_b.params  # the checkpoint as stored, never an fp32 copy
+
+
+@pytest.fixture(scope="module")
+def int8_run(prefect_harness, mlflow_store, tmp_path_factory):
+    from flows.pipeline import compress_flow
+
+    work = tmp_path_factory.mktemp("work_int8")
+    out = compress_flow(config="configs/tiny.yaml", overrides=INT8_RUN + [f"workdir={work}"])
+    return out, work
+
+
+def test_the_int8_export_is_the_candidate_judged_against_the_checkpoint(int8_run):
+    out, work = int8_run
+    stages = [row["stage"] for row in out["stages"]]
+    assert "quantize" not in stages and "prune" not in stages
+    assert out["verdict"]["accepted"], out["verdict"]["reasons"]
+    assert out["verdict"]["reference"] == "checkpoint"
+    cand = read_manifest(out["candidate_artifact"])
+    assert cand["quantization"]["written_from"] == "checkpoint" and cand["quantization"]["block_size"] == 32
+    assert out["candidate_artifact"] == out["teacher_artifact"]
+    # the rounding's own distance to the checkpoint bounds the graph's (an fp32 tiny: the same arithmetic)
+    g = out["golden"]
+    assert g["golden_passed"] == 1.0
+    assert g["golden_max_abs_error"] <= 1.5 * g["golden_int8_expected_max_abs_error"] + 1e-3
+
+
+def test_the_baseline_version_records_the_checkpoint_by_digest(int8_run, tmp_path):
+    from compress import registry
+    from serve.engine import Engine
+    from serve.registry_client import download
+
+    out, _ = int8_run
+    base, cand = out["registered"][0], out["registered"][-1]
+    assert base["version"] != cand["version"]
+    version = registry.get_version("tiny-int8", base["version"])
+    assert version.tags["weights"] == "checkpoint_record" and "baseline" in version.aliases
+    folder = download(f"models:/tiny-int8/{base['version']}", tmp_path / "base")
+    names = {p.name for p in folder.iterdir()}
+    assert "MLmodel" not in names and not any(n.endswith((".onnx", ".data", ".safetensors")) for n in names)
+    manifest = read_manifest(folder)
+    assert manifest["kind"] == "checkpoint_record"
+    source = Path(manifest["source_model"])
+    assert manifest["checkpoint"]["sha256"] == checkpoint_digest(source)["sha256"]
+    assert json.loads((folder / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+    with pytest.raises(ArtifactError, match="records the source checkpoint"):
+        Engine(folder)
+    served = download(f"models:/tiny-int8/{cand['version']}", tmp_path / "cand")
+    assert (served / "MLmodel").is_file() and read_manifest(served)["quantization"]["written_from"] == "checkpoint"
