@@ -97,6 +97,18 @@ def run_measured(cmd: list[str], log_path: Path | None = None, env: dict | None 
     return out
 
 
+def disk_bytes(folder: Path) -> int:
+    """Bytes the files under ``folder`` take on disk (allocated blocks, as du counts; 0 when it is not there)."""
+    total = 0
+    for dirpath, _, files in os.walk(folder):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
 _TASK_END = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d+) \| \w+ +\| Task run '([\w-]+?)-\w{3}' - Finished in state (\w+)")
 
 
@@ -264,11 +276,18 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [str(ROOT / ".venv" / "bin" / "compressor"), "run", "--config", "configs/large.yaml",
                "--set", f"model.source=shape:{a.shape}", "--set", f"registry.model_name={a.shape}-shape",
                *sum((["--set", x] for x in a.sets), [])]
+        from compress.config import load_config
+
+        run_cfg = load_config(ROOT / "configs" / "large.yaml", [f"model.source=shape:{a.shape}", *a.sets])
+        stores = [ROOT / run_cfg.workdir, ROOT / "mlruns"]  # the run's work folder, the MLflow store
+        before = sum(disk_bytes(Path(p)) for p in stores)
         pipeline = run_measured(cmd, logs / "pipeline.log")
         pipeline["command"] = " ".join(cmd[1:])
+        pipeline["added_disk_gib"] = round((sum(disk_bytes(Path(p)) for p in stores) - before) / 2**30, 2)
         for t in pipeline.get("tasks", []):
             print(f"  {t['task']:18s} {t['state']:10s} {t['seconds']:8.1f} s  peak {t['peak_rss_gib']:6.2f} GiB", flush=True)
-        print(f"pipeline  rc={pipeline['rc']} {pipeline['seconds']:8.1f} s  peak {pipeline['peak_rss_gib']:6.2f} GiB",
+        print(f"pipeline  rc={pipeline['rc']} {pipeline['seconds']:8.1f} s  peak {pipeline['peak_rss_gib']:6.2f} GiB  "
+              f"disk +{pipeline['added_disk_gib']:.2f} GiB",
               flush=True)
     result = {"shape": a.shape, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(),
               "load_average": os.getloadavg(), "estimate": est, "stages": rows, "pipeline": pipeline, "sets": a.sets}

@@ -40,19 +40,29 @@ def _round_blocks(x: torch.Tensor, block: int, signed_max: bool = True) -> torch
     return q.reshape(*f.shape)[..., :k].to(x.dtype)
 
 
+# Rows rounded at a time: the fp32 temporaries of a 152k x 3,584 table whole would be several GiB beside the model.
+ROUND_ROWS = 4096
+
+
+def _round_rows_(w: torch.Tensor, block: int, signed_max: bool = True) -> None:
+    """w [N, K] rounded in place by _round_blocks, ROUND_ROWS rows at a time."""
+    for i in range(0, w.shape[0], ROUND_ROWS):
+        w[i:i + ROUND_ROWS] = _round_blocks(w[i:i + ROUND_ROWS], block, signed_max)
+
+
 def fake_quantize_(model, block_size: int, accuracy_level: int) -> list:
     """Round ``model``'s linear weights (and a tied embedding) in place as the INT8 graph stores them; at
     accuracy_level 4 also round each linear's input as MatMulNBits does (forward pre-hooks, returned to remove).
-    One fp32 tensor at a time: the model stays in its dtype."""
+    A few rows of one tensor at a time in fp32: the model stays in its dtype."""
     hooks = []
     emb = model.get_input_embeddings().weight
     tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
     if tied:  # one 8-bit table read by the Gather and the lm_head (gqa._embedding_q8's arithmetic)
-        emb.data.copy_(_round_blocks(emb.data, block_size, signed_max=False))
+        _round_rows_(emb.data, block_size, signed_max=False)
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
             if not (tied and mod.weight.data_ptr() == emb.data_ptr()):
-                mod.weight.data.copy_(_round_blocks(mod.weight.data, block_size))
+                _round_rows_(mod.weight.data, block_size)
             if accuracy_level == 4:
                 hooks.append(mod.register_forward_pre_hook(
                     lambda m, a: (_round_blocks(a[0], block_size, signed_max=False), *a[1:])))
