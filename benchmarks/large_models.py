@@ -3,6 +3,7 @@
     python -m benchmarks.large_models --shape llama-3.2-1b              # each stage in its own process
     python -m benchmarks.large_models --shape llama-3.2-1b --stages --pipeline  # the documented `compressor run`
     python -m benchmarks.large_models --shape llama-3.2-1b --serve      # + the INT8 artifact served at c1 / c8
+    python -m benchmarks.large_models --shape qwen2.5-7b --stages --serve --artifact A --requests 4  # a run's candidate
 
 The model is ``model.source: shape:<name>`` (compress/shapes.py: the published config, random seeded weights,
 bf16). Each stage runs as ``python -m benchmarks.large_models --stage <stage> ...`` in a child process, so its
@@ -220,7 +221,7 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
         # prompts, no shared prefix or repeats, the result cache off, 32 tokens each: every token is computed.
         # The shapes' tokenizer is the tiny test one, so a 384-word shared passage would be thousands of tokens
         # of prefill, and its random-weight text streams in few chunks: tokens/s and e2e, not ITL, are the figures.
-        wl = make_workload(2 * 8, seed=0, prompt_words=(8, 24), max_tokens=(32, 32), shared_prefix_frac=0.0,
+        wl = make_workload(state.get("serve_requests", 16), seed=0, prompt_words=(8, 24), max_tokens=(32, 32), shared_prefix_frac=0.0,
                            repeat_frac=0.0)
         for c in (1, 8):
             res = benchmark_artifact(Path(state["int8"]), wl, concurrency=c,
@@ -245,8 +246,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve", action="store_true", help="also serve the INT8 artifact at concurrency 1 and 8")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config overrides, as compressor run takes")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (default: deleted at the end)")
+    ap.add_argument("--artifact", type=Path, help="--serve: this INT8 artifact (a pipeline run's candidate) instead "
+                                                  "of the quantize stage's")
+    ap.add_argument("--requests", type=int, default=16, help="--serve: requests per concurrency level")
     a = ap.parse_args(argv)
     workdir = a.workdir or ROOT / "artifacts" / "large" / a.shape
+    if a.serve and not a.stage:
+        workdir.mkdir(parents=True, exist_ok=True)
+        state_file = workdir / "state.json"
+        state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+        state["serve_requests"] = a.requests
+        if a.artifact:
+            state["int8"] = str(a.artifact.resolve())
+        state_file.write_text(json.dumps(state, indent=1))
     if a.stage:
         out = stage(a.stage, a.shape, workdir, a.sets)
         (workdir / f"{a.stage}.json").write_text(json.dumps(out, indent=1, default=str))
