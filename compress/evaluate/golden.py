@@ -169,13 +169,15 @@ def _lcp(a: list[int], b: list[int]) -> int:
 def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_abs_error: float = 1e-2, off_threshold: float = 1e-2,
                  max_off_count: int = 0, min_top1_agreement: float = 1.0, min_prefix_match: float = 1.0,
                  check_batched: bool = True, pad_id: int = 0, decode_against: str = "golden",
-                 batched_max_abs_error: float | None = None) -> GoldenReport:
+                 batched_max_abs_error: float | None = None, decode_tolerance: float | None = None) -> GoldenReport:
     """Check an ONNX artifact against golden outputs; report.failures names prompt and position.
 
     decode_against "golden": the greedy continuation must be the reference's; "self": it must be the graph's own
     prefill argmax at every generated position (the KV-cache decode path against the prefill path, for a graph that
     is not expected to make the reference's choices on near ties: an INT8 one, compress/evaluate/golden_int8.py).
     batched_max_abs_error: how far a left-padded batch may be from the prompts run alone (default max_abs_error).
+    decode_tolerance (decode_against "self"): how far below the prefill's argmax a decoded token may be (default
+    the batched tolerance).
 
     Given a folder, the greedy continuations come from the serving engine, every prompt at once
     (compress/evaluate/generate.py), before the driver that checks the logits is loaded: golden then checks the
@@ -192,6 +194,7 @@ def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_ab
     thresholds = dict(max_abs_error=max_abs_error, off_threshold=off_threshold, max_off_count=max_off_count,
                       min_top1_agreement=min_top1_agreement, min_prefix_match=min_prefix_match)
     path_tolerance = max_abs_error if batched_max_abs_error is None else batched_max_abs_error
+    decode_tolerance = path_tolerance if decode_tolerance is None else decode_tolerance
     rows: list[PromptResult] = []
     failures: list[str] = []
     single_logits = []
@@ -210,8 +213,7 @@ def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_ab
                 lm.greedy(golden.prompt_ids[i], want, suppress_ids=golden.suppressed_ids))
         gap = None
         if decode_against == "self":
-            # the KV decode and the prefill are two paths through one graph: held to the batched check's tolerance
-            lcp, gap = _own_argmax_prefix(lm, golden.prompt_ids[i], cont, golden.suppressed_ids, path_tolerance)
+            lcp, gap = _own_argmax_prefix(lm, golden.prompt_ids[i], cont, golden.suppressed_ids, decode_tolerance)
         else:
             lcp = _lcp(cont, golden.continuations[i])
         r = PromptResult(prompt, float(err.max()), int((err > off_threshold).sum()), int(len(seq)),
@@ -228,7 +230,7 @@ def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_ab
             failures.append(f"{name}: top-1 agreement {r.top1_agreement:.3f} < {min_top1_agreement}, "
                             f"first diverging position {r.first_bad_position}")
         if r.prefix_match < min_prefix_match:
-            against = (f"the graph's own prefill argmax (its token {gap:.3g} below it, more than {path_tolerance:g})"
+            against = (f"the graph's own prefill argmax (its token {gap:.3g} below it, more than {decode_tolerance:g})"
                        if decode_against == "self" else "the reference's")
             failures.append(f"{name}: greedy continuation diverges from {against} at generated token {lcp} "
                             f"(position {len(golden.prompt_ids[i]) + lcp}); matched {lcp}/{r.greedy_len}")
@@ -267,4 +269,10 @@ def compare_from_config(lm, golden: GoldenSet, cfg, pad_id: int = 0, thresholds:
     """cfg: a GoldenConfig; ``thresholds`` replace its tolerances (golden_int8.int8_thresholds)."""
     t = {"batched_max_abs_error": cfg.max_abs_error, "max_abs_error": cfg.max_abs_error, "off_threshold": cfg.off_threshold, "max_off_count": cfg.max_off_count,
          "min_top1_agreement": cfg.min_top1_agreement, "min_prefix_match": cfg.min_prefix_match, **(thresholds or {})}
-    return compare_onnx(lm, golden, **t, check_batched=cfg.check_batched, pad_id=pad_id, decode_against=decode_against)
+    # An INT8 graph's KV decode (the engine, every prompt at once) and its prefill need not round alike at full size:
+    # the Qwen2.5-7B shape's decode picked a token 0.043 below the prefill's argmax (its tolerance: 2 x the rounding's
+    # own distance), where the fp32 graphs hold to 1e-3 and the 4-layer scaled shape's two INT8 paths to 4e-7. A
+    # decoded token is held to the tolerance derived for the graph, not to fp32's.
+    decode_tolerance = t["max_abs_error"] if thresholds and decode_against == "self" else None
+    return compare_onnx(lm, golden, **t, check_batched=cfg.check_batched, pad_id=pad_id, decode_against=decode_against,
+                        decode_tolerance=decode_tolerance)
