@@ -99,3 +99,21 @@ def test_the_baseline_version_records_the_checkpoint_by_digest(int8_run, tmp_pat
         Engine(folder)
     served = download(f"models:/tiny-int8/{cand['version']}", tmp_path / "cand")
     assert (served / "MLmodel").is_file() and read_manifest(served)["quantization"]["written_from"] == "checkpoint"
+
+
+def test_the_docs_name_the_keys_and_paths_that_exist():
+    from compress.config import PipelineConfig, project_root
+
+    root = project_root()
+    cfg = PipelineConfig()
+    assert cfg.export.weights == "auto" and cfg.golden.int8_margin == 2.0
+    readme = (root / "README.md").read_text()
+    models = (root / "docs" / "models.md").read_text()
+    assert "`weights`: `auto`" in readme and "`int8_margin` (default 2)" in readme
+    assert "#no-fp32-copy-the-int8-export" in readme and "### No fp32 copy: the INT8 export" in models
+    for path in ("compress/export/weights.py", "compress/evaluate/golden_int8.py", "tests/test_golden_int8.py"):
+        assert path in models and (root / path).is_file()
+    for key in ("export.weights", "golden.int8_margin", "quantize.block_size", "quantize.accuracy_level"):
+        assert key in models
+        section, name = key.split(".")
+        assert hasattr(getattr(cfg, section), name)
