@@ -73,6 +73,17 @@ def balanced_cut(lens: Sequence[int], head_share: float) -> int:
     return min(range(1, n), key=lambda k: (max(work(0, k), work(k, n)), abs(n - 2 * k)))
 
 
+# The split decode's second session is a second copy of the weights: worth 5-16 % tokens/s for SmolLM2 or a 1B
+# (0.2-1.5 GB), not 8.6 GB more for a 7B, whose server would then hold twice its INT8 weights.
+SPLIT_MAX_WEIGHT_BYTES = 2 * 2**30
+
+
+def graph_bytes(artifact_dir, manifest: dict) -> int:
+    """Bytes of the artifact's graph file and its external data (model.onnx, model.onnx.data)."""
+    name = manifest.get("onnx_file", "model.onnx")
+    return sum(p.stat().st_size for p in Path(artifact_dir).glob(name + "*") if p.is_file())
+
+
 class GqaRunner(RunnerBase):
     """Owns the ORT session, the block pool and the per-sequence KV rows; ``execute`` runs one step."""
 
@@ -127,6 +138,11 @@ class GqaRunner(RunnerBase):
         threads = intra_op_threads or len(os.sched_getaffinity(0))
         self._half_threads = max(1, threads // 2)
         self.decode_split_rows = int(decode_split_rows) if self.provider == CPU and threads >= 2 else 0
+        weights = graph_bytes(artifact_dir, manifest)
+        if self.decode_split_rows and weights > SPLIT_MAX_WEIGHT_BYTES:
+            log.info("decode split off: its second session would hold a second copy of the graph's %.2f GiB of "
+                     "weights (split only up to %.0f GiB)", weights / 2**30, SPLIT_MAX_WEIGHT_BYTES / 2**30)
+            self.decode_split_rows = 0
         self._artifact = (artifact_dir, manifest)
         self._half_session = None
         self._half_exec: ThreadPoolExecutor | None = None

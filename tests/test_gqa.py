@@ -475,3 +475,19 @@ def test_prompt_cut_times_a_wave_cut_both_ways(gqa_artifact, tiny_artifact, caps
     assert out.count("trial ") == 2 and "balanced / half" in out
     with pytest.raises(SystemExit, match="needs a gqa artifact"):
         prompt_cut.main(["--artifact", str(tiny_artifact)])
+
+
+def test_no_split_session_for_a_graph_over_the_weight_limit(gqa_artifact, monkeypatch):
+    """The split decode's second session is a second copy of the weights: a graph over SPLIT_MAX_WEIGHT_BYTES (a 7B's
+    8.6 GB) gets none, so the server holds its weights once."""
+    from serve import runner_gqa
+    from serve.artifact import read_manifest
+
+    manifest = read_manifest(gqa_artifact, verify=False)
+    assert 0 < runner_gqa.graph_bytes(gqa_artifact, manifest) < runner_gqa.SPLIT_MAX_WEIGHT_BYTES
+    kw = dict(num_blocks=8, block_size=4, providers=[CPU], max_batch_size=8, decode_split_rows=3, intra_op_threads=2)
+    split = GqaRunner(gqa_artifact, manifest, **kw)
+    assert split.decode_split_rows == 3 and split._half_session is not None
+    monkeypatch.setattr(runner_gqa, "SPLIT_MAX_WEIGHT_BYTES", runner_gqa.graph_bytes(gqa_artifact, manifest) - 1)
+    whole = GqaRunner(gqa_artifact, manifest, **kw)
+    assert whole.decode_split_rows == 0 and whole._half_session is None
