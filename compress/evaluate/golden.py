@@ -246,7 +246,6 @@ def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_ab
     return GoldenReport(rows, thresholds, failures)
 
 
-# Two logits closer than this are a tie: a decode step may pick either and still be the prefill's argmax.
 def _own_argmax_prefix(lm, prompt_ids: list[int], cont: list[int], suppressed: list[int],
                        tolerance: float) -> tuple[int, float | None]:
     """(how many of ``cont``'s leading tokens are the graph's own prefill argmax, a token within ``tolerance`` of the
