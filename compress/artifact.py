@@ -74,9 +74,8 @@ def write_checkpoint_record(model_dir: str | Path, out_dir: str | Path, fields: 
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    weights = {p.name for p in checkpoint_files(src) if p.suffix != ".json"}
     for p in sorted(src.iterdir()) if src.is_dir() else []:
-        if p.is_file() and p.name not in weights and p.stat().st_size <= RECORD_MAX_BYTES \
+        if p.is_file() and p.stat().st_size <= RECORD_MAX_BYTES \
                 and not p.name.endswith((".safetensors", ".bin", ".gguf", ".pt", ".pth")):
             shutil.copy2(p, out / p.name)
     return write_manifest(out, {"kind": CHECKPOINT_RECORD, "source_model": str(src),

@@ -77,14 +77,16 @@ DIGEST_ABOVE_BYTES = 2 * 2**30
 def weight_files(folder: str | Path) -> list[str]:
     """The manifest's files that hold the graph and its weights (model.onnx and its external data)."""
     from compress.artifact import read_manifest
+    from serve.artifact import graph_files
 
-    manifest = read_manifest(folder, verify=False)
-    onnx = manifest.get("onnx_file", "model.onnx")
-    return sorted(f for f in manifest.get("files", {}) if f.startswith(onnx))
+    return graph_files(read_manifest(folder, verify=False))
 
 
 def weight_bytes(folder: str | Path) -> int:
-    return sum((Path(folder) / f).stat().st_size for f in weight_files(folder))
+    from compress.artifact import read_manifest
+    from serve.artifact import graph_bytes
+
+    return graph_bytes(read_manifest(folder, verify=False))
 
 
 def keeps_weights(folder: str | Path, setting: str) -> bool:

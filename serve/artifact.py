@@ -27,6 +27,17 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def graph_files(manifest: dict) -> list[str]:
+    """The manifest's files that hold the graph and its weights (model.onnx and its external data)."""
+    onnx = manifest.get("onnx_file", "model.onnx")
+    return sorted(f for f in manifest.get("files", {}) if f.startswith(onnx))
+
+
+def graph_bytes(manifest: dict) -> int:
+    """Bytes of graph_files, as the manifest lists them."""
+    return sum(manifest["files"][f]["bytes"] for f in graph_files(manifest))
+
+
 # manifest["kind"] of a registered checkpoint record (compress.artifact.write_checkpoint_record): the source model by
 # digest, the baseline of a run whose export wrote INT8 (export.weights int8); no graph to serve.
 CHECKPOINT_RECORD = "checkpoint_record"

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from serve.artifact import graph_bytes
 from serve.kv_memory import kv_zeros
 from serve.onnx_session import artifact_session
 from serve.runner import CPU, CUDA, RunnerBase, RunnerError, RunRow, kv_spec
@@ -76,12 +77,6 @@ def balanced_cut(lens: Sequence[int], head_share: float) -> int:
 # The split decode's second session is a second copy of the weights: worth 5-16 % tokens/s for SmolLM2 or a 1B
 # (0.2-1.5 GB), not 8.6 GB more for a 7B, whose server would then hold twice its INT8 weights.
 SPLIT_MAX_WEIGHT_BYTES = 2 * 2**30
-
-
-def graph_bytes(artifact_dir, manifest: dict) -> int:
-    """Bytes of the artifact's graph file and its external data (model.onnx, model.onnx.data)."""
-    name = manifest.get("onnx_file", "model.onnx")
-    return sum(p.stat().st_size for p in Path(artifact_dir).glob(name + "*") if p.is_file())
 
 
 class GqaRunner(RunnerBase):
@@ -138,7 +133,7 @@ class GqaRunner(RunnerBase):
         threads = intra_op_threads or len(os.sched_getaffinity(0))
         self._half_threads = max(1, threads // 2)
         self.decode_split_rows = int(decode_split_rows) if self.provider == CPU and threads >= 2 else 0
-        weights = graph_bytes(artifact_dir, manifest)
+        weights = graph_bytes(manifest)
         if self.decode_split_rows and weights > SPLIT_MAX_WEIGHT_BYTES:
             log.info("decode split off: its second session would hold a second copy of the graph's %.2f GiB of "
                      "weights (split only up to %.0f GiB)", weights / 2**30, SPLIT_MAX_WEIGHT_BYTES / 2**30)

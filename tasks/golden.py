@@ -27,7 +27,8 @@ def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
     from compress.evaluate import GoldenSet, compare_from_config, record_golden
     from compress.evaluate.golden_int8 import int8_thresholds
 
-    int8 = written_int8(read_manifest(artifact, verify=False))
+    manifest = read_manifest(artifact, verify=False)
+    int8 = written_int8(manifest)
     check_stage_memory("golden_int8" if int8 else "golden", shape_of_folder(model_dir, cfg.model.trust_remote_code))
     with child_run(parent_run_id, stage) as run:
         # the INT8 graph written from the checkpoint is judged against it as stored (golden_int8.py)
@@ -38,7 +39,7 @@ def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         pad_id = tok.pad_token_id or 0
         thresholds, expected = None, {}
         if int8:
-            q = read_manifest(artifact, verify=False)["quantization"]
+            q = manifest["quantization"]
             thresholds, expected = int8_thresholds(model, golden, q["block_size"], q["accuracy_level"], g.int8_margin)
         # The torch model and the ONNX session are each the size of the weights: never both at once
         del model

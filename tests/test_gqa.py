@@ -484,10 +484,10 @@ def test_no_split_session_for_a_graph_over_the_weight_limit(gqa_artifact, monkey
     from serve.artifact import read_manifest
 
     manifest = read_manifest(gqa_artifact, verify=False)
-    assert 0 < runner_gqa.graph_bytes(gqa_artifact, manifest) < runner_gqa.SPLIT_MAX_WEIGHT_BYTES
+    assert 0 < runner_gqa.graph_bytes(manifest) < runner_gqa.SPLIT_MAX_WEIGHT_BYTES
     kw = dict(num_blocks=8, block_size=4, providers=[CPU], max_batch_size=8, decode_split_rows=3, intra_op_threads=2)
     split = GqaRunner(gqa_artifact, manifest, **kw)
     assert split.decode_split_rows == 3 and split._half_session is not None
-    monkeypatch.setattr(runner_gqa, "SPLIT_MAX_WEIGHT_BYTES", runner_gqa.graph_bytes(gqa_artifact, manifest) - 1)
+    monkeypatch.setattr(runner_gqa, "SPLIT_MAX_WEIGHT_BYTES", runner_gqa.graph_bytes(manifest) - 1)
     whole = GqaRunner(gqa_artifact, manifest, **kw)
     assert whole.decode_split_rows == 0 and whole._half_session is None
