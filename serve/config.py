@@ -89,6 +89,10 @@ class ServeConfig(Section):
     # for a graph over 2 GiB of weights, serve/runner_gqa.SPLIT_MAX_WEIGHT_BYTES: a 7B's server would hold two).
     # docs/benchmarks.md run 10.
     decode_split_rows: int = Field(16, ge=0)
+    # Where a gqa runner keeps its block pool and KV rows: "auto" = GPU memory on the CUDA EP for the CUDA form's
+    # fp16 cache (quantize.target: cuda), host memory otherwise; "torch" = torch tensors on the CPU, which runs the
+    # device path's code on the CPU EP (the GPU rehearsal, benchmarks/gpu_serve.py --cpu); "host" = numpy always.
+    kv_store: Literal["auto", "host", "torch"] = "auto"
     # How many nice steps below the HTTP event loop the model's threads run (the engine's step loop and
     # onnxruntime's intra-op pool; Linux, 0 = same priority). The loop then gets a core as soon as it has
     # work, so /health and 429s answer in a burst; the model still takes every cycle the loop leaves

@@ -88,7 +88,8 @@ class Engine:
             from serve.runner_paged import PagedRunner  # PagedAttention over the pool (CUDA only, unverified)
 
             cls = GqaRunner if layout == "gqa" else PagedRunner
-            extra = {"row_tokens": row_tokens, "decode_split_rows": config.decode_split_rows} if layout == "gqa" else {}
+            extra = {"row_tokens": row_tokens, "decode_split_rows": config.decode_split_rows,
+                     "kv_store_setting": config.kv_store} if layout == "gqa" else {}
             make_runner = partial(cls, self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
                                   intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
                                   max_batch_size=config.max_batch_size, max_model_len=self.max_model_len, **extra)

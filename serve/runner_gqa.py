@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from serve.artifact import graph_bytes
-from serve.kv_memory import kv_zeros
+from serve.kv_device import kv_store
 from serve.onnx_session import artifact_session
 from serve.runner import CPU, CUDA, RunnerBase, RunnerError, RunRow, kv_spec
 
@@ -85,18 +85,19 @@ class GqaRunner(RunnerBase):
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
                  providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: str = "during_runs",
                  max_batch_size: int = 16, max_model_len: int | None = None, row_tokens: int | None = None,
-                 decode_split_rows: int = 0):
+                 decode_split_rows: int = 0, kv_store_setting: str = "auto"):
         layout = manifest.get("attention_layout")
         if layout != "gqa":
             raise RunnerError(f"attention layout {layout!r}: GqaRunner runs 'gqa' artifacts (serve.runner.Runner runs 'standard')")
         self.dtype, self.past_names, self.present_names = kv_spec(manifest)
         super().__init__(artifact_dir, manifest, num_blocks, block_size, providers, intra_op_threads, ort_spinning)
         self.max_len = int(max_model_len or manifest.get("max_positions") or 2048)
-        if self.provider != CPU:
-            # The buffers below are host numpy arrays bound by pointer; a device EP would need OrtValues on
-            # the device (and PagedAttention over the pool instead). Not built: say so rather than run slowly.
-            log.warning("GqaRunner binds host memory; on %s every call copies the KV rows (unverified path)",
-                        self.provider)
+        # The pool and the rows: host arrays on the CPU EP, GPU tensors for the CUDA form on the CUDA EP
+        self.store = kv_store(kv_store_setting, self.provider, self.dtype)
+        if self.provider != CPU and self.store.ort_device == "cpu":
+            # an fp32-cache graph on the CUDA EP: ORT runs its GroupQueryAttention on the CPU (CUDA's takes fp16)
+            log.warning("%s serves this %s-cache graph with its K/V in host memory, copied every call; build "
+                        "the CUDA form (quantize.target: cuda) to keep it on the GPU", self.provider, self.dtype.__name__)
         self.has_logits_to_keep = "logits_to_keep" in {i.name for i in self.session.get_inputs()}
         # The lm_head's work per kept position over the rest of a position's (see balanced_cut); 0 when every
         # position's logits are computed anyway, or the manifest does not say.
@@ -104,7 +105,7 @@ class GqaRunner(RunnerBase):
         rest = int(manifest.get("num_parameters") or 0) - head
         self._head_share = head / rest if self.has_logits_to_keep and head and rest > 0 else 0.0
         n_kv = self.n_kv
-        self.pool = kv_zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim), self.dtype)
+        self.pool = self.store.zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim))
         self.max_slots = int(max_batch_size)
         # None = the old unbounded behaviour (every slot at the longest length), for direct users of the runner.
         self.row_tokens = int(row_tokens) if row_tokens else self.max_slots * self.max_len
@@ -112,7 +113,7 @@ class GqaRunner(RunnerBase):
             raise RunnerError(f"row_tokens {self.row_tokens}: the KV rows need room for at least one position")
         self.slots = 0
         self.cap = 0
-        self.kv = np.zeros((n_kv, 0, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
+        self.kv = self.store.zeros((n_kv, 0, self.kv_heads, 0, self.head_dim))
         self.slot_key: list[Hashable | None] = []
         self.slot_valid: list[int] = []
         self.slot_used: list[int] = []  # step counter of the last use, for LRU
@@ -163,7 +164,7 @@ class GqaRunner(RunnerBase):
         """Give row memory back: all of it when ``longest`` (the longest running sequence) is 0, else shrink
         to ``longest`` rounded up once that is at most half the current length axis."""
         if longest <= 0:
-            if self.kv.size:
+            if self.store.numel(self.kv):
                 self._reshape(0, 0)
             return
         if not self.cap or -(-longest // CAP_STEP) * CAP_STEP > self.cap // 2:
@@ -197,12 +198,12 @@ class GqaRunner(RunnerBase):
         old, n_old = self.kv, self.slots
         shape = (self.n_kv, slots, self.kv_heads, cap, self.head_dim)
         new_bytes = int(np.prod(shape)) * np.dtype(self.dtype).itemsize
-        keep = old.size > 0 and slots > 0 and cap > 0 and \
+        keep = self.store.numel(old) > 0 and slots > 0 and cap > 0 and \
             old.nbytes + new_bytes <= self.row_tokens * self.bytes_per_token
         if not keep:  # drop the old rows before allocating: the rows never hold more than row_tokens
             # an empty array, not None: /metrics reads kv_bytes() from another thread at any moment
-            self.kv, old = np.zeros(0, dtype=self.dtype), None
-        new = kv_zeros(shape, self.dtype)
+            self.kv, old = self.store.zeros((0,)), None
+        new = self.store.zeros(shape)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.pool.nbytes + new_bytes + (old.nbytes if keep else 0))
         m = min(n_old, slots)
         if keep:
@@ -234,9 +235,7 @@ class GqaRunner(RunnerBase):
         """Copy positions [valid, r.start) of the row's sequence from its blocks into the slot."""
         bs = self.block_size
         j0, j1 = valid // bs, -(-r.start // bs)
-        blocks = np.asarray(r.block_table[j0:j1], dtype=np.intp)
-        g = self.pool[:, blocks]  # [n_kv, nb, H, bs, D]
-        g = g.transpose(0, 2, 1, 3, 4).reshape(self.n_kv, self.kv_heads, (j1 - j0) * bs, self.head_dim)
+        g = self.store.block_rows(self.pool, r.block_table[j0:j1])  # [n_kv, H, (j1 - j0) * bs, D]
         self.kv[:, slot, :, valid:r.start, :] = g[:, :, valid - j0 * bs:r.start - j0 * bs, :]
         self.gathered_tokens += r.start - valid
 
@@ -350,17 +349,19 @@ class GqaRunner(RunnerBase):
     def _bind_rows(self, binding, kv: np.ndarray, logits: np.ndarray) -> None:
         """Bind the rows ``kv`` [n_kv, n, ...] as every layer's past and present, and ``logits`` as the output."""
         shape = [kv.shape[1], self.kv_heads, self.cap, self.head_dim]
+        dev = self.store.ort_device
         for j, (pin, pout) in enumerate(zip(self.past_names, self.present_names)):
-            ptr = kv[j].ctypes.data
+            ptr = self.store.ptr(kv[j])
             # One pointer for past and present: GroupQueryAttention writes the new K/V in place.
-            binding.bind_input(pin, "cpu", 0, self.dtype, shape, ptr)
-            binding.bind_output(pout, "cpu", 0, self.dtype, shape, ptr)
+            binding.bind_input(pin, dev, 0, self.dtype, shape, ptr)
+            binding.bind_output(pout, dev, 0, self.dtype, shape, ptr)
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
 
     def _bind_and_run(self, kv: np.ndarray, input_ids: np.ndarray, seqlens_k: np.ndarray, logits: np.ndarray,
                       keep: int | None, total: int | None = None) -> None:
         binding = self._bind(kv, input_ids, seqlens_k, logits, keep, total)
         t = time.perf_counter()
+        self.store.sync()
         self.session.run_with_iobinding(binding)
         self.run_seconds += time.perf_counter() - t
         self.calls += 1
@@ -369,6 +370,7 @@ class GqaRunner(RunnerBase):
         """Run [(session, binding)]: one here, or two at once, the second on the worker thread (onnxruntime releases
         the GIL while it runs, so the halves use both cores)."""
         t = time.perf_counter()
+        self.store.sync()
         other = self._half_exec.submit(calls[1][0].run_with_iobinding, calls[1][1]) if len(calls) == 2 else None
         calls[0][0].run_with_iobinding(calls[0][1])
         if other is not None:
@@ -392,14 +394,14 @@ class GqaRunner(RunnerBase):
         ``decode_split_rows`` rows on. Made when the rows' buffer, B or the logits buffer changed; the caller
         fills the input arrays in place before each run."""
         split = bool(self.decode_split_rows) and B >= self.decode_split_rows
-        key = (self.kv.ctypes.data, self.kv.shape, B, logits.ctypes.data, logits.shape, split)
+        key = (self.store.ptr(self.kv), tuple(self.kv.shape), B, logits.ctypes.data, logits.shape, split)
         if key != self._decode_key:
             cuts = [(0, B // 2), (B // 2, B)] if split else [(0, B)]
             session = self._halves() if split else self.session
             parts = []
             for lo, hi in cuts:
                 view = self.kv[:, lo:hi]
-                assert view[0].flags.c_contiguous
+                assert self.store.contiguous(view[0])
                 n = hi - lo
                 inputs = {"input_ids": np.zeros((n, 1), np.int64), "seqlens_k": np.zeros(n, np.int32),
                           "total_sequence_length": np.zeros((), np.int32)}

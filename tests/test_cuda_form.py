@@ -1,0 +1,85 @@
+"""The CUDA form (fp16 weights, activations and K/V: compress/quantize/cuda_fp16.py) and the device K/V store
+(serve/kv_device.py), both run here on the CPU EP: the form's logits against the fp32 graph's, and the engine with
+its pool and rows in torch tensors against the same engine with numpy arrays, token for token."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from compress.artifact import read_manifest
+from compress.config import ServeConfig
+from compress.quantize.cuda_fp16 import CudaFormError, to_fp16, write_fp16_artifact
+from serve.engine import Engine
+from serve.kv_device import HostKv, TorchKv, kv_store
+from serve.runner import CPU, CUDA
+from serve.sampling import SamplingParams
+
+from tests.test_gqa import prompts
+
+
+@pytest.fixture(scope="module")
+def fp16_artifact(tiny_gqa, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cuda_form") / "fp16"
+    write_fp16_artifact(tiny_gqa, out)
+    return out
+
+
+def _greedy(art, reqs, **cfg):
+    eng = Engine(art, ServeConfig(providers=[CPU], **cfg), start=False)
+    handles = [eng.add_request(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in reqs]
+    eng.run_until_done()
+    eng.block_manager.check_invariants()
+    return eng, [h.result().output_ids for h in handles]
+
+
+def test_fp16_form_is_fp16_throughout(fp16_artifact):
+    manifest = read_manifest(fp16_artifact)
+    assert manifest["kv_dtype"] == "float16" and manifest["quantization"]["target"] == "cuda"
+    m = onnx.load(str(fp16_artifact / "model.onnx"))
+    floats = {t.name for t in m.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    assert floats == set()
+    kinds = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.input, *m.graph.output]}
+    assert kinds["past_key_values.0.key"] == kinds["present.0.value"] == onnx.TensorProto.FLOAT16
+    assert kinds["logits"] == onnx.TensorProto.FLOAT  # the engine samples fp32 logits on either device
+
+
+def test_fp16_form_tracks_the_fp32_graph(tiny_gqa, fp16_artifact):
+    reqs = [(p, 12) for p in prompts(6, 3, 24, seed=3)]
+    _, want = _greedy(tiny_gqa, reqs)
+    _, got = _greedy(fp16_artifact, reqs)
+    same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g)) / sum(len(w) for w in want)
+    assert same >= 0.9, same
+
+
+def test_device_store_equals_host_store(fp16_artifact):
+    """The pool and rows as torch tensors (the CUDA path's code) give the numpy runner's tokens exactly, through
+    prefix hits, evictions, preemptions and refills (a 12-block pool, 3 rows, 10 requests)."""
+    shared = prompts(1, 9, 9, seed=5)[0]
+    reqs = [(shared + p, 14) for p in prompts(10, 2, 16, seed=7)]
+    cfg = dict(num_blocks=16, block_size=4, max_batch_size=3, max_num_batched_tokens=16)
+    host, want = _greedy(fp16_artifact, reqs, **cfg)
+    dev, got = _greedy(fp16_artifact, reqs, kv_store="torch", **cfg)
+    assert isinstance(host.runner.store, HostKv) and not isinstance(host.runner.store, TorchKv)
+    assert isinstance(dev.runner.store, TorchKv)
+    assert got == want
+    assert dev.stats().preemptions > 0 and dev.runner.gathered_tokens > 0
+    assert dev.block_manager.prefix_hits > 0
+
+
+def test_store_choice():
+    assert isinstance(kv_store("auto", CPU, np.float16), HostKv)
+    assert not isinstance(kv_store("auto", CPU, np.float16), TorchKv)
+    assert not isinstance(kv_store("auto", CUDA, np.float32), TorchKv)  # fp32 cache: ORT's CPU GQA reads it
+    assert isinstance(kv_store("torch", CPU, np.float32), TorchKv)
+    with pytest.raises(ValueError, match="kv store 'gpu'"):
+        kv_store("gpu", CPU, np.float16)
+
+
+def test_fp16_form_refuses_what_it_cannot_convert(tiny_artifact, tmp_path):
+    with pytest.raises(CudaFormError, match="gqa"):
+        write_fp16_artifact(tiny_artifact, tmp_path / "x")
+    m = onnx.load(str(tiny_artifact / "model.onnx"))
+    with pytest.raises(CudaFormError, match="gqa graph"):
+        to_fp16(m)
