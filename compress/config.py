@@ -243,6 +243,11 @@ class QuantizeConfig(Section):
     # auto = build weight_only and dynamic per-token, gate each on the selection split, keep the fastest that
     # passes (compress/quantize/choice.py; the quantize stage only).
     method: Literal["static", "dynamic", "weight_only", "auto"] = "weight_only"
+    # Where the artifact will be served: "cpu" builds the INT8 forms above for the CPU EP; "cuda" builds the CUDA
+    # form instead, fp16 weights, activations and K/V with GroupQueryAttention in fp16, what ONNX Runtime's CUDA
+    # kernels run (compress/quantize/cuda_fp16.py; method and the cache keys then do not apply). The accept stage
+    # gates it on the CPU EP here; docs/serving.md#cuda says what differs on the GPU.
+    target: Literal["cpu", "cuda"] = "cpu"
     # auto: forms whose batch-1 decode step is within this share of the fastest count as equally fast, and the
     # one with the lower selection-split perplexity is kept. SmolLM2's two forms time within 4 % of each other on
     # 2 shared cores and swap places from run to run; weight-only is the more accurate (1.004x against 1.018x).
@@ -509,6 +514,9 @@ class PipelineConfig(Section):
             raise ValueError("export.weights int8 writes the INT8 candidate at export, with no fp32 graph, and "
                              "pruning and distillation start from the fp32 model: set prune.enabled and "
                              "distill.enabled to false, or export.weights to float32 (or auto) to run them")
+        if self.quantize.enabled and self.quantize.target == "cuda":
+            raise ValueError("quantize.target cuda builds the fp16 CUDA form from the fp32 graph, which export.weights "
+                             "int8 never writes; set export.weights to float32 (or auto)")
         if self.quantize.enabled and self.quantize.method in ("static", "dynamic"):
             raise ValueError(f"quantize.method {self.quantize.method} (W8A8) calibrates the fp32 graph, which "
                              f"export.weights int8 never writes; set quantize.method to weight_only or auto, or "

@@ -32,15 +32,19 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
     out = folder / "artifact"
     shape = Shape.of_manifest(read_manifest(src_artifact, verify=False))
     check_stage_memory("quantize", shape, block=data.eval.shape[1])
-    forms = 2 if cfg.quantize.method == "auto" else 1  # auto writes each weight form before it keeps one
-    check_room("quantize", folder, forms * int8_bytes(shape), "the INT8 forms it writes: free the room, or set "
-               "workdir to a larger disk")
+    cuda = cfg.quantize.target == "cuda"  # the fp16 CUDA form, nothing to choose among
+    forms = 2 if cfg.quantize.method == "auto" and not cuda else 1  # auto writes each weight form before it keeps one
+    size = 2 * shape.params if cuda else forms * int8_bytes(shape)
+    check_room("quantize", folder, size, "the forms it writes: free the room, or set workdir to a larger disk")
     evaluation = None
     with child_run(parent_run_id, stage) as run:
         log_params({"quantize": cfg.quantize.model_dump()})
         trials: list[dict] = []
         choice = None
-        if "auto" in (cfg.quantize.method, cfg.quantize.kv_cache):
+        if cuda:
+            report = quantize_artifact(src_artifact, out, data.calib, cfg.quantize)
+            artifact = out
+        elif "auto" in (cfg.quantize.method, cfg.quantize.kv_cache):
             # the forms (weights x K/V cache) the stage chooses from, gated on the selection split, fastest kept
             choice = choose_quant_form(src_artifact, out, data.calib, data.eval, cfg.quantize, cfg.accept,
                                        on_trial=lambda form, i, m: trials.append({"form": form, **m}))

@@ -83,3 +83,27 @@ def test_fp16_form_refuses_what_it_cannot_convert(tiny_artifact, tmp_path):
     m = onnx.load(str(tiny_artifact / "model.onnx"))
     with pytest.raises(CudaFormError, match="gqa graph"):
         to_fp16(m)
+
+
+def test_quantize_target_cuda_needs_the_fp32_graph():
+    from compress.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="quantize.target cuda"):
+        load_config("configs/tiny.yaml", ["prune.enabled=false", "distill.enabled=false", "export.weights=int8",
+                                          "quantize.target=cuda"])
+
+
+def test_pipeline_builds_and_gates_the_cuda_form(prefect_harness, mlflow_store, tmp_path_factory):
+    """quantize.target cuda through the real flow: the quantize stage writes the fp16 form, the accept stage gates it
+    on the CPU EP, and the registered candidate is the fp16 artifact."""
+    from flows.pipeline import compress_flow
+
+    work = tmp_path_factory.mktemp("work_cuda")
+    out = compress_flow(config="configs/tiny.yaml", overrides=[
+        "prune.enabled=false", "distill.enabled=false", "export.exporter=gqa", "quantize.target=cuda",
+        "accept.relax_trials=0", "benchmark.enabled=false", "registry.model_name=tiny-cuda",
+        "mlflow.experiment=tiny-cuda", f"workdir={work}"])
+    assert out["verdict"]["accepted"], out["verdict"]["reasons"]
+    cand = read_manifest(out["candidate_artifact"])
+    assert cand["quantization"]["method"] == "fp16" and cand["kv_dtype"] == "float16"
+    assert out["verdict"]["candidate"]["top1_agreement"] >= 0.9

@@ -68,6 +68,9 @@ FORBIDDEN_IMPORTS = {
     # serve/ stands alone: its config, the manifest reader and the registry lookup are its own modules.
     "serve": {"compress", "torch", "flows", "tasks", "benchmarks"},
 }
+# The one exception: the device K/V store imports torch inside TorchKv, only when a runner keeps its K/V in GPU
+# memory (the CUDA EP) or is told to rehearse that path; the server on the CPU EP never imports it.
+ALLOWED_IMPORTS = {("serve/kv_device.py", "torch")}
 
 
 def _imports(source: str, filename: str = "<string>") -> list[tuple[int, str]]:
@@ -102,7 +105,7 @@ def test_import_rules():
         assert files, f"{pkg}/ has no modules: is the rule still about a real package?"
         for path in files:
             for line, name in _imports(path.read_text(), str(path)):
-                if name in forbidden:
+                if name in forbidden and (path.relative_to(ROOT).as_posix(), name) not in ALLOWED_IMPORTS:
                     broken.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert not broken, "import rules (docs/architecture.md, Layout and import rules) broken:\n" + "\n".join(broken)
 

@@ -18,6 +18,8 @@ def fp32_needed_by(cfg) -> str | None:
     """What in the PipelineConfig ``cfg`` starts from the fp32 graph (so auto keeps float32), or None."""
     if cfg.prune.enabled or cfg.distill.enabled:
         return "pruning or distillation starts from the fp32 model"
+    if cfg.quantize.enabled and cfg.quantize.target == "cuda":
+        return "quantize.target cuda builds the fp16 CUDA form from the fp32 graph"
     if cfg.quantize.enabled and cfg.quantize.method in ("static", "dynamic"):
         return f"quantize.method {cfg.quantize.method} calibrates the fp32 graph"
     if cfg.accept.reference == "artifact":

@@ -355,6 +355,16 @@ def quantize_artifact(src_artifact: str | Path, out_dir: str | Path, calib_block
     on_event(name, data): progress for the caller's logging (calibration, smoothquant, sensitivity).
     calibration_cache: an .npz of the first calibration pass (per-channel ranges, keyed by the calib data's
     sha256); reused when it matches, written when it does not, so re-quantizing skips the model run.
+    cfg.target "cuda": the fp16 CUDA form instead (compress/quantize/cuda_fp16.py; no calibration).
     """
+    if cfg.target == "cuda":
+        from compress.quantize.cuda_fp16 import write_fp16_artifact
+
+        t0 = time.perf_counter()
+        manifest = write_fp16_artifact(src_artifact, out_dir)
+        return QuantReport(method="fp16", settings=manifest["quantization"], out_dir=str(out_dir),
+                           bytes_before=artifact_onnx_bytes(Path(src_artifact)),
+                           bytes_after=artifact_onnx_bytes(Path(out_dir)), seconds=time.perf_counter() - t0,
+                           peak_rss_mb=_peak_rss_mb())
     return Quantizer(src_artifact, calib_blocks, cfg, threads=threads, on_event=on_event,
                      calibration_cache=calibration_cache).write(out_dir)
