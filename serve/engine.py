@@ -305,6 +305,11 @@ class Engine:
         """Bytes held for K/V now, whatever the layout keeps (block pool, in-place rows, past buffers)."""
         return int(self.runner.kv_bytes())
 
+    def device_memory(self) -> dict[str, int]:
+        """GPU bytes when the runner keeps its K/V on the device (serve/kv_device.py), else {}."""
+        store = getattr(self.runner, "store", None)
+        return store.memory() if store is not None else {}
+
     def kv_budget_bytes(self) -> int:
         """The most ``kv_bytes`` reaches by design (docs/serving.md, "One KV budget")."""
         return int(self.runner.kv_budget_bytes())

@@ -53,6 +53,9 @@ class HostKv:
     def sync(self) -> None:
         """Host copies are done when they return."""
 
+    def after_run(self, binding) -> None:
+        """Outputs in host memory are written when the run returns."""
+
     def memory(self) -> dict[str, int]:
         return {}
 
@@ -93,6 +96,10 @@ class TorchKv(HostKv):
         # torch copies run on torch's stream, ORT on its own: wait for the copies before a run reads the rows
         if self.device.type == "cuda":
             self._torch.cuda.synchronize(self.device)
+
+    def after_run(self, binding) -> None:
+        if self.device.type == "cuda":
+            binding.synchronize_outputs()  # the logits' copy to the host, before the engine samples them
 
     def memory(self) -> dict[str, int]:
         """GPU bytes: the device's total and free (every process: ORT's arena, torch's, the CUDA contexts) and

@@ -46,6 +46,14 @@ _ENGINE_COUNTERS = (
 )
 
 
+# The serving model's GPU memory (serve/kv_device.TorchKv.memory): the KV budget (serve.kv_memory_mb) is GPU bytes
+# there, and these say how the device's memory stands around it.
+GPU_GAUGES = {
+    "gpu_total_bytes": "The GPU's memory.",
+    "gpu_used_bytes": "GPU memory in use by every process (weights, ORT's arena, the K/V, CUDA contexts).",
+    "gpu_kv_allocated_bytes": "GPU memory held for the K/V block pool and rows.",
+}
+
 class ServerMetrics:
     def __init__(self, manager: ModelManager, cache: ResultCache):
         self.manager = manager
@@ -158,6 +166,10 @@ class _ScrapeTimeCollector:
                     "(all live engines).", sum(lm.engine.kv_bytes() for lm, _ in stats))
         yield gauge("compressor:kv_budget_bytes", "The serving model's KV budget (serve.kv_memory_mb as laid out).",
                     cur.engine.kv_budget_bytes() if cur_stats else 0)
+        device = cur.engine.device_memory() if cur_stats else {}
+        for key, doc in GPU_GAUGES.items():
+            if key in device:  # the CUDA EP with the K/V on the GPU only
+                yield gauge(f"compressor:{key}", doc, device[key])
         yield gauge("compressor:batch_fill_ratio", "Mean sequences per step / max_batch_size (serving model).",
                     cur_stats.batch_fill_ratio if cur_stats else 0.0)
         yield gauge("compressor:token_fill_ratio", "Mean tokens per step / max_num_batched_tokens (serving model).",

@@ -363,6 +363,7 @@ class GqaRunner(RunnerBase):
         t = time.perf_counter()
         self.store.sync()
         self.session.run_with_iobinding(binding)
+        self.store.after_run(binding)
         self.run_seconds += time.perf_counter() - t
         self.calls += 1
 
@@ -375,6 +376,8 @@ class GqaRunner(RunnerBase):
         calls[0][0].run_with_iobinding(calls[0][1])
         if other is not None:
             other.result()
+        for _, binding in calls:
+            self.store.after_run(binding)
         self.run_seconds += time.perf_counter() - t
 
     def _halves(self):
