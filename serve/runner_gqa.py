@@ -424,10 +424,15 @@ class GqaRunner(RunnerBase):
         logits = self._logits_buf((B, 1, self.vocab_size), "decode")
         parts = self._decode_call(B, logits)
         ids = [r.token_ids[0] for r in rows]
-        for _, _, inputs, lo, hi in parts:
+        for _, binding, inputs, lo, hi in parts:
             inputs["input_ids"][:, 0] = ids[lo:hi]
             inputs["seqlens_k"][:] = starts[lo:hi]
             inputs["total_sequence_length"][()] = int(starts[lo:hi].max()) + 1
+            if self.provider != CPU:
+                # ORT copies a host input to the device when it is bound, not when the call runs (the first CUDA
+                # run decoded token 0 at position 0 every step): bind this step's values; the K/V stay bound
+                for name, arr in inputs.items():
+                    binding.bind_cpu_input(name, arr)
         self._run([(session, binding) for session, binding, *_ in parts])
         self.split_steps += int(len(parts) == 2)
         self.calls += 1
