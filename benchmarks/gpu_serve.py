@@ -397,8 +397,9 @@ def run(args) -> dict:
     report["served"] = serve_and_measure(artifact, out, env, cpu, args.levels, args.max_tokens, greedy,
                                          args.greedy_tokens, args.prompt_words)
     save()
-    if "error" in report["served"] and not cpu:
-        # the K/V in host memory, copied every call: the CUDA EP's figures even if the device rows failed
+    if ("error" in report["served"] or args.host_kv) and not cpu:
+        # the K/V in host memory, copied every call: the CUDA EP's figures even if the device rows failed, and
+        # what keeping them on the device is worth
         report["served_host_kv"] = serve_and_measure(artifact, out, env, cpu, args.levels, args.max_tokens, greedy,
                                                      args.greedy_tokens, args.prompt_words, kv_store="host")
         save()
@@ -426,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--greedy", type=int, default=16, help="prompts in the greedy equality set")
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=200, help="longest prompt, in corpus words")
+    p.add_argument("--host-kv", action="store_true",
+                   help="also serve with serve.kv_store host (K/V in host memory, copied every call) to compare")
     a = p.parse_args(argv)
     if a.unpack:
         print("unpacked:", unpack(Path(a.unpack)), flush=True)
@@ -447,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
 def _rest(a) -> list[str]:
     """The arguments to pass on when re-executing with the unpacked site on the path."""
     rest = ["--work", a.work, "--greedy", str(a.greedy), "--greedy-tokens", str(a.greedy_tokens),
-            "--prompt-words", str(a.prompt_words)]
+            "--prompt-words", str(a.prompt_words)] + (["--host-kv"] if a.host_kv else [])
     rest += ["--model", a.model] if a.model else []
     rest += ["--artifact", a.artifact] if a.artifact else []
     rest += ["--levels", *map(str, a.levels)] if a.levels else []
