@@ -11,9 +11,9 @@ an embedding of V x h and a process overhead O (Python, torch, onnxruntime, Pref
   INT8 session (about 1.1P): 2P;
 * quantize: one fp32 ONNX session at a time (calibration, the reference's evaluation; the candidate is scored
   after the reference's logits went to disk, compress/evaluate/onnx_eval.py): 4.5P, plus a batch of logits;
-* accept: the same below 1B parameters; from 1B (accept.reference: auto) the reference is the bf16 checkpoint
-  with an fp32 copy of its head (compress/evaluate/checkpoint_ref.py), then the INT8 candidate's session:
-  2P + 4Vh, plus a batch of logits;
+* accept: the same below 1B parameters; from 1B (accept.reference: auto) the reference is the bf16 checkpoint,
+  its head widened to fp32 a few rows at a time (compress/evaluate/checkpoint_ref.py), then the INT8 candidate's
+  session (about 1.1P): 2P, plus a batch of logits;
 * pruning: teacher and student in fp32 side by side: 8P, plus calibration activations;
 * distillation: the fp32 teacher (4P) and a trained fp32 student with its gradient and Adam's two moments
   (16P): 20P, plus activations.
@@ -92,11 +92,10 @@ def stage_bytes(shape: Shape, batch: int = 4, block: int = 128) -> dict[str, flo
 
 
 def accept_bytes(shape: Shape, checkpoint: bool, batch: int = 4, block: int = 128) -> float:
-    """The accept stage's peak: the reference (the bf16 checkpoint and its fp32 head, or the fp32 graph's session),
-    then the candidate's smaller session, plus a batch of logits."""
-    P, Vh = shape.params, shape.vocab * shape.hidden
+    """The accept stage's peak: the reference (the bf16 checkpoint, or the fp32 graph's session), then the
+    candidate's smaller session, plus a batch of logits."""
     logits = LOGIT_COPIES * batch * block * shape.vocab * 4
-    return (2 * P + 4 * Vh if checkpoint else SESSION * 4 * P) + logits + OVERHEAD
+    return (2 if checkpoint else SESSION * 4) * shape.params + logits + OVERHEAD
 
 
 def estimate_for_shape(name: str) -> dict:

@@ -93,6 +93,18 @@ def test_a_bf16_checkpoint_is_a_close_but_other_reference(checkpoints, tiny_spli
         graph, prompts, NEW, CheckpointReference(str(bf16)))
 
 
+def test_a_16_bit_head_is_widened_a_chunk_at_a_time_to_the_same_fp32_logits(checkpoints, tiny_splits, monkeypatch):
+    _, bf16, _, _ = checkpoints
+    blocks = torch.as_tensor(tiny_splits.test[:2])
+    with CheckpointReference(str(bf16)).loaded() as lm:
+        assert lm.head.dtype == torch.bfloat16  # no fp32 copy held
+        h, _ = lm._hidden(blocks)
+        whole = (h.float() @ lm.head.float().T).numpy()
+        monkeypatch.setattr(checkpoint_ref, "HEAD_CHUNK_BYTES", 37 * 4 * h.shape[-1])  # 37 rows, a ragged last chunk
+        chunked = lm._logits(h)
+    assert chunked.shape == whole.shape and np.abs(chunked - whole).max() <= 1e-5
+
+
 def test_auto_picks_the_checkpoint_only_when_large_16_bit_and_no_speed_floor(checkpoints, monkeypatch):
     fp32, bf16, _, _ = checkpoints
     n, dtypes = stored_params_and_dtype(str(bf16))

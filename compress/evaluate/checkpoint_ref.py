@@ -12,11 +12,12 @@ where torch's bf16 GEMM on AMX measured 1,395 GFLOPS on the same cores. So above
 * its greedy answers to many prompts at once (``generate``: left-padded batches through its KV cache) and its
   scoring of answers (``continuation_logits``) are the chat set's teacher (compress/evaluate/chat.py).
 
-The last projection runs in fp32 (``_logits``, on an fp32 copy of the head: 1 GB for the 1B's tied 128k x 2,048,
-2.2 GB for a 7B's): logits rounded to bf16 (8 bits of mantissa, steps of 0.06 at 10) would tie argmaxes that the
-graph tells apart. Batched bf16 answers are deterministic for a given batch; they
-are not promised equal to batch-1 answers token for token, as the engine's are (a 16-bit reference is itself an
-approximation of the fp32 one, by the bf16 rounding of every weight and activation).
+The last projection runs in fp32 (``_logits``): logits rounded to bf16 (8 bits of mantissa, steps of 0.06 at 10)
+would tie argmaxes that the graph tells apart. A 16-bit head is widened a few rows at a time (``HEAD_CHUNK_BYTES``),
+never whole: an fp32 copy was 1 GB for the 1B's tied 128k x 2,048, 1.47 GiB for the 3B's and 2.2 GB for a 7B's,
+the largest part of the accept stage's peak over the checkpoint itself. Batched bf16 answers are deterministic for
+a given batch; they are not promised equal to batch-1 answers token for token, as the engine's are (a 16-bit
+reference is itself an approximation of the fp32 one, by the bf16 rounding of every weight and activation).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 # Rows of one generate batch: a decode step reads every weight once whatever the rows, so as many as the work has
 # (48 chat prompts: 0.69 s a step at 16 rows on the 1B, ~0.75 at 48); their K/V and logits stay small.
 GENERATE_ROWS = 64
+# fp32 rows of a 16-bit head widened at a time in _logits (a whole fp32 copy is 1.47 GiB for the 3B's). On the 3B's
+# head and 2 cores a call of 48 rows took 0.37-0.55 s against 0.33-0.37 s with the copy, one of 256 rows about the
+# same; smaller chunks were slower, larger no faster.
+HEAD_CHUNK_BYTES = 16 * 2**20
 
 
 class ReferenceSettingError(ValueError):
@@ -73,10 +78,17 @@ class CheckpointReference:
 
     @contextmanager
     def loaded(self, eos_ids: Sequence[int] = ()) -> Iterator[CheckpointLM]:
+        import gc
+
         import torch
 
         from compress.models import load_teacher
+        from serve.heap import release_free_memory
 
+        # glibc keeps what a candidate's session freed (1.9 GiB after the 3B's chat scoring): back to the system
+        # before the checkpoint comes, or the two add up at the stage's peak
+        gc.collect()
+        release_free_memory()
         t0 = time.perf_counter()
         model, _ = load_teacher(self.model_dir, None, self.cache_dir, self.revision, self.trust_remote_code,
                                 dtype=self.dtype if self.dtype == "auto" else getattr(torch, self.dtype))
@@ -86,11 +98,10 @@ class CheckpointReference:
         try:
             yield lm
         finally:
-            import gc
-
             lm.model = lm.decoder = lm.head = None
             del model
             gc.collect()
+            release_free_memory()
 
 
 def stored_params_and_dtype(model_dir: str) -> tuple[int, str]:
@@ -145,21 +156,25 @@ class CheckpointLM:
             self.device = torch.device("cuda")
         self.dtype = next(model.parameters()).dtype
         self.decoder = model.get_decoder()
-        with torch.inference_mode():
-            self.head = model.get_output_embeddings().weight.float()  # the same tensor when already fp32
+        self.head = model.get_output_embeddings().weight.detach()  # as stored: _logits widens it a chunk at a time
         self.vocab = int(self.head.shape[0])
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.eos_ids = frozenset(int(i) for i in eos_ids)
 
     def _logits(self, hidden) -> np.ndarray:
-        """fp32 logits of hidden states [..., d], through the fp32 head."""
+        """fp32 logits of hidden states [..., d]: fp32 products of the head's rows, widened ``HEAD_CHUNK_BYTES`` at
+        a time when it is stored in 16 bits (exactly, so the logits are the fp32 head's)."""
         import torch
 
         with torch.inference_mode():
-            out = hidden.float() @ self.head.T
+            h = hidden.reshape(-1, hidden.shape[-1]).float()
+            out = torch.empty(h.shape[0], self.vocab, dtype=torch.float32, device=h.device)
+            rows = self.vocab if self.head.dtype == torch.float32 else max(1, HEAD_CHUNK_BYTES // (4 * h.shape[1]))
+            for a in range(0, self.vocab, rows):
+                torch.mm(h, self.head[a:a + rows].float().T, out=out[:, a:a + rows])
             if self.softcap:
-                out = torch.tanh(out / self.softcap) * self.softcap
-        return out.cpu().numpy()
+                out.div_(self.softcap).tanh_().mul_(self.softcap)
+        return out.reshape(*hidden.shape[:-1], self.vocab).cpu().numpy()
 
     def _hidden(self, ids, mask=None, positions=None, past=None):
         import torch

@@ -228,6 +228,7 @@ def evaluate_onnx(
             del ref
         if _spool is not None:
             _spool._save(i, logits)
+        del logits  # not alive beside the next batch's while the generator computes it
     prefill_s = time.perf_counter() - t0
     if own_ref:
         reference.close()
