@@ -83,14 +83,12 @@ class Engine:
             max_batch_size=config.max_batch_size, max_waiting=config.max_waiting, max_wait_s=config.max_wait_s,
             # The scheduler refuses beyond the model's context, and beyond the pool or rows naming the KV budget.
             max_model_len=model_context, policy=config.scheduling_policy, max_row_tokens=row_tokens)
-        if layout in ("gqa", "paged"):  # docs/gqa.md
-            from serve.runner_gqa import GqaRunner  # in-place GroupQueryAttention rows
-            from serve.runner_paged import PagedRunner  # PagedAttention over the pool (CUDA only, unverified)
+        if layout == "gqa":  # docs/gqa.md
+            from serve.runner_gqa import GqaRunner  # in-place GroupQueryAttention rows, host or GPU memory
 
-            cls = GqaRunner if layout == "gqa" else PagedRunner
             extra = {"row_tokens": row_tokens, "decode_split_rows": config.decode_split_rows,
-                     "kv_store_setting": config.kv_store} if layout == "gqa" else {}
-            make_runner = partial(cls, self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
+                     "kv_store_setting": config.kv_store}
+            make_runner = partial(GqaRunner, self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
                                   intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
                                   max_batch_size=config.max_batch_size, max_model_len=self.max_model_len, **extra)
         else:

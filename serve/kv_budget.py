@@ -29,8 +29,8 @@ DTYPE_BYTES: dict[str, float] = {
 SERVED_KV_DTYPES = ("float32", "float16", "int8")
 
 # Dense copies of a row's K/V per position kept beside the block pool, by attention layout: gqa's in-place rows
-# (1); standard's past buffers plus ORT's present outputs of the same size while a call runs (2). The paged
-# layout attends over the pool itself. ``serve.kv_rows_share`` of the budget pays for them.
+# (1); standard's past buffers plus ORT's present outputs of the same size while a call runs (2).
+# ``serve.kv_rows_share`` of the budget pays for them.
 ROW_COPIES: dict[str, int] = {"gqa": 1, "standard": 2}
 
 
@@ -108,7 +108,7 @@ def num_blocks_for_budget(budget_bytes: int, spec: KVCacheSpec, block_size: int)
 
 def split_budget(budget_bytes: float, spec: KVCacheSpec, layout: str | None, rows_share: float) -> tuple[float, int | None]:
     """(block pool bytes, dense row positions) of a KV budget for an attention layout; rows None for a layout
-    that keeps no dense rows (paged, or none given: the whole budget is one pool)."""
+    that keeps no dense rows (none given: the whole budget is one pool)."""
     copies = ROW_COPIES.get(layout) if layout else None
     if not copies:
         return budget_bytes, None

@@ -2,9 +2,8 @@
 
 ``ModelRunner`` is the interface serve/engine.py calls, in full and without probing: one step (``execute``),
 the KV memory it holds and may hold (``kv_bytes``, ``kv_budget_bytes``), giving memory back (``trim``), and
-the facts the engine reports (``provider``, ``vocab_size``, timing counters). The three runners
-(serve/runner.py ``standard``, serve/runner_gqa.py ``gqa``, serve/runner_paged.py ``paged``) implement all
-of it; tests/test_engine.py checks each against this protocol.
+the facts the engine reports (``provider``, ``vocab_size``, timing counters). The two runners
+(serve/runner.py ``standard``, serve/runner_gqa.py ``gqa``) implement all of it; tests/test_engine.py checks each against this protocol.
 
 ``RunnerBase`` unpacks the manifest (layers, KV heads, head dim, vocabulary) and opens the ONNX Runtime
 session once, for every runner.

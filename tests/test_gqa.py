@@ -385,34 +385,6 @@ def test_quantize_gqa_artifact(tiny_artifact, gqa_artifact, tiny_splits, tmp_pat
     assert len(out[0]) == 4
 
 
-def test_paged_graph_builds_and_cpu_refuses_it(tiny, tmp_path):
-    """Layout 'paged' (PagedAttention, CUDA only): built and loaded as far as a CPU allows; running it is unverified."""
-    import onnxruntime as ort
-    import pytest as _pytest
-
-    from compress.export.gqa import build_paged_model
-    from serve.runner import RunnerError
-
-    model, tok = tiny
-    m = build_paged_model(model, block_size=4)
-    assert sum(n.op_type == "PagedAttention" for n in m.graph.node) == model.config.num_hidden_layers
-    assert {i.name for i in m.graph.initializer if i.data_type == 10}  # fp16 weights
-    # ORT loads and resolves the graph; the CPU EP then rejects it (PagedAttention has CUDA kernels only).
-    with _pytest.raises(Exception, match="PagedAttention"):
-        ort.InferenceSession(m.SerializeToString(), providers=[CPU])
-    build_gqa_artifact(model, tok, tmp_path / "paged", layout="paged", block_size=4)
-    with _pytest.raises(RunnerError, match="CUDA"):
-        Engine(tmp_path / "paged", ServeConfig(providers=[CPU], block_size=4), start=False)
-    import torch
-
-    cuda = ServeConfig(providers=["CUDAExecutionProvider", CPU], block_size=4)
-    if torch.cuda.is_available():  # a GPU machine: the CUDA EP takes the paged graph
-        Engine(tmp_path / "paged", cuda, start=False)
-    else:  # the CUDA EP falls back to the CPU without a GPU, and the CPU has no PagedAttention kernel
-        with _pytest.raises(RunnerError, match="CUDA"):
-            Engine(tmp_path / "paged", cuda, start=False)
-
-
 def test_auto_exporter_picks_gqa_where_the_model_allows(tiny):
     import copy
 

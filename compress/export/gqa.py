@@ -23,10 +23,10 @@ Names follow the exported graph's so quantization selects the same nodes: MatMul
 ([in, out]), and each carries the ``pkg.torch.onnx.name_scopes`` metadata compress.quantize.calibration reads.
 A tied lm_head is ``MatMul(x, Transpose(embedding))`` so the table is stored once.
 
-One job, one module although over 400 lines: writing our own attention-op decoder graph
-from torch weights. The ``gqa`` graph and the ``paged`` one (``build_paged_model``) differ only
-in the attention node and its inputs; both are written by the same decoder, norm, linear and
-rotary helpers and saved by the same artifact writer, so they stay together.
+One job, one module although over 400 lines: writing our own attention-op decoder graph from torch weights
+(the decoder, norm, linear and rotary helpers and the artifact writer). For CUDA the quantize stage turns the graph
+into fp16 (compress/quantize/cuda_fp16.py): ONNX Runtime's CUDA GroupQueryAttention reads and appends the K/V rows
+in GPU memory, which is what a PagedAttention layout would have been for (docs/serving.md#cuda).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class _Graph:
                  int8: tuple[int, int] | None = None):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
-        self.float_dtype = float_dtype  # weights and activations (fp16 for the paged graph)
+        self.float_dtype = float_dtype  # weights and activations
         self.data_path = data_path
         self.pack_qkv = pack_qkv
         self._data = open(data_path, "wb") if data_path is not None else None
@@ -513,75 +513,6 @@ def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True,
     return m
 
 
-def paged_io_names(num_layers: int) -> dict[str, list[str]]:
-    caches = [f"{kv}_cache.{i}" for i in range(num_layers) for kv in ("key", "value")]
-    return {"inputs": ["input_ids", "cumulative_sequence_length", "past_seqlens", "block_table", *caches,
-                       "logits_indices"],
-            "outputs": ["logits", *[f"{n}_out" for n in caches]]}
-
-
-def build_paged_model(model, num_blocks_dim: str = "num_blocks", block_size: int = 16,
-                      max_positions: int | None = None, dtype: str = "float16") -> onnx.ModelProto:
-    """Layout ``paged``: ``com.microsoft.PagedAttention`` reading and writing the block pool in place (CUDA only).
-
-    inputs  input_ids [num_tokens] int64 (every row's new tokens, packed, no padding)
-            cumulative_sequence_length [batch + 1] int32, past_seqlens [batch] int32,
-            block_table [batch, max_blocks] int32 (the engine's block tables),
-            key_cache.N / value_cache.N [num_blocks, block_size, kv_heads, head_dim] fp16 (the pool itself),
-            logits_indices [k] int64 (which packed tokens need logits: each row's last)
-    outputs logits [k, vocab] float32, key_cache.N_out / value_cache.N_out (aliases of the caches)
-    PagedAttention has only CUDA kernels (fp16/bf16): on the CPU EP the session cannot be created.
-    Unverified here (no GPU was available when this was written): see docs/gqa.md.
-    """
-    check_supported(model)
-    if model.config.model_type not in ("llama", "mistral", "qwen2"):
-        raise GqaBuildError(f"model_type {model.config.model_type!r}: the paged layout is built for llama, mistral "
-                            "and qwen2 only (per-layer windows, soft-capping and QK-norm are written for gqa)")
-    if dtype not in ("float16",):
-        raise GqaBuildError(f"paged dtype {dtype!r}: only float16 is built (PagedAttention takes fp16/bf16)")
-    model.eval()
-    info = model_info(model)
-    L, H, KV, D = info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]
-    vocab = info["vocab_size"]
-    max_positions = int(max_positions or info["max_positions"])
-    window = _window(model.config)
-    scale = float(getattr(model.model.layers[0].self_attn, "scaling", D ** -0.5))
-    g = _Graph(np.float16)
-    cos, sin = rope_tables(model, max_positions, D)
-    g.init("cos_cache", cos)
-    g.init("sin_cache", sin)
-
-    def attention(g: _Graph, i: int, q: str, k: str, v: str) -> str:
-        path = f"/model/layers/{i}/self_attn"
-        out, _, _ = g.node(
-            "PagedAttention",
-            [q, k, v, f"key_cache.{i}", f"value_cache.{i}", "cumulative_sequence_length", "past_seqlens",
-             "block_table", "cos_cache", "sin_cache"],
-            [f"{path}/PagedAttention_output_0", f"key_cache.{i}_out", f"value_cache.{i}_out"],
-            f"{path}/PagedAttention", domain=MS_DOMAIN,
-            num_heads=H, kv_num_heads=KV, do_rotary=1, rotary_interleaved=0, scale=scale, local_window_size=window)
-        return out
-
-    def selected(g: _Graph, x: str) -> str:
-        (x,) = g.node("Gather", [x, "logits_indices"], ["/model/selected_tokens"], "/model/selected_tokens", axis=0)
-        return x
-
-    logits16, _ = _decoder(model, g, attention, selected, logits_name="/lm_head/MatMul_output_0")
-    g.node("Cast", [logits16], ["logits"], "/logits/Cast", to=TensorProto.FLOAT)
-    f16, f32, i64, i32 = TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
-    names = paged_io_names(L)
-    cache_shape = [num_blocks_dim, block_size, KV, D]
-    inputs = [helper.make_tensor_value_info("input_ids", i64, ["num_tokens"]),
-              helper.make_tensor_value_info("cumulative_sequence_length", i32, ["batch_plus_1"]),
-              helper.make_tensor_value_info("past_seqlens", i32, ["batch"]),
-              helper.make_tensor_value_info("block_table", i32, ["batch", "max_blocks"])]
-    inputs += [helper.make_tensor_value_info(n, f16, cache_shape) for n in names["inputs"] if "_cache." in n]
-    inputs.append(helper.make_tensor_value_info("logits_indices", i64, ["num_logits"]))
-    outputs = [helper.make_tensor_value_info("logits", f32, ["num_logits", vocab])]
-    outputs += [helper.make_tensor_value_info(n, f16, cache_shape) for n in names["outputs"][1:]]
-    return _model(g, inputs, outputs, "paged_decoder")
-
-
 @dataclass
 class GqaBuildResult:
     folder: Path
@@ -605,18 +536,14 @@ def _fp32_bytes(model) -> int:
 
 
 def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int | None = None,
-                       extra: dict | None = None, layout: str = "gqa", block_size: int = 16,
-                       kv_dtype: str = "float32", int8: tuple[int, int] | None = None) -> tuple[GqaBuildResult, dict]:
-    """Graph + tokenizer + generation_config + manifest.json: a servable folder.
+                       extra: dict | None = None, kv_dtype: str = "float32",
+                       int8: tuple[int, int] | None = None) -> tuple[GqaBuildResult, dict]:
+    """Graph + tokenizer + generation_config + manifest.json: a servable folder (attention layout ``gqa``).
 
-    layout 'gqa' (default; CPU and CUDA) or 'paged' (PagedAttention, fp16, CUDA only, unverified; the
-    graph's block size is fixed and recorded in the manifest).
     kv_dtype: the gqa layout's cache type, float32 or float16 (compress/export/kv_fp16.py).
     int8: (block_size, accuracy_level): weight-only INT8 written straight from the checkpoint (build_gqa_model).
     """
-    if layout not in ("gqa", "paged"):
-        raise GqaBuildError(f"layout {layout!r}: the builder writes 'gqa' or 'paged' (the dynamo export writes 'standard')")
-    if layout == "gqa" and kv_dtype not in ("float32", "float16"):
+    if kv_dtype not in ("float32", "float16"):
         raise GqaBuildError(f"export.kv_dtype {kv_dtype!r}: the gqa layout keeps float32 or float16 caches")
     out_dir = Path(out_dir)
     if out_dir.exists():
@@ -624,12 +551,11 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
     out_dir.mkdir(parents=True)
     t0 = time.perf_counter()
     # A model whose fp32 weights pass protobuf's limit is written straight into model.onnx.data, tensor by tensor.
-    stream = layout == "gqa" and _fp32_bytes(model) > STREAM_BYTES
+    stream = _fp32_bytes(model) > STREAM_BYTES
     with torch.no_grad():
         m = build_gqa_model(model, max_positions, data_path=out_dir / (MODEL_FILE + ".data") if stream else None,
-                            int8=int8) \
-            if layout == "gqa" else build_paged_model(model, block_size=block_size, max_positions=max_positions)
-    if layout == "gqa" and kv_dtype == "float16":
+                            int8=int8)
+    if kv_dtype == "float16":
         kv_to_fp16(m)
     path = out_dir / MODEL_FILE
     save_model(m, path)
@@ -640,14 +566,13 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
         info["max_positions"] = int(max_positions)
     fields = {
         **info,
-        "kv_dtype": kv_dtype if layout == "gqa" else "float16",
-        "attention_layout": layout,
-        "io": gqa_io_names(info["num_layers"]) if layout == "gqa" else paged_io_names(info["num_layers"]),
+        "kv_dtype": kv_dtype,
+        "attention_layout": "gqa",
+        "io": gqa_io_names(info["num_layers"]),
         **serving_fields(model, tokenizer),
         "exporter": "gqa_builder",
         "opset": OPSET,
         "export_seconds": round(seconds, 2),
-        **({"block_size": block_size} if layout == "paged" else {}),
         **({"quantization": {"method": "weight_only", "written_from": FROM_CHECKPOINT, "block_size": int8[0],
                              "accuracy_level": int8[1],
                              "weights": f"int8 block-wise (block {int8[0]}, MatMulNBits accuracy_level {int8[1]})",
@@ -657,5 +582,5 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
     }
     manifest = write_manifest(out_dir, fields)
     size = sum(p.stat().st_size for p in out_dir.glob("model.onnx*"))
-    log.info("%s graph: %d nodes, %.1f MiB, built in %.1f s", layout, len(m.graph.node), size / 2**20, seconds)
+    log.info("gqa graph: %d nodes, %.1f MiB, built in %.1f s", len(m.graph.node), size / 2**20, seconds)
     return GqaBuildResult(out_dir, path, seconds, size, len(m.graph.node)), manifest
