@@ -107,3 +107,34 @@ def test_pipeline_builds_and_gates_the_cuda_form(prefect_harness, mlflow_store, 
     cand = read_manifest(out["candidate_artifact"])
     assert cand["quantization"]["method"] == "fp16" and cand["kv_dtype"] == "float16"
     assert out["verdict"]["candidate"]["top1_agreement"] >= 0.9
+
+
+def test_the_cuda_docs_name_keys_commands_and_paths_that_exist():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from compress.config import PipelineConfig
+    from serve.metrics import GPU_GAUGES
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs/serving.md").read_text()
+    section = text[text.index("## CUDA"):text.index("## Exactness")]
+    names = set(re.findall(r"`([^`\s]+)`", section))
+    for key in ("quantize.target", "serve.kv_store", "serve.kv_memory_mb", "serve.providers"):
+        assert key in section
+        part, field = key.split(".")
+        assert field in type(getattr(PipelineConfig(), part)).model_fields, key
+    for path in [n for n in names if "/" in n and n.endswith((".py", ".json"))]:
+        assert (root / path).exists() or list(root.glob(path.replace("...", "*"))), path
+    for gauge in [n for n in names if n.startswith("compressor:gpu")]:
+        assert gauge.split(":")[1] in GPU_GAUGES, gauge
+    for module in ("benchmarks.gpu_pack", "benchmarks.gpu_serve"):
+        assert f"-m {module}" in section
+        r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    flags = set(re.findall(r"--[a-z][a-z-]+", section))
+    help_text = subprocess.run([sys.executable, "-m", "benchmarks.gpu_serve", "--help"], cwd=root,
+                               capture_output=True, text=True).stdout
+    assert {f for f in flags if f not in help_text} <= {"--config", "--set", "--model"}, flags
