@@ -4,13 +4,20 @@ A stage writes its outputs to <workdir>/<stage>/<key>/ and a DONE.json last. The
 key is a hash of the stage's inputs and the config sections it reads; Prefect's
 cache hits only while that folder is complete, so a re-run after a failure (or a
 deleted folder) redoes exactly the stages whose outputs are missing.
+
+Two runs that reach the same key at once (a cron run and one on demand) take turns: the first to
+create <key>.lock beside the folder computes, the other waits for it and reuses its DONE.json. A lock
+whose process is gone on this host is broken; one of this process is its own (a retry after a failure).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import socket
+import time
 from pathlib import Path
 
 from compress.config import PipelineConfig, project_root
@@ -54,9 +61,14 @@ def fresh(folder: Path) -> Path:
 
 def open_stage(cfg: PipelineConfig, stage: str, key: str, wipe: bool = True) -> tuple[Path, dict | None]:
     """The stage's folder and, when it finished before, its result; else the folder made ready to compute
-    (emptied, or kept with wipe=False for a stage that resumes from what it left there)."""
+    (emptied, or kept with wipe=False for a stage that resumes from what it left there), with this process holding
+    its lock until mark_done. Waits while another live process computes the same key, then reuses its result."""
     folder = stage_dir(cfg, stage, key)
     if is_done(folder):
+        return folder, read_done(folder)
+    take_lock(folder)
+    if is_done(folder):  # the run we waited for finished it
+        release_lock(folder)
         return folder, read_done(folder)
     if wipe:
         fresh(folder)
@@ -66,8 +78,77 @@ def open_stage(cfg: PipelineConfig, stage: str, key: str, wipe: bool = True) -> 
 
 
 def mark_done(folder: Path, result: dict) -> dict:
-    (folder / DONE).write_text(json.dumps(result, indent=2, default=str))
+    # written beside, then renamed: a reader sees no DONE.json or a whole one
+    tmp = folder / f".{DONE}.{os.getpid()}"
+    tmp.write_text(json.dumps(result, indent=2, default=str))
+    tmp.replace(folder / DONE)
+    release_lock(folder)
     return result
+
+
+def lock_path(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".lock")
+
+
+def _owner() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname()}
+
+
+def _mine(owner: dict) -> bool:
+    return owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
+
+
+def _alive(owner: dict) -> bool:
+    """Whether the lock's process still runs; a process on another host is taken to."""
+    if owner.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def take_lock(folder: Path, poll_s: float = 1.0) -> None:
+    """Create ``<folder>.lock`` (exclusively), waiting while a live process of another run holds it."""
+    path = lock_path(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    said = False
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = json.loads(path.read_text() or "{}")
+            except (OSError, ValueError):
+                owner = {}  # being written this instant: look again
+            if _mine(owner):
+                return  # ours: a retry in the process that took it
+            if owner and not _alive(owner):
+                path.unlink(missing_ok=True)  # its process is gone: the folder it left is redone
+                continue
+            if is_done(folder):
+                return
+            if owner and not said:
+                stage_logger().info("%s: run in process %s on %s is computing it; waiting to reuse its result",
+                                    folder, owner.get("pid"), owner.get("host"))
+                said = True
+            time.sleep(poll_s)
+            continue
+        with os.fdopen(fd, "w") as fh:
+            json.dump({**_owner(), "since": time.time()}, fh)
+        return
+
+
+def release_lock(folder: Path) -> None:
+    path = lock_path(folder)
+    try:
+        if _mine(json.loads(path.read_text())):
+            path.unlink(missing_ok=True)
+    except (OSError, ValueError):
+        pass  # no lock, or another run's
 
 
 def cache_key_fn(context, parameters) -> str:
