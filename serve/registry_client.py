@@ -52,8 +52,34 @@ def connect(tracking_uri: str | None = None) -> str:
     uri = resolve_tracking_uri(tracking_uri)
     # Before any MLflow call: MLflow's own HTTP client retries a dead server for minutes.
     check_reachable(uri)
+    use_wal(uri)
     mlflow.set_tracking_uri(uri)
     return uri
+
+
+def use_wal(uri: str) -> None:
+    """Make a local sqlite store safe for several processes at once, under a file lock beside it: its tables are
+    created by one process only (three runs starting on a new store raced to create them: "table ... already
+    exists"), and it is put in write-ahead-log mode (the file keeps it), so writers wait for each other
+    (MLflow's 20 s busy timeout per session) instead of failing with "database is locked" while another reads."""
+    if not uri.startswith("sqlite:///"):
+        return
+    import fcntl
+    import sqlite3
+    from contextlib import closing
+
+    path = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with closing(sqlite3.connect(path, timeout=30)) as db:
+            if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            ready = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'alembic_version'").fetchone()
+        if not ready:
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # creates and migrates the tables
 
 
 @dataclass
