@@ -70,7 +70,11 @@ class TorchKv(HostKv):
         self._torch = torch
         self.device = torch.device(device)
         self.ort_device = "cuda" if self.device.type == "cuda" else "cpu"
-        self._tdtype = {np.float16: torch.float16, np.float32: torch.float32}[self.dtype.type]
+        kinds = {np.float16: torch.float16, np.float32: torch.float32}
+        if self.dtype.type not in kinds:
+            raise ValueError(f"serve.kv_store torch holds float16 or float32 caches, not {self.dtype} (the int8 cache "
+                             "is served from host memory: serve.kv_store auto or host)")
+        self._tdtype = kinds[self.dtype.type]
 
     def zeros(self, shape: tuple[int, ...]):
         return self._torch.zeros(shape, dtype=self._tdtype, device=self.device)

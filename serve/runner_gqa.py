@@ -14,6 +14,8 @@ Storage
   is a contiguous [B, kv_heads, cap, head_dim] tensor bound as layer j's past *and* present, so
   GroupQueryAttention appends the new K/V in place at ``seqlens_k`` and reads the past where it
   lies: no per-step gather into a padded batch and no concat of past and new.
+  Both live in host memory on the CPU EP, in GPU memory on the CUDA EP for the CUDA form (serve/kv_device.py:
+  the same indexing on numpy arrays or torch tensors, bound to ORT by pointer).
   A slot remembers which sequence (request id + admission epoch) it holds and how many positions
   are valid. A sequence seen for the first time (or whose slot was taken) is filled from its
   blocks: that is also how a prefix-cache hit lands in the row (the cached blocks are copied in).

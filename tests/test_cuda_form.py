@@ -138,3 +138,8 @@ def test_the_cuda_docs_name_keys_commands_and_paths_that_exist():
     help_text = subprocess.run([sys.executable, "-m", "benchmarks.gpu_serve", "--help"], cwd=root,
                                capture_output=True, text=True).stdout
     assert {f for f in flags if f not in help_text} <= {"--config", "--set", "--model"}, flags
+
+
+def test_torch_store_refuses_an_int8_cache():
+    with pytest.raises(ValueError, match="serve.kv_store torch holds float16 or float32"):
+        kv_store("torch", CPU, np.int8)
