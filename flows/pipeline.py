@@ -28,6 +28,7 @@ from compress.memory import shape_of_folder
 from compress.search import describe
 from flows.deploy import deploy_flow, served_model
 from flows.outcome import pipeline_state
+from flows.promotion import promote_if_still_best
 from tasks.accept import accept_task
 from tasks.benchmark import benchmark_task
 from tasks.common import stage_key, submit_stage
@@ -479,14 +480,22 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 registry.log_figures(cfg.registry.model_name, baseline_version, base)
             if status == "accepted" and cfg.registry.promote and not blocked:
                 server_url = cfg.registry.server_url or local_server_url(cfg, reg["name"])
-                deployed = deploy_flow(model_name=reg["name"], version=reg["version"], server_url=server_url,
-                                       tracking_uri=tracking_uri)
-                if server_url is None:
-                    deployed["smoke"] = (f"skipped (no server at http://{cfg.serve.host}:{cfg.serve.port} serves "
-                                         f"{reg['name']} from this registry; set registry.server_url to smoke-test "
-                                         f"another)")
-                reg["aliases"] = reg["aliases"] + ["champion"]
-                log.info("deployed: %s", deployed)
+                # compare-and-set: judged again under the model's promotion lock if another run moved the champion
+                deployed, blocked = promote_if_still_best(
+                    tracking_uri, reg["name"], champion_vs, lambda: compare_with_champion(cfg, figures),
+                    cfg.registry.promote_when_worse,
+                    lambda: deploy_flow(model_name=reg["name"], version=reg["version"], server_url=server_url,
+                                        tracking_uri=tracking_uri))
+                if blocked:
+                    log.warning("promotion blocked: %s", blocked)
+                    registry.set_tags(reg["name"], reg["version"], {"promotion_blocked": blocked})
+                else:
+                    if server_url is None:
+                        deployed["smoke"] = (f"skipped (no server at http://{cfg.serve.host}:{cfg.serve.port} serves "
+                                             f"{reg['name']} from this registry; set registry.server_url to smoke-test "
+                                             f"another)")
+                    reg["aliases"] = reg["aliases"] + ["champion"]
+                    log.info("deployed: %s", deployed)
             mlflow.set_tags({"verdict": status, **({"promotion_blocked": blocked} if blocked else {})})
 
         if champion_vs:

@@ -1,0 +1,68 @@
+"""Promotion as compare-and-set: the champion is read again, judged and moved under one lock per model.
+
+Two runs (a cron run and one on demand, or two configs of one model) can each compare their candidate with the
+champion and then move the alias; without a lock the later one overwrites a champion it never compared with.
+Every run takes the model's promotion lock before it moves ``champion`` and re-reads the champion inside it
+(``lost_race``): a champion that moved meanwhile is compared again, and a candidate worse than it on the chat set
+is not promoted (the run ends with that reason, never a traceback).
+
+The lock: a file lock beside a local sqlite store (``<store>.promote-<model>.lock``, every process on this
+machine honours it); for a remote tracking server, Prefect's global concurrency limit ``promote-<model>``, which
+every worker shares once an operator creates it (``prefect gcl create promote-<model> --limit 1``;
+docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def _lock_file(tracking_uri: str, model_name: str) -> Path | None:
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    db = Path(tracking_uri[len("sqlite:///"):].split("?", 1)[0])
+    return db.with_name(f"{db.name}.promote-{re.sub(r'[^A-Za-z0-9_.-]', '_', model_name)}.lock")
+
+
+@contextmanager
+def promotion_lock(tracking_uri: str, model_name: str) -> Iterator[None]:
+    """Hold the model's promotion lock (see the module docstring) for the block."""
+    path = _lock_file(tracking_uri, model_name)
+    if path is None:
+        from prefect.concurrency.sync import concurrency
+
+        with concurrency(f"promote-{model_name}", occupy=1):
+            yield
+        return
+    import fcntl
+
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also if the process dies
+        yield
+
+
+def lost_race(judged: dict | None, now: dict | None, promote_when_worse: bool) -> str | None:
+    """Inside the lock: why the candidate may no longer take ``champion``, or None. ``judged`` is the comparison the
+    run made with the champion of its time, ``now`` the same comparison with the champion read again
+    (flows/pipeline.compare_with_champion: None without a champion)."""
+    if now is None or (judged is not None and now["version"] == judged["version"]):
+        return None  # no champion, or the one the run already judged against
+    if now["worse_on_use"] and not promote_when_worse:
+        u = now["use"]
+        return (f"the champion moved to v{now['version']} while this run was judged, and this candidate is worse than "
+                f"it on the chat set: perplexity ratio {u['candidate']:.4f}x vs {u['champion']:.4f}x "
+                f"(registry.promote_when_worse: true lets it through)")
+    return None
+
+
+def promote_if_still_best(tracking_uri: str, model_name: str, judged: dict | None, compare: Callable[[], dict | None],
+                          promote_when_worse: bool, promote: Callable[[], dict]) -> tuple[dict | None, str | None]:
+    """(what ``promote`` returned, None), or (None, why not) when the champion moved to a better one meanwhile."""
+    with promotion_lock(tracking_uri, model_name):
+        why = lost_race(judged, compare(), promote_when_worse)
+        if why is not None:
+            return None, why
+        return promote(), None

@@ -1,0 +1,70 @@
+"""Promotion as compare-and-set (flows/promotion.py): the lock serialises real processes, and a champion that moved
+while a run was judged is judged again inside it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flows.promotion import lost_race, promote_if_still_best
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _vs(version, worse):
+    return {"version": version, "worse_on_use": worse, "use": {"candidate": 1.05, "champion": 1.01}}
+
+
+@pytest.mark.parametrize("judged, now, when_worse, lost", [
+    (None, None, False, False),                      # no champion then or now
+    (_vs("3", False), _vs("3", True), False, False),  # the champion it judged against: already decided before
+    (_vs("3", False), _vs("4", False), False, False),  # moved, and the candidate is not worse than the new one
+    (_vs("3", False), _vs("4", True), False, True),    # moved to a better one: not promoted
+    (None, _vs("4", True), False, True),               # no champion when judged, a better one now
+    (_vs("3", False), _vs("4", True), True, False),    # promote_when_worse lets it through
+])
+def test_lost_race(judged, now, when_worse, lost):
+    why = lost_race(judged, now, when_worse)
+    assert (why is not None) == lost
+    if lost:
+        assert "v4" in why and "1.0500x vs 1.0100x" in why and "promote_when_worse" in why
+
+
+def test_a_lost_race_promotes_nothing(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    called = []
+    out, why = promote_if_still_best(uri, "m", _vs("3", False), lambda: _vs("4", True), False,
+                                     lambda: called.append(1) or {"ok": True})
+    assert out is None and "v4" in why and called == []
+    out, why = promote_if_still_best(uri, "m", _vs("3", False), lambda: _vs("3", False), False, lambda: {"ok": True})
+    assert out == {"ok": True} and why is None
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from flows.promotion import promotion_lock
+    with promotion_lock(sys.argv[1], "tiny model/x"):
+        print(f"{time.time():.3f}", flush=True)
+        time.sleep(1.5)
+        print(f"{time.time():.3f}", flush=True)
+""")
+
+
+def test_the_lock_serialises_processes(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", HOLDER, uri], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    spans = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-1500:]
+        spans.append(tuple(float(x) for x in out.split()))
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert b0 >= a1 - 0.01  # the second took the lock only after the first let go
+    assert list(tmp_path.glob("mlflow.db.promote-tiny_model_x.lock"))
