@@ -15,7 +15,10 @@ what the servers serve (moved only by deploy, rollback or a person in the UI).
 from __future__ import annotations
 
 import os
+import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # The lookups the server needs live with the server (serve/registry_client.py); this module adds the
@@ -117,6 +120,23 @@ def _by_digest(folder: Path, staging: Path, source: dict) -> Path:
     return staging
 
 
+@contextmanager
+def store_lock(name: str, tracking_uri: str | None = None) -> Iterator[bool]:
+    """Hold an exclusive file lock beside a local sqlite store (``<store>.<name>.lock``) for the block, which every
+    process on this machine honours; yields True, or False (no lock taken) for a remote tracking server."""
+    uri = tracking_uri or resolve_tracking_uri(None)
+    if not uri.startswith("sqlite:///"):
+        yield False
+        return
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    path = db.with_name(f"{db.name}.{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.lock")
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also if the process dies
+        yield True
+
+
 def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict | None = None,
                     aliases: list[str] | None = None, metrics: dict | None = None,
                     params: dict | None = None, weights: str = "copy", source: dict | None = None) -> Version:
@@ -147,7 +167,10 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
     try:
         client.get_registered_model(model_name)
     except Exception:
-        client.create_registered_model(model_name)
+        try:
+            client.create_registered_model(model_name)
+        except Exception:  # another run created it between the two calls (a remote store takes no lock)
+            client.get_registered_model(model_name)
     source = f"{client.get_run(run_id).info.artifact_uri}/{ARTIFACT_PATH}"
     mv = client.create_model_version(model_name, source, run_id=run_id,
                                      tags={k: str(v) for k, v in (tags or {}).items()})

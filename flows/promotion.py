@@ -14,33 +14,22 @@ docs/reliability.md).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
-
-def _lock_file(tracking_uri: str, model_name: str) -> Path | None:
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    db = Path(tracking_uri[len("sqlite:///"):].split("?", 1)[0])
-    return db.with_name(f"{db.name}.promote-{re.sub(r'[^A-Za-z0-9_.-]', '_', model_name)}.lock")
+from compress.registry import store_lock
 
 
 @contextmanager
 def promotion_lock(tracking_uri: str, model_name: str) -> Iterator[None]:
     """Hold the model's promotion lock (see the module docstring) for the block."""
-    path = _lock_file(tracking_uri, model_name)
-    if path is None:
-        from prefect.concurrency.sync import concurrency
-
-        with concurrency(f"promote-{model_name}", occupy=1):
+    with store_lock(f"promote-{model_name}", tracking_uri) as held:
+        if held:
             yield
-        return
-    import fcntl
+            return
+    from prefect.concurrency.sync import concurrency
 
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also if the process dies
+    with concurrency(f"promote-{model_name}", occupy=1):
         yield
 
 

@@ -33,6 +33,14 @@ def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str,
     record = read_manifest(folder, verify=False).get("kind") == CHECKPOINT_RECORD  # the checkpoint, by digest
     name = cfg.registry.model_name
     content = content_digest(folder)
+    # looked up and created under one lock: two runs registering the same baseline at once make one version
+    with registry.store_lock(f"register-{name}", mlflow.get_tracking_uri()):
+        return _register(cfg, parent_run_id, folder, name, sha, content, record, aliases, tags, stage, metrics,
+                         params, same_config_only, weights)
+
+
+def _register(cfg, parent_run_id, folder: Path, name: str, sha: str, content: str, record: bool, aliases, tags,
+              stage, metrics, params, same_config_only: bool, weights: str) -> dict:
     if same_config_only:
         found = registry.find_by_digest(name, sha, tags.get("config_hash", ""))
     else:
