@@ -344,7 +344,7 @@ def test_int8_kv_cache(gqa_artifact, tiny_splits, tmp_path, scales):
         quantize_artifact(gqa_artifact, tmp_path / "x", None, base.model_copy(update={"kv_cache": "int8"}))
 
 
-@pytest.mark.parametrize("method", ["weight_only", "static", "dynamic_token"])
+@pytest.mark.parametrize("method", ["weight_only", "static", "dynamic", "dynamic_token"])
 def test_quantize_gqa_artifact(tiny_artifact, gqa_artifact, tiny_splits, tmp_path, method):
     """INT8 selects the same 14 linears by name and drifts from fp32 as much as the standard graph does.
 

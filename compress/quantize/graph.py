@@ -322,7 +322,9 @@ def dynamic_per_tensor(model: onnx.ModelProto, linears: list[Linear], per_channe
         save_model(model, src)
         quantize_dynamic(src, dst, op_types_to_quantize=["MatMul"], per_channel=per_channel, reduce_range=reduce_range,
                          weight_type=QuantType.QInt8, nodes_to_quantize=[l.node for l in linears],
-                         extra_options={"MatMulConstBOnly": True})
+                         # the gqa graph's contrib ops (GroupQueryAttention, SkipSimplifiedLayerNormalization) give
+                         # ORT's shape inference no output types: every tensor there is float
+                         extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
         return onnx.load(str(dst))
 
 
