@@ -1,0 +1,50 @@
+"""Two `compressor run`s started seconds apart against one sqlite store, one workdir and one model name, with
+different configs (issue 42): both end with a verdict and no traceback; the registry holds one baseline, each
+accepted candidate once, and exactly one champion, the better on the chat set (the gate's own ordering)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["prune.enabled=false", "distill.enabled=false", "benchmark.enabled=false", "accept.relax_trials=0",
+          "registry.model_name=overlap", "mlflow.experiment=overlap"]
+
+
+def test_two_runs_seconds_apart_on_one_store(prefect_harness, tmp_path):
+    from mlflow.tracking import MlflowClient
+    from prefect.settings import PREFECT_API_URL
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PREFECT_API_URL=PREFECT_API_URL.value(), PYTHONPATH=str(ROOT))
+    cli = [sys.executable, "-m", "flows", "run", "--config", "configs/tiny.yaml"]
+    procs = []
+    for k, method in enumerate(("weight_only", "dynamic")):
+        sets = COMMON + [f"quantize.method={method}", f"workdir={tmp_path / 'work'}"]
+        procs.append(subprocess.Popen(cli + [a for s in sets for a in ("--set", s)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        if k == 0:
+            time.sleep(3)
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert "Traceback" not in out, out[-3000:]
+        assert p.returncode in (0, 1), out[-3000:]  # a verdict: accepted (0) or not accepted (1)
+        assert "verdict" in out.lower() or "accepted" in out.lower(), out[-2000:]
+    client = MlflowClient(tracking_uri=uri)
+    versions = [client.get_model_version("overlap", v.version) for v in client.search_model_versions("name='overlap'")]
+    roles = [v.tags.get("role") for v in versions]
+    assert roles.count("baseline") == 1, roles
+    accepted = [v for v in versions if v.tags.get("role") == "candidate" and v.tags.get("verdict") == "accepted"]
+    digests = [v.tags.get("artifact_sha256") for v in accepted]
+    assert len(digests) == len(set(digests))  # each accepted candidate once
+    champions = [v for v in versions if "champion" in v.aliases]
+    print({v.version: (v.tags.get("role"), v.tags.get("verdict"), v.aliases, v.tags.get("promotion_blocked"))
+           for v in versions})
+    assert len(champions) == (1 if accepted else 0)
+    if len(accepted) == 2:
+        ratio = {v.version: client.get_run(v.run_id).data.metrics.get("chat_perplexity_ratio") for v in accepted}
+        assert ratio[champions[0].version] == min(ratio.values()), ratio
