@@ -38,9 +38,14 @@ def check_room(what: str, where: str | Path, need: float, fix: str, free: int | 
     ``need``."""
     have = free_bytes(where) if free is None else free
     if need + SLACK > have:
-        raise DiskSpaceError(f"{what} writes about {need / GIB:.1f} GiB under {where} and its disk has "
-                             f"{have / GIB:.1f} GiB free ({fix})")
+        raise DiskSpaceError(f"{what} writes about {size_text(need)} under {where} (and keeps {size_text(SLACK)} "
+                             f"free beside it) and its disk has {size_text(have)} free ({fix})")
     return need
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes as people read them: GiB from 1 GiB, MiB below (a tiny model's 3 MB is not "0.0 GiB")."""
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def export_bytes(shape: Shape) -> float:
