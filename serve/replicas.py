@@ -9,8 +9,8 @@ Two Ray Serve deployments make one application:
   its routing key (serve/replica_http.py) and forwards it to an engine replica through a deployment handle whose
   request router is serve/prefix_router.py (prefix-aware by default). It streams the replica's answer back as it
   comes (SSE included), answers 429 + Retry-After when Ray's queue in front of the replicas is full (the replicas'
-  own 429s pass through unchanged), 503 + Retry-After when the replica died before answering, and ends a stream
-  with an error event when it died mid-stream. Its own routes: ``/health``, ``/ready`` (200 once a replica has a
+  own 429s pass through unchanged), sends a request whose replica died before answering to another (up to 4 calls;
+  503 + Retry-After once they are spent), and ends a stream with an error event when its replica died mid-stream. Its own routes: ``/health``, ``/ready`` (200 once a replica has a
   model), ``/replicas`` (each replica's id, pid, node, model version, requests routed to it, prefix-cache hits),
   ``/replicas/{id}/...`` (any GET route of one replica: ``/replicas/{id}/metrics``, ``.../ready``), ``/metrics``
   (the replicas' metrics merged, plus the router's), ``/v1/models`` (the version every replica serves; a list of
@@ -133,6 +133,10 @@ ingress_app = FastAPI(title="compressor replicas (Ray Serve ingress)", docs_url=
 
 # What the ingress counts itself (the router's counters are in serve/replica_http.py).
 _ERRORS: dict[str, int] = {}
+# A request whose replica failed before answering goes again (Ingress._open): 4 calls over ~1.75 s, enough for Ray to
+# drop a killed replica from the router's choices.
+OPEN_TRIES = 4
+RETRY_DELAYS_S = (0.25, 0.5, 1.0)
 
 
 def _error(status: int, message: str, type_: str, code: str, retry_after: int | None = None) -> JSONResponse:
@@ -152,23 +156,34 @@ class Ingress:
 
     # -- forwarding -------------------------------------------------------------------------------------
     async def _open(self, fwd: ForwardedRequest):
-        """(the replica's call, its first batch of ASGI messages), or (None, an error response)."""
-        gen = self.engine.remote(fwd)
-        try:
-            return gen, await gen.__anext__()
-        except asyncio.CancelledError:  # the client went away before the first byte
-            gen.cancel()
-            raise
-        except BackPressureError as e:
-            return None, _error(429, f"every replica's queue is full: {e}", "rate_limit_error", "queue_full",
-                                self.retry_after_s)
-        except StopAsyncIteration:
-            return None, _error(502, "the replica answered nothing", "server_error", "replica_failed",
-                                self.retry_after_s)
-        except (ray.exceptions.RayError, DeploymentUnavailableError, RayServeException) as e:
-            log.warning("request to a replica failed: %s: %s", type(e).__name__, e)
-            return None, _error(503, f"the replica serving this request failed ({type(e).__name__}); retry",
-                                "service_unavailable", "replica_failed", self.retry_after_s)
+        """(the replica's call, its first batch of ASGI messages), or (None, an error response).
+
+        A replica that fails before its first batch has sent the client nothing, so the request goes again, to the
+        replica the router picks then (Ray drops a dead one from its choices): up to OPEN_TRIES calls, spaced
+        RETRY_DELAYS_S apart, before the client gets a 503. A request for one named replica is not retried."""
+        tries = 1 if fwd.target else OPEN_TRIES
+        for attempt in range(tries):
+            gen = self.engine.remote(fwd)
+            try:
+                return gen, await gen.__anext__()
+            except asyncio.CancelledError:  # the client went away before the first byte
+                gen.cancel()
+                raise
+            except BackPressureError as e:
+                return None, _error(429, f"every replica's queue is full: {e}", "rate_limit_error", "queue_full",
+                                    self.retry_after_s)
+            except StopAsyncIteration:
+                return None, _error(502, "the replica answered nothing", "server_error", "replica_failed",
+                                    self.retry_after_s)
+            except (ray.exceptions.RayError, DeploymentUnavailableError, RayServeException) as e:
+                log.warning("request to a replica failed (try %d of %d): %s: %s", attempt + 1, tries,
+                            type(e).__name__, e)
+                if attempt + 1 < tries:
+                    _ERRORS["replica_failed_retried"] = _ERRORS.get("replica_failed_retried", 0) + 1
+                    await asyncio.sleep(RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)])
+                    continue
+                return None, _error(503, f"the replica serving this request failed ({type(e).__name__}); retry",
+                                    "service_unavailable", "replica_failed", self.retry_after_s)
 
     async def _forward(self, fwd: ForwardedRequest):
         gen, first = await self._open(fwd)

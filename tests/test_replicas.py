@@ -322,8 +322,20 @@ def test_a_killed_replica_is_replaced_and_no_request_hangs(cluster):
     time.sleep(0.5)
     mine = [rec for rec in streams.values() if rec["replica"] == victim and rec["end"] is None]
     assert mine
+    # Requests with the frozen replica's prompts, which the router sends to it (the same routing key): they wait
+    # there, unanswered, until the kill; each then goes again to the survivor (serve/replicas.Ingress._open).
+    again = [i for i, rec in streams.items() if rec["replica"] == victim]
+    body = {"model": NAME, "max_tokens": 4, "temperature": 0}
+    pool = ThreadPoolExecutor(8)
+    pending = [pool.submit(httpx.post, cluster + "/v1/completions", json={**body, "prompt": f"kill {i}"}, timeout=60)
+               for i in again]
+    time.sleep(1.0)
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
+    answers = [f.result() for f in pending]
+    pool.shutdown()
+    assert [r.status_code for r in answers] == [200] * len(again), [r.text[:200] for r in answers]
+    assert {r.headers.get(REPLICA_HEADER) for r in answers} != {victim}
     for t in threads:
         t.join(60)
         assert not t.is_alive(), "a stream hung after its replica was killed"
