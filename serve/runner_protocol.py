@@ -102,9 +102,3 @@ class RunnerBase:
 
     def release(self, key: Hashable) -> None:
         """Nothing to drop: these runners write every new K/V into the blocks in the step that made it."""
-
-    def k_cache(self, layer: int):
-        return self.pool[2 * layer]
-
-    def v_cache(self, layer: int):
-        return self.pool[2 * layer + 1]

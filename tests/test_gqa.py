@@ -26,7 +26,6 @@ def gqa_artifact(tiny_gqa):
     """The session's tiny gqa artifact (conftest.py), checked as built."""
     manifest = read_manifest(tiny_gqa)
     assert manifest["attention_layout"] == "gqa"
-    assert manifest["export_seconds"] < 5
     return tiny_gqa
 
 
