@@ -111,6 +111,13 @@ def _alive(owner: dict) -> bool:
     return True
 
 
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def take_lock(folder: Path, poll_s: float = 1.0) -> None:
     """Create ``<folder>.lock`` (exclusively), waiting while a live process of another run holds it."""
     path = lock_path(folder)
@@ -126,8 +133,8 @@ def take_lock(folder: Path, poll_s: float = 1.0) -> None:
                 owner = {}  # being written this instant: look again
             if _mine(owner):
                 return  # ours: a retry in the process that took it
-            if owner and not _alive(owner):
-                path.unlink(missing_ok=True)  # its process is gone: the folder it left is redone
+            if (owner and not _alive(owner)) or (not owner and _age_s(path) > 60):
+                path.unlink(missing_ok=True)  # its process is gone (or died writing it): the folder it left is redone
                 continue
             if is_done(folder):
                 return

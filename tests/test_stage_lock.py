@@ -59,3 +59,15 @@ def test_a_dead_runs_lock_is_broken_and_its_folder_redone(tmp_path):
     assert json.loads(lock_path(folder).read_text())["pid"] == os.getpid()
     got, done = open_stage(cfg, "export", "k")  # a retry in the same process: its own lock
     assert done is None
+
+
+def test_an_empty_lock_left_by_a_crash_is_broken_once_old(tmp_path):
+    cfg = load_config("configs/tiny.yaml", [f"workdir={tmp_path}"])
+    folder = stage_dir(cfg, "export", "e")
+    folder.parent.mkdir(parents=True)
+    lock = lock_path(folder)
+    lock.write_text("")  # a process died between creating the lock and writing its owner
+    old = os.stat(lock).st_mtime - 120
+    os.utime(lock, (old, old))
+    got, done = open_stage(cfg, "export", "e")
+    assert done is None and json.loads(lock.read_text())["pid"] == os.getpid()
