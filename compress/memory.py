@@ -12,8 +12,9 @@ an embedding of V x h and a process overhead O (Python, torch, onnxruntime, Pref
 * quantize: one fp32 ONNX session at a time (calibration, the reference's evaluation; the candidate is scored
   after the reference's logits went to disk, compress/evaluate/onnx_eval.py): 4.5P, plus a batch of logits;
 * accept: the same below 1B parameters; from 1B (accept.reference: auto) the reference is the bf16 checkpoint,
-  its head widened to fp32 a few rows at a time (compress/evaluate/checkpoint_ref.py), then the INT8 candidate's
-  session (about 1.1P): 2P, plus a batch of logits;
+  its head widened to fp32 a few rows at a time (compress/evaluate/checkpoint_ref.py: 2P), and apart from it the
+  INT8 candidate, on the evaluation engine for the chat set (its weights 1.2P, a 1 GiB KV budget and its session's
+  buffers: 1.2P + 2 GiB): the larger of the two, plus a batch of logits;
 * pruning: teacher and student in fp32 side by side: 8P, plus calibration activations;
 * distillation: the fp32 teacher (4P) and a trained fp32 student with its gradient and Adam's two moments
   (16P): 20P, plus activations.
@@ -34,6 +35,10 @@ OVERHEAD = 1.5 * GIB
 SESSION = 1.13
 LOGIT_COPIES = 3  # logits of one batch: the session's output, the reference's, one row's float64 temporaries
 CHECKPOINT_FROM_PARAMS = 1_000_000_000  # compress/evaluate/checkpoint_ref.py's: the accept stage's bf16 reference
+INT8_BYTES = 1.2  # weight-only INT8 graph per parameter, scales and the 8-bit embedding included (1B 1.19, 3B 1.17)
+# The candidate's evaluation engine beside its weights: compress/evaluate/generate.py's KV_BUDGET_MB (1 GiB) and its
+# session's buffers for the chat set's rows (measured over weights and KV: 1.8 GiB on the 1B, 1.5 on the 3B)
+ENGINE_EXTRA = 2 * GIB
 
 
 class MemoryBudgetError(RuntimeError):
@@ -92,10 +97,11 @@ def stage_bytes(shape: Shape, batch: int = 4, block: int = 128) -> dict[str, flo
 
 
 def accept_bytes(shape: Shape, checkpoint: bool, batch: int = 4, block: int = 128) -> float:
-    """The accept stage's peak: the reference (the bf16 checkpoint, or the fp32 graph's session), then the
-    candidate's smaller session, plus a batch of logits."""
+    """The accept stage's peak: the reference (the bf16 checkpoint, or the fp32 graph's session) or, apart from it,
+    the INT8 candidate on the evaluation engine, whichever is larger, plus a batch of logits."""
+    P = shape.params
     logits = LOGIT_COPIES * batch * block * shape.vocab * 4
-    return (2 if checkpoint else SESSION * 4) * shape.params + logits + OVERHEAD
+    return (max(2 * P, INT8_BYTES * P + ENGINE_EXTRA) if checkpoint else SESSION * 4 * P) + logits + OVERHEAD
 
 
 def estimate_for_shape(name: str) -> dict:

@@ -259,8 +259,9 @@ def test_estimates_for_the_published_shapes():
     assert e7["pipeline_gib"] < 1.5 * e7["bf16_gib"] and e8["pipeline_gib"] < 1.5 * e8["bf16_gib"]
     # golden of the INT8 graph holds the checkpoint as stored, never fp32 (2P + 2Vh)
     assert e7["stages"]["golden_int8"] < e7["bf16_gib"] + 3
-    # the accept stage judges 1B+ against the bf16 checkpoint, its head widened a chunk at a time: 2P
-    assert (e1["stages"]["accept"], e3["stages"]["accept"]) == (4.5, 8.2) and e7["stages"]["accept"] < 17
+    # the accept stage judges 1B+ against the bf16 checkpoint, its head widened a chunk at a time (2P), and apart
+    # from it runs the INT8 candidate on the evaluation engine (1.2P + 2 GiB): measured 5.38 and 7.98 GiB, whole tree
+    assert (e1["stages"]["accept"], e3["stages"]["accept"]) == (5.6, 8.2) and e7["stages"]["accept"] < 17
 
 
 # ---------------------------------------------------------------- the real 1B shape (pytest -m large)
