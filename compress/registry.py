@@ -24,7 +24,7 @@ from pathlib import Path
 # The lookups the server needs live with the server (serve/registry_client.py); this module adds the
 # pipeline's side (register, promote, roll back) and re-exports them, so callers need one module.
 from serve.registry_client import (RegistryError, Version, check_reachable, connect, default_tracking_uri, download,
-                                   get_version, resolve_tracking_uri, version_for_alias)
+                                   get_version, resolve_tracking_uri, sqlite_path, version_for_alias)
 from serve.registry_client import client as _client
 
 __all__ = ["RegistryError", "Version", "check_reachable", "configure", "default_tracking_uri", "download",
@@ -130,7 +130,7 @@ def store_lock(name: str, tracking_uri: str | None = None) -> Iterator[bool]:
         return
     import fcntl
 
-    db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    db = sqlite_path(uri)
     path = db.with_name(f"{db.name}.{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.lock")
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also if the process dies

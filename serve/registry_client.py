@@ -57,6 +57,11 @@ def connect(tracking_uri: str | None = None) -> str:
     return uri
 
 
+def sqlite_path(uri: str) -> Path:
+    """The database file of a ``sqlite:///`` tracking URI."""
+    return Path(uri[len("sqlite:///"):].split("?", 1)[0])
+
+
 def use_wal(uri: str) -> None:
     """Make a local sqlite store safe for several processes at once, under a file lock beside it: its tables are
     created by one process only (three runs starting on a new store raced to create them: "table ... already
@@ -68,7 +73,7 @@ def use_wal(uri: str) -> None:
     import sqlite3
     from contextlib import closing
 
-    path = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    path = sqlite_path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -23,7 +23,7 @@ from serve.onnx_external import tensor_array
 
 _QKV_INPUTS = (0, 1, 2)
 _ROTARY_INPUTS = (7, 8)  # cos_cache, sin_cache
-_KV_PREFIXES = ("past_key_values.", "present.")
+KV_PREFIXES = ("past_key_values.", "present.")
 
 
 class KvDtypeError(ValueError):
@@ -80,6 +80,6 @@ def kv_to_fp16(model: onnx.ModelProto) -> int:
     del g.node[:]
     g.node.extend(order)
     for v in list(g.input) + list(g.output):
-        if v.name.startswith(_KV_PREFIXES):
+        if v.name.startswith(KV_PREFIXES):
             v.type.tensor_type.elem_type = TensorProto.FLOAT16
     return len(gqa)

@@ -18,9 +18,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from compress.artifact import write_manifest
+from compress.export.kv_fp16 import KV_PREFIXES
 
 FP16_MAX = float(np.finfo(np.float16).max)
-KV_PREFIXES = ("past_key_values.", "present.")
 
 
 class CudaFormError(ValueError):
