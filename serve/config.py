@@ -8,12 +8,13 @@ loader (which reuses the helpers here): unknown keys are errors that name the ke
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -26,9 +27,36 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# Keys renamed so that each name means one thing: (section, old name) -> new name. The old names still work, with a
+# FutureWarning naming the new one (docs/configuration.md lists them). The pipeline's sections share this table.
+RENAMED_KEYS = {
+    ("accept", "min_throughput_ratio"): "min_decode_speed_ratio",
+    ("benchmark", "min_throughput_ratio"): "min_server_throughput_ratio",
+    # three block sizes meant three things: data.block_size (tokens per text block) keeps its name
+    ("quantize", "block_size"): "weight_block_size",
+    ("serve", "block_size"): "kv_block_size",
+}
+
+
+def renamed_keys(data, section: str):
+    """A section's mapping with its renamed keys under their new names (a deprecation warning for each)."""
+    if not isinstance(data, dict):
+        return data
+    for (sec, old), new in RENAMED_KEYS.items():
+        if sec != section or old not in data:
+            continue
+        if new in data:
+            raise ValueError(f"{section}.{old} is the old name of {section}.{new}; give only {new}")
+        warnings.warn(f"{section}.{old} is deprecated: it is now {section}.{new} (same meaning); rename it in "
+                      f"your config", FutureWarning, stacklevel=3)
+        data = {k: v for k, v in data.items() if k != old} | {new: data[old]}
+    return data
+
+
 class MlflowConfig(Section):
     # None = $MLFLOW_TRACKING_URI, else sqlite under <project>/mlruns (absolute path).
     tracking_uri: str | None = None
+    # MLflow experiment the runs are logged under.
     experiment: str = "llm-compression"
     # Where people open the UI, for the links in run summaries and Prefect states. None = the tracking
     # server itself when tracking_uri is http(s), else $MLFLOW_UI_URL, else http://127.0.0.1:5000 (`make ui`).
@@ -36,7 +64,9 @@ class MlflowConfig(Section):
 
 
 class ServeConfig(Section):
+    # Address the server binds; 127.0.0.1 = this machine only.
     host: str = "127.0.0.1"
+    # The server's HTTP port.
     port: int = Field(8000, ge=1, le=65535)
     # KV memory budget (bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes): the block pool *and*
     # the dense rows beside it together (gqa: the in-place rows; standard: the per-step past buffers, which get
@@ -44,9 +74,13 @@ class ServeConfig(Section):
     # rows (docs/serving.md, "One KV budget"). num_blocks, if set, sizes the pool instead (the rows then get
     # num_blocks x share / (1 - share), halved for standard).
     kv_memory_mb: int = Field(256, ge=1)
+    # KV blocks in the pool; null = sized from kv_memory_mb (see above).
     num_blocks: int | None = Field(None, ge=1)
+    # Share of the KV budget given to the dense rows (see kv_memory_mb).
     kv_rows_share: float = Field(0.5, gt=0, lt=1)
-    block_size: int = Field(16, ge=1, le=1024)
+    # Tokens per KV block: the unit of the block pool and of prefix caching; formerly serve.block_size.
+    kv_block_size: int = Field(16, ge=1, le=1024)
+    # Reuse the KV blocks of a prompt prefix computed before (system prompts, chat history).
     enable_prefix_caching: bool = True
     # Rows decoding together. 64: every INT8 form's tokens/s still rose from 32 to 64 rows (docs/benchmarks.md run 9);
     # the KV rows are allocated for the traffic there is, not for this many (serve/runner_gqa.py).
@@ -62,6 +96,7 @@ class ServeConfig(Section):
     # when the waiting prompts already fill the free rows or the token budget. 0 = admit at the next step.
     # docs/serving.md, "Prompt coalescing"; docs/benchmarks.md run 11.
     admit_quiet_ms: float = Field(8.0, ge=0)
+    # Longest a prompt is held for coalescing (see admit_quiet_ms).
     admit_max_delay_ms: float = Field(100.0, ge=0)
     # None = the model's max positions from the manifest (a larger value is capped to it), lowered to what the
     # KV budget holds for one sequence (logged). Set explicitly, a value the budget cannot hold fails start-up.
@@ -69,11 +104,17 @@ class ServeConfig(Section):
     # Requests waiting for a row before new ones get 429. Above max_batch_size: a whole batch of users answered at
     # once comes back at once, and with 64 of each, a wave at 64 users was shed while it queued (run 11).
     max_waiting: int = Field(256, ge=1)
+    # A request waiting longer than this for a row is admitted before any newer one (the P99 guard,
+    # serve/scheduler.py).
     max_wait_s: float = Field(2.0, gt=0)
     # Order of the waiting queue for requests younger than max_wait_s.
     scheduling_policy: Literal["fcfs", "shortest_first"] = "fcfs"
+    # Answers kept for repeated identical deterministic requests (greedy or seeded), LRU; 0 = off.
     result_cache_size: int = Field(1024, ge=0)
+    # How often the server reads the registry alias it follows: a rollback is live within this.
     poll_interval_s: float = Field(10.0, gt=0)
+    # ONNX Runtime execution providers in order of preference; those this onnxruntime build lacks are skipped, CPU is
+    # the fallback.
     providers: list[str] = Field(default_factory=lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     # onnxruntime intra-op threads; 0 = onnxruntime's default (one per physical core).
     intra_op_threads: int = Field(0, ge=0)
@@ -109,6 +150,11 @@ class ServeConfig(Section):
     # Environment variable holding the bearer token for /admin/*; unset or empty = admin endpoints off.
     admin_token_env: str = "COMPRESSOR_ADMIN_TOKEN"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        return renamed_keys(data, "serve")
+
     @field_validator("ort_spinning", mode="before")
     @classmethod
     def _spinning_from_bool(cls, v):
@@ -133,7 +179,7 @@ def format_errors(err: ValidationError, origin: str, prefix: tuple = ()) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in (*prefix, *e["loc"])) or "<root>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key; check the spelling (see configs/default.yaml for every key)")
+            lines.append(f"  {key}: unknown key; check the spelling (docs/configuration.md lists every key)")
         else:
             got = e.get("input")
             got_s = "" if isinstance(got, (dict, list)) else f" (got {got!r})"

@@ -69,7 +69,7 @@ class Engine:
         refuse_record(self.artifact_dir, self.manifest)
         self.tokenizer = load_tokenizer(self.artifact_dir)
         spec = KVCacheSpec.from_manifest(self.manifest)
-        bs = config.block_size
+        bs = config.kv_block_size
         layout = self.manifest.get("attention_layout", "standard")
         num_blocks, row_tokens = kv_layout(config, spec, layout)
         # Served (advertised) context: the model's, within what the KV budget holds for one sequence.

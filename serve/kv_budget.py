@@ -124,7 +124,7 @@ def kv_layout(config: ServeConfig, spec: KVCacheSpec, layout: str) -> tuple[int,
     ``serve.kv_rows_share`` of ``serve.kv_memory_mb`` goes to the rows, the rest to the pool. With
     ``serve.num_blocks`` set the pool is that size and the rows get the matching share.
     """
-    bs = config.block_size
+    bs = config.kv_block_size
     copies = ROW_COPIES.get(layout)
     share = config.kv_rows_share if copies else 0.0
     if config.num_blocks:
@@ -143,7 +143,7 @@ def context_length(config: ServeConfig, spec: KVCacheSpec, manifest: dict, num_b
                    row_tokens: int | None, layout: str = "gqa") -> int:
     """The context length served: serve.max_model_len (else the manifest's max positions), within what the KV
     budget holds for one sequence. An explicit serve.max_model_len the budget cannot hold is a ConfigError."""
-    bs = config.block_size
+    bs = config.kv_block_size
     max_pos = int(manifest.get("max_positions") or 2048)
     pool_tokens = num_blocks * bs
     holds = min(pool_tokens, row_tokens) if row_tokens is not None else pool_tokens

@@ -82,3 +82,23 @@ def test_renamed_speed_floors_keep_their_old_name_with_a_warning():
     assert cfg.benchmark.min_server_throughput_ratio == 0.7
     with pytest.raises(Exception, match="give only min_decode_speed_ratio"):
         load_config("configs/tiny.yaml", ["accept.min_throughput_ratio=0.5", "accept.min_decode_speed_ratio=0.6"])
+
+
+def test_block_sizes_have_one_meaning_each():
+    """quantize.block_size (weights per scale) and serve.block_size (tokens per KV block) are renamed; the server
+    reads its old name too, through its own loader."""
+    from serve.config import load_serve_config
+
+    with pytest.warns(FutureWarning, match="quantize.block_size is deprecated.*quantize.weight_block_size"):
+        cfg = load_config("configs/tiny.yaml", ["quantize.block_size=64"])
+    assert cfg.quantize.weight_block_size == 64 and cfg.data.block_size != 64
+    with pytest.warns(FutureWarning, match="serve.kv_block_size"):
+        server = load_serve_config(None, ["serve.block_size=8"])
+    assert server.serve.kv_block_size == 8
+
+
+def test_the_top_level_seed_that_did_nothing_is_refused_with_the_seeds_that_act():
+    with pytest.raises(ConfigError, match=r"seed \(top level\) was removed.*data\.seed.*distill\.seed.*benchmark\.seed"):
+        load_config(None, ["seed=1"])
+    with pytest.raises(ConfigError, match="docs/configuration.md lists every key"):
+        load_config(None, ["export.exportr=dynamo"])

@@ -162,7 +162,7 @@ def test_greedy_matches_a_plain_torch_loop(tiny, tiny_artifact):
     import torch
 
     model, _ = tiny
-    eng = engine(tiny_artifact, block_size=4, max_num_batched_tokens=8)  # small blocks and chunks: many gathers
+    eng = engine(tiny_artifact, kv_block_size=4, max_num_batched_tokens=8)  # small blocks and chunks: many gathers
     for prompt in random_prompts(3, 5, 21, seed=1):
         ids = list(prompt)
         ref = {}
@@ -289,7 +289,7 @@ def test_preemption_in_a_tiny_pool_gives_identical_outputs(tiny_artifact, solo):
     params = [SamplingParams.greedy(int(rng.integers(10, 30)), ignore_eos=True) for _ in prompts]
     # 12 blocks x 8 tokens = 96 token slots; 16 requests need up to 70 each
     # kv_rows_share 0.8: the past buffers are not what this test squeezes (12 blocks, 96 tokens, are)
-    eng = engine(tiny_artifact, num_blocks=12, block_size=8, max_batch_size=16, max_num_batched_tokens=64,
+    eng = engine(tiny_artifact, num_blocks=12, kv_block_size=8, max_batch_size=16, max_num_batched_tokens=64,
                  kv_rows_share=0.8)
     handles = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     steps = 0
@@ -399,7 +399,7 @@ def test_eos_stops_generation(tiny_artifact):
 
 
 def test_admission_errors(tiny_artifact):
-    eng = engine(tiny_artifact, max_waiting=2, num_blocks=8, block_size=16)
+    eng = engine(tiny_artifact, max_waiting=2, num_blocks=8, kv_block_size=16)
     with pytest.raises(RequestTooLargeError, match="context of 512"):
         eng.add_request([5] * 500, SamplingParams.greedy(20))
     with pytest.raises(RequestTooLargeError, match="KV cache of 128 tokens"):
@@ -433,7 +433,7 @@ def test_text_prompt_and_stats_snapshot(tiny_artifact):
 
 
 def test_runner_reuses_past_buffers(tiny_artifact):
-    eng = engine(tiny_artifact, block_size=16)
+    eng = engine(tiny_artifact, kv_block_size=16)
     eng.generate(random_prompts(1, 20, 20, seed=14)[0], SamplingParams.greedy(100, ignore_eos=True))
     buf = eng.runner._decode_buf
     # one re-layout per block boundary, not per step; gathers only at those re-layouts

@@ -50,7 +50,7 @@ def test_accept_within_tolerance():
     v = accept({"perplexity": 20.5, "top1_agreement": 0.93, "decode_tokens_per_s": 60.0, "size_bytes": 200e6}, BASE, cfg)
     assert isinstance(v, Verdict) and v.accepted and v.reasons == []
     assert v.metrics["gate_perplexity_ratio"] == pytest.approx(1.025)
-    assert v.metrics["gate_throughput_ratio"] == pytest.approx(1.5)
+    assert v.metrics["gate_decode_speed_ratio"] == pytest.approx(1.5)
 
 
 def test_accept_rejects_naming_each_failed_tolerance():

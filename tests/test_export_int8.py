@@ -24,7 +24,7 @@ def test_int8_from_the_checkpoint_is_the_quantize_stages_weight_only_form(family
     cfg = QuantizeConfig(method="weight_only", smoothquant_alpha=None)
     build_gqa_artifact(model, tok, tmp_path / "fp32")
     quantize_artifact(tmp_path / "fp32", tmp_path / "stage", None, cfg)
-    build_gqa_artifact(model, tok, tmp_path / "direct", int8=(cfg.block_size, cfg.accuracy_level))
+    build_gqa_artifact(model, tok, tmp_path / "direct", int8=(cfg.weight_block_size, cfg.accuracy_level))
     blocks = np.random.default_rng(0).integers(3, 200, (2, 24))
     stage, direct = load_lm(tmp_path / "stage"), load_lm(tmp_path / "direct")
     assert np.array_equal(stage.prefill_batch(blocks), direct.prefill_batch(blocks))

@@ -113,7 +113,7 @@ def test_the_docs_name_the_keys_and_paths_that_exist():
     assert "#no-fp32-copy-the-int8-export" in readme and "### No fp32 copy: the INT8 export" in models
     for path in ("compress/export/weights.py", "compress/evaluate/golden_int8.py", "tests/test_golden_int8.py"):
         assert path in models and (root / path).is_file()
-    for key in ("export.weights", "golden.int8_margin", "quantize.block_size", "quantize.accuracy_level"):
+    for key in ("export.weights", "golden.int8_margin", "quantize.weight_block_size", "quantize.accuracy_level"):
         assert key in models
         section, name = key.split(".")
         assert hasattr(getattr(cfg, section), name)

@@ -235,8 +235,8 @@ def test_a_burst_of_arrivals_runs_as_one_prompt_call(gqa_artifact):
 def test_prefix_hits_copy_cached_blocks(tiny_artifact, gqa_artifact):
     shared = prompts(1, 40, 40, seed=5)[0]
     reqs = [(shared + tail, 10) for tail in prompts(6, 1, 9, seed=6)]
-    _, want, ref = run_engine(tiny_artifact, reqs, enable_prefix_caching=False, block_size=4)
-    eng, got, rows = run_engine(gqa_artifact, reqs, first_alone=True, enable_prefix_caching=True, block_size=4,
+    _, want, ref = run_engine(tiny_artifact, reqs, enable_prefix_caching=False, kv_block_size=4)
+    eng, got, rows = run_engine(gqa_artifact, reqs, first_alone=True, enable_prefix_caching=True, kv_block_size=4,
                                 max_batch_size=4)
     assert got == want
     assert max(float(np.abs(rows[k] - ref[k]).max()) for k in ref) < 1e-4
@@ -249,11 +249,11 @@ def test_next_turn_reuses_blocks_its_answer_filled(tiny_artifact, gqa_artifact):
     answer hits the blocks the answer filled (published while the first request ran), with the logits of the
     standard runner, which writes every position as it comes."""
     first = prompts(1, 10, 10, seed=12)[0]
-    eng, (answer,), _ = run_engine(gqa_artifact, [(first, 23)], enable_prefix_caching=True, block_size=4)
+    eng, (answer,), _ = run_engine(gqa_artifact, [(first, 23)], enable_prefix_caching=True, kv_block_size=4)
     second = first + answer + prompts(1, 3, 3, seed=13)[0]
     reqs = [(first, 23), (second, 8)]
-    _, want, ref = run_engine(tiny_artifact, reqs, first_alone=True, enable_prefix_caching=False, block_size=4)
-    eng, got, rows = run_engine(gqa_artifact, reqs, first_alone=True, enable_prefix_caching=True, block_size=4)
+    _, want, ref = run_engine(tiny_artifact, reqs, first_alone=True, enable_prefix_caching=False, kv_block_size=4)
+    eng, got, rows = run_engine(gqa_artifact, reqs, first_alone=True, enable_prefix_caching=True, kv_block_size=4)
     assert got == want
     assert max(float(np.abs(rows[k] - ref[k]).max()) for k in ref) < 1e-4
     # 33 tokens of the second prompt are in 8 full blocks, 5 of them filled by the first request's decode steps
@@ -288,7 +288,7 @@ def test_eviction_and_preemption(tiny_artifact, gqa_artifact):
     """A 12-block pool and 3 KV rows for 10 requests: rows are evicted and refilled, sequences preempted."""
     reqs = [(p, 20) for p in prompts(10, 3, 20, seed=7)]
     _, want, _ = run_engine(tiny_artifact, reqs, enable_prefix_caching=False)
-    eng, got, _ = run_engine(gqa_artifact, reqs, num_blocks=12, block_size=4, max_batch_size=3,
+    eng, got, _ = run_engine(gqa_artifact, reqs, num_blocks=12, kv_block_size=4, max_batch_size=3,
                              max_num_batched_tokens=16)
     assert got == want
     assert eng.stats().preemptions > 0
@@ -333,7 +333,7 @@ def test_int8_kv_cache(gqa_artifact, tiny_splits, tmp_path, scales):
     print(f"int8 K/V against float32 K/V: max rel logit diff {rel:.4f}, top-1 agreement {agree:.3f}")
     assert rel < 0.05 and agree > 0.95
     reqs = [(p, 8) for p in prompts(6, 3, 30, seed=21)]
-    eng, got, _ = run_engine(tmp_path / "i8", reqs, enable_prefix_caching=True, max_batch_size=6, block_size=4,
+    eng, got, _ = run_engine(tmp_path / "i8", reqs, enable_prefix_caching=True, max_batch_size=6, kv_block_size=4,
                              max_num_batched_tokens=64)
     lm = load_lm(tmp_path / "i8", verify=False)
     assert got == [lm.greedy(p, 8) for p, _ in reqs]

@@ -34,13 +34,13 @@ def drive(eng, reqs):
 
 def unsqueezed(art, reqs):
     """The same requests one at a time on an engine whose KV budget squeezes nothing: the tokens to expect."""
-    eng = Engine(art, ServeConfig(providers=[CPU], num_blocks=400, block_size=16), start=False)
+    eng = Engine(art, ServeConfig(providers=[CPU], num_blocks=400, kv_block_size=16), start=False)
     return [eng.generate(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in reqs]
 
 
 def test_max_length_request_stays_within_budget_and_gives_memory_back(tiny_gqa):
     # 40 blocks x 16 = 640 pool tokens; the rows get the same (kv_rows_share 0.5): 640 positions in all.
-    cfg = ServeConfig(providers=[CPU], num_blocks=40, block_size=16, max_batch_size=8, max_num_batched_tokens=64)
+    cfg = ServeConfig(providers=[CPU], num_blocks=40, kv_block_size=16, max_batch_size=8, max_num_batched_tokens=64)
     eng = Engine(tiny_gqa, cfg, start=False)
     r = eng.runner
     assert isinstance(r, GqaRunner) and r.row_tokens == 640
@@ -60,7 +60,7 @@ def test_max_length_request_stays_within_budget_and_gives_memory_back(tiny_gqa):
 
 
 def test_rows_shrink_after_a_long_request_while_short_ones_run(tiny_gqa):
-    cfg = ServeConfig(providers=[CPU], num_blocks=64, block_size=16, max_batch_size=4, max_num_batched_tokens=128)
+    cfg = ServeConfig(providers=[CPU], num_blocks=64, kv_block_size=16, max_batch_size=4, max_num_batched_tokens=128)
     eng = Engine(tiny_gqa, cfg, start=False)
     r = eng.runner
     eng.add_request(ids(480, 3), SamplingParams.greedy(4, ignore_eos=True))
@@ -81,19 +81,19 @@ def test_rows_shrink_after_a_long_request_while_short_ones_run(tiny_gqa):
 
 def test_explicit_max_model_len_the_budget_cannot_hold_fails_with_the_numbers(tiny_gqa, tiny_artifact):
     with pytest.raises(ConfigError) as e:
-        Engine(tiny_gqa, ServeConfig(providers=[CPU], num_blocks=20, block_size=16, max_model_len=512), start=False)
+        Engine(tiny_gqa, ServeConfig(providers=[CPU], num_blocks=20, kv_block_size=16, max_model_len=512), start=False)
     msg = str(e.value)
     assert "serve.max_model_len 512" in msg and "at most 320 tokens" in msg and "block pool 320 tokens" in msg
     assert "KV rows 320 positions" in msg and "bytes per token" in msg and "serve.num_blocks >= 32" in msg
     # The standard layout: 160 pool tokens; its past buffers get the same share, halved for ORT's presents.
     with pytest.raises(ConfigError, match="at most 80 tokens") as e:
-        Engine(tiny_artifact, ServeConfig(providers=[CPU], num_blocks=10, block_size=16, max_model_len=300),
+        Engine(tiny_artifact, ServeConfig(providers=[CPU], num_blocks=10, kv_block_size=16, max_model_len=300),
                start=False)
     assert "past buffers 80 positions" in str(e.value) and "serve.num_blocks >= 38" in str(e.value)
 
 
 def test_default_context_is_lowered_to_what_the_budget_holds(tiny_gqa):
-    eng = Engine(tiny_gqa, ServeConfig(providers=[CPU], num_blocks=20, block_size=16), start=False)
+    eng = Engine(tiny_gqa, ServeConfig(providers=[CPU], num_blocks=20, kv_block_size=16), start=False)
     assert eng.max_model_len == 320  # advertised by /v1/models; the manifest says 512
     with pytest.raises(RequestTooLargeError, match="KV cache of 320 tokens"):
         eng.add_request(ids(300, 1), SamplingParams.greedy(30))
@@ -112,7 +112,7 @@ def test_kv_memory_mb_is_split_between_pool_and_rows(tiny_gqa):
 
 def test_standard_layout_past_buffers_stay_within_the_budget(tiny_artifact):
     # 40 blocks x 16 = 640 pool tokens; the past buffers get 640 / 2 = 320 positions (ORT's presents the other half).
-    cfg = ServeConfig(providers=[CPU], num_blocks=40, block_size=16, max_batch_size=8, max_num_batched_tokens=64)
+    cfg = ServeConfig(providers=[CPU], num_blocks=40, kv_block_size=16, max_batch_size=8, max_num_batched_tokens=64)
     eng = Engine(tiny_artifact, cfg, start=False)
     r = eng.runner
     assert r.row_tokens == 320 and eng.max_model_len == 320
@@ -130,7 +130,7 @@ def test_standard_layout_past_buffers_stay_within_the_budget(tiny_artifact):
 def test_standard_layout_rows_cut_short_of_a_block_when_the_budget_says_so(tiny_artifact):
     # 213 buffer positions, not a whole number of blocks: two ~100-token rows fit (2 x 106 <= 213) only if the
     # past is not rounded up to the next block (2 x 112 > 213), which the runner then does.
-    cfg = ServeConfig(providers=[CPU], num_blocks=40, block_size=16, kv_rows_share=0.4, max_batch_size=4)
+    cfg = ServeConfig(providers=[CPU], num_blocks=40, kv_block_size=16, kv_rows_share=0.4, max_batch_size=4)
     eng = Engine(tiny_artifact, cfg, start=False)
     assert eng.runner.row_tokens == 213
     reqs = [(ids(90, 7), 16), (ids(88, 8), 18)]
@@ -143,7 +143,7 @@ def test_standard_layout_rows_cut_short_of_a_block_when_the_budget_says_so(tiny_
 def test_rows_follow_the_traffic_not_what_the_budget_could_hold(tiny_gqa):
     """One running sequence holds one row slot, however many the budget has room for; slots grow by powers of
     two with the rows of a step, and the tokens are those of one request at a time."""
-    cfg = ServeConfig(providers=[CPU], num_blocks=400, block_size=16, max_batch_size=8)
+    cfg = ServeConfig(providers=[CPU], num_blocks=400, kv_block_size=16, max_batch_size=8)
     eng = Engine(tiny_gqa, cfg, start=False)
     r = eng.runner
     assert r.row_tokens // 256 >= 8  # room for all 8 slots at the first length step

@@ -206,7 +206,7 @@ def test_wrong_methods_paths_and_content_types(http):
 
 
 # ---- a request that can never fit; overload ----------------------------------------------------------
-SMALL = dict(max_batch_size=2, max_waiting=4, num_blocks=16, block_size=16, max_wait_s=1.0, result_cache_size=0)
+SMALL = dict(max_batch_size=2, max_waiting=4, num_blocks=16, kv_block_size=16, max_wait_s=1.0, result_cache_size=0)
 CAPACITY = SMALL["max_batch_size"] + SMALL["max_waiting"]
 
 

@@ -153,7 +153,7 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
         c_tps = _num(candidate, "decode_tokens_per_s", "candidate")
         b_tps = _num(baseline, "decode_tokens_per_s", "baseline")
         tr = c_tps / b_tps if b_tps > 0 else 0.0
-        m["gate_throughput_ratio"] = tr
+        m["gate_decode_speed_ratio"] = tr
         check("throughput_ratio", tr, cfg.min_decode_speed_ratio, tr >= cfg.min_decode_speed_ratio,
               f"decode throughput {c_tps:.1f} tok/s is {tr:.3f}x the baseline {b_tps:.1f} < min_decode_speed_ratio "
               f"{cfg.min_decode_speed_ratio}")

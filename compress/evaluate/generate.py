@@ -68,7 +68,7 @@ def engine_config(manifest: dict, prompts: Sequence[Sequence[int]], max_new_toke
     mb = max(1, math.ceil((1 + copies) * rows * per_row * bpt / 2**20) + 1)
     # the context this work needs, which the budget holds (a longer one would only be logged as lowered)
     context = min(longest, int(manifest.get("max_positions") or longest))
-    return ServeConfig(providers=[CPU], max_batch_size=rows, kv_memory_mb=mb, block_size=block,
+    return ServeConfig(providers=[CPU], max_batch_size=rows, kv_memory_mb=mb, kv_block_size=block,
                        kv_rows_share=copies / (1 + copies), enable_prefix_caching=False, decode_split_rows=0,
                        model_thread_nice=0,
                        intra_op_threads=threads or 0, verify_artifact=False, result_cache_size=0,

@@ -284,7 +284,7 @@ def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, 
                                                                  DefaultWeightOnlyQuantizer)
 
     if block_size & (block_size - 1) or block_size < 16:
-        raise QuantizeError(f"quantize.block_size must be a power of two >= 16 for weight_only, got {block_size}")
+        raise QuantizeError(f"quantize.weight_block_size must be a power of two >= 16 for weight_only, got {block_size}")
     quantizer = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
         block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level, bits=8))
     g = model.graph

@@ -241,12 +241,12 @@ class Quantizer:
         elif cfg.method == "dynamic":
             model = dynamic_per_tensor(model, linears, cfg.per_channel, self.reduce_range)
         else:
-            model = weight_only(model, linears, cfg.block_size, cfg.accuracy_level)
+            model = weight_only(model, linears, cfg.weight_block_size, cfg.accuracy_level)
         if fallback and rest and cfg.keep_float_as == "weight_only" and cfg.method != "weight_only":
-            model = weight_only(model, rest, pow2_block(cfg.block_size), cfg.accuracy_level)
+            model = weight_only(model, rest, pow2_block(cfg.weight_block_size), cfg.accuracy_level)
         if cfg.quantize_embedding if embedding is None else embedding:
             head, scales = (self.lm_head_smooth if self.per_token_lm_head and self.lm_head_smooth else (None, None))
-            done = quantize_tied_embedding(model, pow2_block(cfg.block_size), cfg.accuracy_level,
+            done = quantize_tied_embedding(model, pow2_block(cfg.weight_block_size), cfg.accuracy_level,
                                            lm_head_per_token=self.per_token_lm_head, per_channel=cfg.per_channel,
                                            reduce_range=self.reduce_range, lm_head_scales=scales)
             if done and head is not None:
@@ -317,7 +317,7 @@ class Quantizer:
         s = {
             "method": cfg.method,
             "weights": "int8 symmetric " + ("per-channel" if cfg.per_channel else "per-tensor") if cfg.method != "weight_only"
-            else f"int8 block-wise (block {cfg.block_size}, MatMulNBits accuracy_level {cfg.accuracy_level})",
+            else f"int8 block-wise (block {cfg.weight_block_size}, MatMulNBits accuracy_level {cfg.accuracy_level})",
             "reduce_range": self.reduce_range,
             "cpu_vnni": has_vnni(),
             "smoothquant_alpha": self.alpha,
