@@ -63,7 +63,7 @@ def rss_mib(pid: int) -> float:
 def llama_server(binary: Path, gguf: Path, slots: int, max_tokens: int):
     """llama.cpp's own ``llama-server`` on ``gguf`` with ``slots`` parallel slots (continuous batching), its
     context split between them (256 tokens of prompt and output each, plus ``max_tokens``), 2 threads, on a free
-    127.0.0.1 port; yields (base URL, process). The anchor of docs/benchmarks.md, never a dependency."""
+    127.0.0.1 port; yields (base URL, process). The anchor of benchmarks/history.md, never a dependency."""
     import subprocess
 
     port = free_port()
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a ServeConfig field for the artifact NAME only (the same artifact under two names: an A/B of "
                         "a server setting in one run)")
     p.add_argument("--llama-server", type=Path, default=None, metavar="BIN",
-                   help="also llama.cpp's llama-server on --gguf, one slot per user (docs/benchmarks.md: the build)")
+                   help="also llama.cpp's llama-server on --gguf, one slot per user (benchmarks/history.md: the build)")
     p.add_argument("--gguf", type=Path, default=None, help="the same model for --llama-server (e.g. Q8_0)")
     p.add_argument("--source", action="append", default=[], metavar="NAME=DIR",
                    help="serve the artifact NAME with the server of the source tree DIR (e.g. a git worktree of the "

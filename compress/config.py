@@ -313,7 +313,7 @@ class QuantizeConfig(Section):
     auto_profile: list[int] = Field(default_factory=list)
     # The K/V cache the served graph keeps (gqa layout): "float32", or "int8" with per-channel scales calibrated on
     # the calib split (compress/quantize/kv_int8.py): a quarter of the bytes per position, and attention over it
-    # 2-2.4x faster on the CPU EP, which is what batched decode is bound by (docs/benchmarks.md run 10). The accept
+    # 2-2.4x faster on the CPU EP, which is what batched decode is bound by (benchmarks/history.md run 10). The accept
     # stage gates the artifact with its int8 cache. CPU EP only: ORT's CUDA kernel takes int8 caches with fp16 queries.
     # "auto": the quantize stage judges the cache forms too, per weight form, in the order of their speed at
     # auto_concurrency users (from 8 users: int8 per tensor, int8 per channel, float32; below: float32 first) and
@@ -322,7 +322,7 @@ class QuantizeConfig(Section):
     # The int8 cache's scales: "channel" (one per KV head and channel, the closer one) or "tensor" (one for each
     # layer's K and one for its V): 5 % more tokens/s at 32 users on this CPU, where ORT's per-tensor path is the
     # faster kernel, and coarser: on SmolLM2 the chat ratio went 1.016 -> 1.022 and the test split's top-1 agreement
-    # 0.913 -> 0.897, under the demo's 0.90 (docs/benchmarks.md run 11).
+    # 0.913 -> 0.897, under the demo's 0.90 (benchmarks/history.md run 11).
     # K and V always share the granularity: ORT 1.31 with one per-tensor and one per-channel ran for minutes a step.
     kv_cache_scales: Literal["channel", "tensor"] = "channel"
     # static: how activation ranges are set from the calib split; minmax, entropy (KL) or percentile.
@@ -482,7 +482,7 @@ class BenchmarkConfig(Section):
         return renamed_keys(data, "benchmark")
     # ServeConfig fields for the benchmarked servers, e.g. {max_batch_size: 8}.
     serve_overrides: dict = Field(default_factory=dict)
-    # A folder written by onnxruntime-genai's model builder from the same HF model (docs/benchmarks.md, run 6,
+    # A folder written by onnxruntime-genai's model builder from the same HF model (benchmarks/history.md, run 6,
     # says how): the stage then also times the candidate and genai at batch 1 on the same prompts and logs both
     # and the ratios. Skipped, with the reason logged, when onnxruntime-genai is not installed (.cache/genai-venv).
     genai_model: str | None = None

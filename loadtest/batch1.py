@@ -114,7 +114,7 @@ def genai_skip_reason(model_dir: str | None) -> str | None:
         return "no genai model folder given"
     if not (Path(model_dir) / "genai_config.json").is_file():
         return (f"{model_dir} has no genai_config.json: build it with .cache/genai-venv/bin/python -m "
-                "onnxruntime_genai.models.builder (docs/benchmarks.md)")
+                "onnxruntime_genai.models.builder (benchmarks/history.md)")
     return genai_available()
 
 

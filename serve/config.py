@@ -82,19 +82,19 @@ class ServeConfig(Section):
     kv_block_size: int = Field(16, ge=1, le=1024)
     # Reuse the KV blocks of a prompt prefix computed before (system prompts, chat history).
     enable_prefix_caching: bool = True
-    # Rows decoding together. 64: every INT8 form's tokens/s still rose from 32 to 64 rows (docs/benchmarks.md run 9);
+    # Rows decoding together. 64: every INT8 form's tokens/s still rose from 32 to 64 rows (benchmarks/history.md run 9);
     # the KV rows are allocated for the traffic there is, not for this many (serve/runner_gqa.py).
     max_batch_size: int = Field(64, ge=1)
     # Tokens one step computes (decodes + prompt chunks); 2048 as vLLM's online server. 32 chat prompts (~1,300
     # tokens) then run in one batched call: at 512 a wave of them took four calls, each reading every weight
-    # (docs/benchmarks.md run 11). Lower it (256-512) when inter-token latency under long prompts matters more.
+    # (benchmarks/history.md run 11). Lower it (256-512) when inter-token latency under long prompts matters more.
     max_num_batched_tokens: int = Field(2048, ge=1)
     # Prompt coalescing (the engine's own loop; a manual-mode caller adds its requests before stepping): once
     # requests arrive within admit_quiet_ms of each other (a burst; one user alone is never held), new ones wait
     # until none has arrived for admit_quiet_ms, at most admit_max_delay_ms after the oldest, so the burst runs as
     # one batched prompt call instead of a call per few requests (each call reads every weight once). Not held
     # when the waiting prompts already fill the free rows or the token budget. 0 = admit at the next step.
-    # docs/serving.md, "Prompt coalescing"; docs/benchmarks.md run 11.
+    # docs/serving.md, "Prompt coalescing"; benchmarks/history.md run 11.
     admit_quiet_ms: float = Field(8.0, ge=0)
     # Longest a prompt is held for coalescing (see admit_quiet_ms).
     admit_max_delay_ms: float = Field(100.0, ge=0)
@@ -122,13 +122,13 @@ class ServeConfig(Section):
     # batch-1 step is ~150 small ops: waking sleeping threads for each costs more than the op) and sleeps between
     # steps, when the HTTP event loop needs the cores; "always" (onnxruntime's own default) also spins after
     # each step; "off" never spins (best when other work shares the cores). true/false mean always/off.
-    # docs/serving.md, "The event loop under bursts", and docs/benchmarks.md run 8 have the figures.
+    # docs/serving.md, "The event loop under bursts", and benchmarks/history.md run 8 have the figures.
     ort_spinning: Literal["off", "during_runs", "always"] = "during_runs"
     # From this many decode rows on (0 = never), a gqa step on the CPU runs as two halves at once on a second
     # session with half the threads: 5-16 % more tokens/s and 10-25 % less CPU per token at 32-64 rows on 2 cores; the
     # second session is a second copy of the weights (made at start-up when max_batch_size reaches this size; never
     # for a graph over 2 GiB of weights, serve/runner_gqa.SPLIT_MAX_WEIGHT_BYTES: a 7B's server would hold two).
-    # docs/benchmarks.md run 10.
+    # benchmarks/history.md run 10.
     decode_split_rows: int = Field(16, ge=0)
     # Where a gqa runner keeps its block pool and KV rows: "auto" = GPU memory on the CUDA EP for the CUDA form's
     # fp16 cache (quantize.target: cuda), host memory otherwise; "torch" = torch tensors on the CPU, which runs the

@@ -3,7 +3,7 @@
 Loading a model allocates temporaries as large as the graph (the parsed protobuf, initializer copies before
 prepacking) and frees them, but glibc keeps freed memory in its arenas for reuse, and a thread's own arena
 (the runner is built in a thread of its own: serve/thread_priority.py) keeps all of it. For the 151 MiB
-SmolLM2 INT8 graph that was ~100 MiB of resident memory nothing used again (docs/benchmarks.md run 8,
+SmolLM2 INT8 graph that was ~100 MiB of resident memory nothing used again (benchmarks/history.md run 8,
 "Resident memory"). ``malloc_trim(0)`` returns it. Elsewhere than glibc this does nothing.
 """
 

@@ -4,7 +4,7 @@ numpy asks the kernel for transparent huge pages on every large array (``madvise
 block pool and the in-place rows that is the wrong trade: both are written sparsely (one block, one slot of
 each layer's slice), and the first write into any 2 MiB of a huge-page region makes all 2 MiB resident. With
 60 layer slices, one request's first step made ~120 MiB of the pool and ~120 MiB of the rows resident
-(docs/benchmarks.md run 8, "Resident memory"). These buffers come from an anonymous mapping advised
+(benchmarks/history.md run 8, "Resident memory"). These buffers come from an anonymous mapping advised
 ``MADV_NOHUGEPAGE`` instead, so resident memory follows the blocks and slots actually written. Where the
 platform has no madvise, this is plain ``np.zeros``.
 """

@@ -66,7 +66,7 @@ def balanced_cut(lens: Sequence[int], head_share: float) -> int:
     longer of the two ends first: a call costs its rows x (its padded length + its kept logits positions x
     ``head_share``, the lm_head's multiply-adds per position over the rest of the model's). Cut at n // 2, one
     long prompt padded half the wave to its length and widened that call's logits to its span: 32 chat prompts,
-    one of them 8x longer, took 9.6 s against 1.5 s (docs/benchmarks.md run 15)."""
+    one of them 8x longer, took 9.6 s against 1.5 s (benchmarks/history.md run 15)."""
     n = len(lens)
 
     def work(lo: int, hi: int) -> float:
@@ -319,7 +319,7 @@ class GqaRunner(RunnerBase):
             logits = self._run_decode(decode)
             for k, r in enumerate(decode):
                 i = index[id(r)]
-                # a view: 32 rows x 49,152 floats copied every step was ~0.8 ms (docs/benchmarks.md run 10)
+                # a view: 32 rows x 49,152 floats copied every step was ~0.8 ms (benchmarks/history.md run 10)
                 out[i] = logits[k][None].copy() if r.all_logits else logits[k] if r.want_logits else None
         fresh = [r for r in prefill if r.start == 0 and not r.all_logits]
         rest = [r for r in prefill if r.start > 0 or r.all_logits]
@@ -385,7 +385,7 @@ class GqaRunner(RunnerBase):
     def _halves(self):
         """The session for split decode steps: half the intra-op threads, run by two threads at once (this one and
         a worker), each on half the rows. On 2 cores (one thread each) that beat one call on two threads by 5-16 %
-        in wall time and 10-25 % in CPU time at 32-64 rows (docs/benchmarks.md, run 10): the ~300 small ops of a
+        in wall time and 10-25 % in CPU time at 32-64 rows (benchmarks/history.md, run 10): the ~300 small ops of a
         step no longer hand work between threads. It costs a second copy of the weights, so it is made only when
         max_batch_size reaches decode_split_rows."""
         if self._half_session is None:
@@ -440,7 +440,7 @@ class GqaRunner(RunnerBase):
         self.calls += 1
         # The new K/V stays in the rows until its block is full, then the block's positions go to the pool in one
         # copy (_flush): writing each position as it came was one strided copy per row per step, 7 % of a server
-        # step at 32 users (docs/benchmarks.md run 10). Prefix caching publishes only full blocks, and a slot's
+        # step at 32 users (benchmarks/history.md run 10). Prefix caching publishes only full blocks, and a slot's
         # unwritten tail is flushed before anything overwrites or drops it.
         bs = self.block_size
         for i, r in enumerate(rows):

@@ -241,7 +241,7 @@ def _genai_or_skip():
 
     why = genai_available()
     if why:
-        pytest.skip(f"onnxruntime-genai is not installed here ({why[:80]}); docs/benchmarks.md says how")
+        pytest.skip(f"onnxruntime-genai is not installed here ({why[:80]}); benchmarks/history.md says how")
 
 
 def test_compare_with_genai_times_ours_and_genai_on_the_same_prompts(tiny_artifact, tiny_model_dir, tmp_path):

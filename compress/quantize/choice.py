@@ -13,7 +13,7 @@ split; the accepted ones are then timed against each other at batch 1 (decode st
 on a shared machine hits them alike), and the fastest is renamed to ``out_dir``. With
 ``quantize.auto_concurrency`` N > 1 (the deployment expects N users at once) the choice is the most decode
 tokens/s with N requests decoding together on the serving engine instead: weight-only MatMulNBits is the faster
-kernel for one row, per-token W8A8's integer product several times faster from 8 rows up (docs/benchmarks.md); forms within
+kernel for one row, per-token W8A8's integer product several times faster from 8 rows up (benchmarks/history.md); forms within
 ``quantize.auto_speed_tolerance`` of the fastest count as tied, and the lowest selection-split perplexity
 among them wins (timing noise on a shared box must not flip the choice to the less accurate form). The gate's
 verdict is still the accept stage's, on the test split no trial has seen.
@@ -57,7 +57,7 @@ KV_FORMS: dict[str, dict] = {
     "int8_channel": {"kv_cache": "int8", "kv_cache_scales": "channel"},
     "float32": {"kv_cache": "float32"},
 }
-# From this many users on, an int8 cache is the faster (attention over it ~2x faster, docs/benchmarks.md run 10).
+# From this many users on, an int8 cache is the faster (attention over it ~2x faster, benchmarks/history.md run 10).
 KV_INT8_FROM_USERS = 8
 
 

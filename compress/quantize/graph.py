@@ -119,10 +119,10 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
       y = MatMulIntegerToFloat(xq, Wq, 1/127, w_scale, 128) * m
     5 nodes per group and 2 per linear, on the activation's own rank (MatMulInteger broadcasts like MatMul: no
     Shape/Reshape around it). Each node is a pass with a thread hand-off, and at 32-64 rows these elementwise passes
-    cost more than the integer GEMMs (docs/benchmarks.md, run 10): the first form's Div/Round/Add/Cast chain and
+    cost more than the integer GEMMs (benchmarks/history.md, run 10): the first form's Div/Round/Add/Cast chain and
     MatMulInteger/Cast/Mul/Mul were 8 + 4 per linear. Format 3 packed linears sharing an input (gate/up) into one
     product and split it after; the Split was a copy of the whole product, and two products reading the same
-    quantized input are 8 % faster on 32 batched prompts, 2 % on a 32-row decode step (format 4, docs/benchmarks.md
+    quantized input are 8 % faster on 32 batched prompts, 2 % on a 32-row decode step (format 4, benchmarks/history.md
     run 11).
     uint8 with a fixed zero point 128: ORT's s8 x s8 MatMulInteger is a slow path (5 ms vs 0.02 ms for u8 x s8
     at 1x576x1536 on this CPU).
@@ -197,7 +197,7 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
     MatMul(x, Transpose(E))   -> MatMulNBits(x, Eq) (weight-only, bits=8)
     lm_head_per_token (the W8A8 per-token form): the lm_head instead gets its own int8 copy [K, V], per channel,
     behind per-token activations (insert_dynamic_per_token): MatMulNBits at M = 32 rows ran ~5x slower than
-    MatMulInteger on this CPU (docs/benchmarks.md), and the lm_head is a fifth of SmolLM2's weights. Costs V x K
+    MatMulInteger on this CPU (benchmarks/history.md), and the lm_head is a fifth of SmolLM2's weights. Costs V x K
     bytes more (28 MiB for SmolLM2). lm_head_scales: SmoothQuant's s for that copy's input channels (its rows are
     multiplied by s); the caller has divided the lm_head's input by s (compress/quantize/smoothquant.py
     fold_tied_lm_head).

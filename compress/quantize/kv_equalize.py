@@ -7,7 +7,7 @@ sum_j q_j k_j, which does not change when channel j of every query head is multi
 their KV head divided by c_j. Rotary embedding rotates channel pairs, (j, j + r/2) or (2j, 2j + 1) when
 interleaved, so both channels of a pair share one c and the rotation commutes with it. The factors are powers of
 two, so the products are exact in floating point: the graph computes the same logits bit for bit with a float
-cache, and only the int8 cache's rounding changes (run 12 in docs/benchmarks.md).
+cache, and only the int8 cache's rounding changes (run 12 in benchmarks/history.md).
 
 The factors fold into the per-output-column scales of the product that feeds GroupQueryAttention's packed
 Q|K|V input (or its Q and K inputs): ``MatMulIntegerToFloat``'s ``b_scale`` (W8A8), ``MatMulNBits``'

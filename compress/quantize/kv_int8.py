@@ -5,7 +5,7 @@ ONNX Runtime's CPU GroupQueryAttention (1.31) reads an int8 cache with a float s
 one per tensor (``PER_TENSOR``: coarser, and the faster kernel on this CPU; ``quantize.kv_cache_scales``): it
 quantizes each new K/V as it writes it (``q = clamp(round(x / scale), -128, 127)``) and dequantizes inside its
 dot products. A position then costs a quarter of float32's bytes, and attention, which reads every row's K/V
-each step and is half of a 64-row decode step on float32 (docs/benchmarks.md run 10), runs 2-2.4x faster.
+each step and is half of a 64-row decode step on float32 (benchmarks/history.md run 10), runs 2-2.4x faster.
 
 The scales are static, so they come from calibration: the largest |K| (after rotary) and |V| the artifact
 itself writes on the calibration blocks, per layer, head and channel, times ``KV_MARGIN`` for what those
