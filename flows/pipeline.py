@@ -23,12 +23,13 @@ from compress import registry
 from compress.config import ConfigError, PipelineConfig, load_config, project_root
 from compress.data import DATA_FORMAT
 from compress.evaluate import chat as chat_eval
+from compress.evaluate.gate import Verdict
 from compress.export import EXPORT_FORMAT, fp32_needed_by, resolve_weights
 from compress.memory import shape_of_folder
 from compress.search import describe
 from flows.deploy import deploy_flow, served_model
 from flows.outcome import pipeline_state
-from flows.promotion import promote_if_still_best
+from flows.promotion import decide_promotion, promote_if_still_best, verdict_status
 from tasks.accept import accept_task
 from tasks.benchmark import benchmark_task
 from tasks.common import stage_key, submit_stage
@@ -276,8 +277,8 @@ def search_rejection(search: dict) -> dict:
     metrics.update({f"selection_{k[len('search_gate_'):]}": v for k, v in gate["metrics"].items()
                     if k.startswith("search_gate_")})
     metrics["selection_decode_ms_per_token"] = best.ms_per_token  # timed beside the other candidates
-    return {"accepted": False, "reasons": reasons, "criteria": gate["criteria"], "checks": gate["checks"],
-            "candidate": {}, "baseline": {}, "metrics": metrics, "split": "selection"}
+    return Verdict(False, reasons, metrics, gate["criteria"], gate["checks"]).record(
+        candidate={}, baseline={}, split="selection")
 
 
 def quantize_rejection(choice: dict) -> dict:
@@ -290,8 +291,7 @@ def quantize_rejection(choice: dict) -> dict:
     best = min(choice["attempts"], key=lambda a: a["perplexity_ratio"])
     metrics = {"selection_perplexity_ratio": best["perplexity_ratio"], "selection_top1_agreement": best["top1_agreement"],
                "selection_perplexity": best["perplexity"]}
-    return {"accepted": False, "reasons": reasons, "criteria": "fidelity", "checks": [], "candidate": {},
-            "baseline": {}, "metrics": metrics, "split": "selection"}
+    return Verdict(False, reasons, metrics, "fidelity").record(candidate={}, baseline={}, split="selection")
 
 
 def forms_markdown(choice: dict) -> str:
@@ -431,23 +431,16 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             bench = timer.run("benchmark", submit_stage, benchmark_task, cfg, "benchmark", k, parent_run_id=pid,
                               candidate=candidate, baseline=teacher["artifact"])
         if compressed:
-            status = "unchecked" if verdict is None else ("accepted" if verdict["accepted"] else "rejected")
-            blocked = bench["promotion_blocked"] if bench else None
+            status = verdict_status(verdict)
             figures = {**(model_figures(verdict) if verdict else {}),
                        **({f"bench_{k}": v for k, v in {**bench["candidate"], **bench["ratios"]}.items()} if bench else {})}
             if verdict and verdict.get("candidate"):  # which is better on what, shown for every judged candidate
                 champion_vs = compare_with_champion(cfg, figures)
-            if status == "accepted" and cfg.registry.promote and not blocked:
-                if champion_vs and champion_vs["worse_on_use"] and not cfg.registry.promote_when_worse:
-                    u = champion_vs["use"]
-                    blocked = (f"worse than champion v{champion_vs['version']} on the chat set: perplexity ratio "
-                               f"{u['candidate']:.4f}x vs {u['champion']:.4f}x (registry.promote_when_worse: true "
-                               f"lets it through)")
+            decision = decide_promotion(status, cfg.registry.promote, bench["promotion_blocked"] if bench else None,
+                                        champion_vs, cfg.registry.promote_when_worse)
+            blocked, aliases = decision.blocked, list(decision.aliases)
             if blocked:
                 log.warning("promotion blocked: %s", blocked)
-            # `candidate` points only at versions that may be promoted: a rejected or blocked one is
-            # registered (so it can be compared) but moves no alias.
-            aliases = ["candidate"] if status != "rejected" and not blocked else []
             tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash()}
             # Only tags that say something: the UI shows an empty `promotion_blocked` as a badge.
             if verdict and verdict["reasons"]:
@@ -478,7 +471,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 base = baseline_figures(verdict) if verdict else {}
                 base.update({f"bench_{k}": v for k, v in (bench["baseline"] if bench else {}).items()})
                 registry.log_figures(cfg.registry.model_name, baseline_version, base)
-            if status == "accepted" and cfg.registry.promote and not blocked:
+            if decision.promote:
                 server_url = cfg.registry.server_url or local_server_url(cfg, reg["name"])
                 # compare-and-set: judged again under the model's promotion lock if another run moved the champion
                 deployed, blocked = promote_if_still_best(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from compress.registry import store_lock
 
@@ -31,6 +32,40 @@ def promotion_lock(tracking_uri: str, model_name: str) -> Iterator[None]:
 
     with concurrency(f"promote-{model_name}", occupy=1):
         yield
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """What a judged candidate's registration does: the aliases it is registered with, whether the run moves
+    ``champion`` to it (under the lock, see promote_if_still_best), and why not when it is blocked."""
+
+    aliases: tuple[str, ...]
+    promote: bool
+    blocked: str | None
+
+
+def verdict_status(verdict: dict | None) -> str:
+    """unchecked (no gate ran), accepted or rejected: the candidate version's ``verdict`` tag."""
+    return "unchecked" if verdict is None else ("accepted" if verdict["accepted"] else "rejected")
+
+
+def decide_promotion(status: str, promote: bool, bench_blocked: str | None, champion_vs: dict | None,
+                     promote_when_worse: bool) -> Promotion:
+    """The promotion rules in one place (tests/test_promotion.py covers them as a table):
+
+    - only an ``accepted`` candidate is promoted, and only with ``registry.promote``;
+    - the benchmark's speed floor blocks it (``bench_blocked``: the reason, or None);
+    - so does being worse than the champion on the chat set (``champion_vs["worse_on_use"]``,
+      flows/pipeline.compare_with_champion), unless ``registry.promote_when_worse``;
+    - ``candidate`` names only versions that may be promoted: a rejected or blocked one moves no alias."""
+    blocked = bench_blocked
+    if status == "accepted" and promote and not blocked and champion_vs and champion_vs["worse_on_use"] \
+            and not promote_when_worse:
+        u = champion_vs["use"]
+        blocked = (f"worse than champion v{champion_vs['version']} on the chat set: perplexity ratio "
+                   f"{u['candidate']:.4f}x vs {u['champion']:.4f}x (registry.promote_when_worse: true lets it through)")
+    aliases = ("candidate",) if status != "rejected" and not blocked else ()
+    return Promotion(aliases, status == "accepted" and promote and not blocked, blocked)
 
 
 def lost_race(judged: dict | None, now: dict | None, promote_when_worse: bool) -> str | None:

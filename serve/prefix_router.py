@@ -17,6 +17,9 @@ other replicas, least loaded first, for when the preferred one is at ``max_ongoi
 ``least_loaded``: fewest requests in flight.
 
 A request with ``target`` set goes to that replica only (the ingress's per-replica /health and /metrics).
+
+The table lives in the ingress's process. When the ingress restarts, it asks every replica for the chains it has
+served (serve/replicas.py) and the router takes them as owners, so a conversation keeps meeting its cached blocks.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 # Ray pickles this module by value into the caller's process (RequestRouterConfig): state shared with the ingress
 # lives in serve/replica_http.py, reached through its functions (pickled by reference).
-from serve.replica_http import POLICIES, ForwardedRequest, count_routing, set_live_replicas
+from serve.replica_http import POLICIES, ForwardedRequest, count_routing, set_live_replicas, take_chains
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +63,8 @@ class ReplicaRouter(RequestRouter):
         self._rr = 0
         self._key = (self._deployment_id.app_name, self._deployment_id.name)
 
-    def _count(self, what: str) -> None:
-        count_routing(self._key, what)
+    def _count(self, what: str, n: int = 1) -> None:
+        count_routing(self._key, what, n)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -70,6 +73,23 @@ class ReplicaRouter(RequestRouter):
         if gone:  # a dead replica's prefixes are free again
             for h in [h for h, rid in self._owner.items() if rid in gone]:
                 del self._owner[h]
+
+    def _restore(self) -> None:
+        """Chains the replicas reported after the ingress (re)started (serve/replicas.Ingress._restore_routes): an
+        owner for each chain this router has not seen yet, kept behind its own newer claims in the LRU order."""
+        offered = take_chains(self._key)
+        if not offered:
+            return
+        live = {rid.unique_id: rid for rid in self._replica_id_set}
+        n = 0
+        for h, uid in offered:
+            if h not in self._owner and uid in live:
+                self._owner[h] = live[uid]
+                self._owner.move_to_end(h, last=False)
+                n += 1
+        while len(self._owner) > MAX_CHAINS:
+            self._owner.popitem(last=False)
+        self._count("restored", n)
 
     def _load(self, r: RunningReplica) -> int:
         q = self._replica_queue_len_cache.get(r.replica_id)
@@ -86,6 +106,7 @@ class ReplicaRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        self._restore()
         fwd = _forwarded(pending_request)
         if fwd is not None and fwd.target is not None:
             for r in candidate_replicas:

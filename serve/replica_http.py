@@ -185,6 +185,8 @@ async def run_asgi(app, req: ForwardedRequest, extra_headers: list[tuple[bytes, 
 _BOARD_LOCK = threading.Lock()
 _LIVE: dict[tuple[str, str], list[str]] = {}
 _ROUTING: dict[tuple[str, str], Counter] = {}
+# Prefix chains the replicas reported after an ingress (re)start, (digest, replica id), until the router takes them.
+_OFFERED: dict[tuple[str, str], list[tuple[bytes, str]]] = {}
 
 
 def set_live_replicas(key: tuple[str, str], ids: list[str]) -> None:
@@ -198,15 +200,28 @@ def live_replicas(key: tuple[str, str]) -> list[str]:
         return list(_LIVE.get(key, []))
 
 
-def count_routing(key: tuple[str, str], what: str) -> None:
+def count_routing(key: tuple[str, str], what: str, n: int = 1) -> None:
     with _BOARD_LOCK:
-        _ROUTING.setdefault(key, Counter())[what] += 1
+        _ROUTING.setdefault(key, Counter())[what] += n
+
+
+def offer_chains(key: tuple[str, str], chains: list[tuple[bytes, str]]) -> None:
+    """Hand the router the prefix chains the replicas hold (the ingress, after it starts): see take_chains."""
+    with _BOARD_LOCK:
+        _OFFERED.setdefault(key, []).extend(chains)
+
+
+def take_chains(key: tuple[str, str]) -> list[tuple[bytes, str]]:
+    """The offered (digest, replica id) pairs, once: the router adds those it does not know yet."""
+    with _BOARD_LOCK:
+        return _OFFERED.pop(key, [])
 
 
 def routing_stats(key: tuple[str, str]) -> Counter:
     """The router's counters: ``routed:<replica>``, ``affinity`` (a seen prefix went to its replica),
     ``imbalanced`` (it went to the least loaded one: its replica was busier by ``imbalance``), ``new_prefix``,
-    ``no_prefix``, ``targeted`` (per-replica admin calls)."""
+    ``no_prefix``, ``targeted`` (per-replica admin calls), ``restored`` (prefix chains learnt from the replicas
+    after the ingress started)."""
     with _BOARD_LOCK:
         return Counter(_ROUTING.get(key, Counter()))
 

@@ -10,8 +10,9 @@ Two Ray Serve deployments make one application:
   request router is serve/prefix_router.py (prefix-aware by default). It streams the replica's answer back as it
   comes (SSE included), answers 429 + Retry-After when Ray's queue in front of the replicas is full (the replicas'
   own 429s pass through unchanged), sends a request whose replica died before answering to another (up to 4 calls;
-  503 + Retry-After once they are spent), and ends a stream with an error event when its replica died mid-stream. Its own routes: ``/health``, ``/ready`` (200 once a replica has a
-  model), ``/replicas`` (each replica's id, pid, node, model version, requests routed to it, prefix-cache hits),
+  503 + Retry-After once they are spent), and ends a stream with an error event when its replica died mid-stream.
+  A restarted ingress rebuilds the router's prefix table from the chains each replica says it served. Its own
+  routes: ``/health``, ``/ready`` (200 once a replica has a model), ``/replicas`` (each replica's id, pid, node, model version, requests routed to it, prefix-cache hits),
   ``/replicas/{id}/...`` (any GET route of one replica: ``/replicas/{id}/metrics``, ``.../ready``), ``/metrics``
   (the replicas' metrics merged, plus the router's), ``/v1/models`` (the version every replica serves; a list of
   versions during a rollout), ``POST /admin/reload`` (sent to every replica).
@@ -36,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import ray
@@ -49,7 +51,7 @@ from serve.api_schemas import error_body
 from serve.config import ServeConfig
 from serve.prefix_router import ReplicaRouter
 from serve.replica_http import (POLICIES, REPLICA_HEADER, ForwardedRequest, forwarded, live_replicas, merge_metrics,
-                                metric_value, response_headers, routing_stats, run_asgi)
+                                metric_value, offer_chains, response_headers, routing_stats, run_asgi)
 from serve.streaming import DisconnectAwareStream
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,9 @@ APP_NAME = "compressor"
 ENGINE = "EngineReplica"
 INGRESS = "Ingress"
 INFO_PATH = "/_replica"  # answered by EngineReplica itself: who it is and what it serves
+CHAINS_PATH = "/_replica/chains"  # ... and the prefix chains it served, newest last (the ingress's table rebuilt)
+CHAINS_KEPT = 50_000  # per replica; the router remembers 200_000 over all replicas
+RESTORE_WAIT_S = 60.0  # how long a starting ingress waits for the router's first list of replicas
 ADMIN_TIMEOUT_S = 10.0  # per-replica calls of /replicas, /metrics, /admin/reload
 
 
@@ -84,6 +89,7 @@ class EngineReplica:
             threading.Thread(target=self.manager.load_until_ready, name="first-load", daemon=True).start()
         self.manager.start_polling()
         self._header = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
+        self._chains: OrderedDict[bytes, None] = OrderedDict()  # routing chains of the requests it took
         log.info("replica %s (pid %d) serving %s", self.replica_id, os.getpid(), model)
 
     def info(self) -> dict:
@@ -105,6 +111,16 @@ class EngineReplica:
         if req.path == INFO_PATH:
             yield _json_messages(200, await asyncio.to_thread(self.info), self._header)
             return
+        if req.path == CHAINS_PATH:
+            yield _json_messages(200, {"replica": self.replica_id, "chains": [h.hex() for h in self._chains]},
+                                 self._header)
+            return
+        if req.prefix_hashes:
+            for h in req.prefix_hashes:
+                self._chains[h] = None
+                self._chains.move_to_end(h)
+            while len(self._chains) > CHAINS_KEPT:
+                self._chains.popitem(last=False)
         async for batch in run_asgi(self.app, req, self._header):
             yield batch
 
@@ -139,6 +155,19 @@ OPEN_TRIES = 4
 RETRY_DELAYS_S = (0.25, 0.5, 1.0)
 
 
+async def _until_first_body(gen) -> list[dict]:
+    """The replica's messages up to its first body bytes (or the end): a stream's response start comes before its
+    first token, and until that token nothing need reach the client, so the request can still go elsewhere."""
+    batch = list(await gen.__anext__())
+    while not any(m["type"] == "http.response.body" and (m.get("body") or not m.get("more_body", False))
+                  for m in batch):
+        try:
+            batch += await gen.__anext__()
+        except StopAsyncIteration:
+            break
+    return batch
+
+
 def _error(status: int, message: str, type_: str, code: str, retry_after: int | None = None) -> JSONResponse:
     _ERRORS[code] = _ERRORS.get(code, 0) + 1
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
@@ -153,11 +182,35 @@ class Ingress:
         self.engine = engine.options(stream=True)
         ctx = ray_serve.get_replica_context()
         self._key = (ctx.app_name, engine.deployment_name)
+        # The router's prefix table starts empty in a new ingress process: the replicas say what they hold.
+        # Ray Serve runs this constructor on the replica's event loop, which the rebuild then runs on.
+        self._restoring = asyncio.get_running_loop().create_task(self._restore_routes())
+
+    async def _restore_routes(self) -> int:
+        """Ask every replica for the prefix chains it served and offer them to the router (serve/prefix_router.py);
+        returns how many were offered. A replica that does not answer is skipped: its prefixes route as new."""
+        deadline = time.monotonic() + RESTORE_WAIT_S
+        while not self.replica_ids():
+            if time.monotonic() > deadline:
+                log.warning("no replica to restore the prefix table from within %.0f s", RESTORE_WAIT_S)
+                return 0
+            await asyncio.sleep(0.2)
+        chains = []
+        for rid, status, _, body in await self._each_replica("GET", CHAINS_PATH):
+            if status == 200:
+                chains += [(bytes.fromhex(h), rid) for h in json.loads(body)["chains"]]
+            else:
+                log.warning("replica %s did not list its prefix chains: %s", rid, body[:200])
+        offer_chains(self._key, chains)
+        log.info("prefix table: %d chains offered by %d replicas", len(chains), len(self.replica_ids()))
+        return len(chains)
 
     # -- forwarding -------------------------------------------------------------------------------------
     async def _open(self, fwd: ForwardedRequest):
         """(the replica's call, its first batch of ASGI messages), or (None, an error response).
 
+        The first batch reaches up to the first body bytes: a stream's headers go out with its first token, so a
+        stream whose replica fails before that has sent the client nothing either.
         A replica that fails before its first batch has sent the client nothing, so the request goes again, to the
         replica the router picks then (Ray drops a dead one from its choices): up to OPEN_TRIES calls, spaced
         RETRY_DELAYS_S apart, before the client gets a 503. A request for one named replica is not retried."""
@@ -165,7 +218,7 @@ class Ingress:
         for attempt in range(tries):
             gen = self.engine.remote(fwd)
             try:
-                return gen, await gen.__anext__()
+                return gen, await _until_first_body(gen)
             except asyncio.CancelledError:  # the client went away before the first byte
                 gen.cancel()
                 raise
@@ -257,7 +310,7 @@ class Ingress:
     # -- the ingress's own routes ------------------------------------------------------------------------
     @ingress_app.get("/health")
     async def health(self):
-        return {"status": "ok", "replicas": len(self.replica_ids())}
+        return {"status": "ok", "replicas": len(self.replica_ids()), "pid": os.getpid()}
 
     @ingress_app.get("/ready")
     async def ready(self):
@@ -312,6 +365,9 @@ class Ingress:
                   "# TYPE compressor:router_decisions counter"]
         for k in ("affinity", "imbalanced", "new_prefix", "no_prefix"):
             lines.append(f'compressor:router_decisions_total{{decision="{k}"}} {stats.get(k, 0)}')
+        lines += ["# HELP compressor:router_chains_restored Prefix chains the router learnt from the replicas when "
+                  "this ingress started.", "# TYPE compressor:router_chains_restored counter",
+                  f"compressor:router_chains_restored_total {stats.get('restored', 0)}"]
         lines += ["# HELP compressor:ingress_errors Answers the ingress made itself, by code.",
                   "# TYPE compressor:ingress_errors counter"]
         for k, n in sorted(_ERRORS.items()):

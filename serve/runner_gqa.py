@@ -47,7 +47,9 @@ import os
 import time
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -79,6 +81,47 @@ def balanced_cut(lens: Sequence[int], head_share: float) -> int:
 # The split decode's second session is a second copy of the weights: worth 5-16 % tokens/s for SmolLM2 or a 1B
 # (0.2-1.5 GB), not 8.6 GB more for a 7B, whose server would then hold twice its INT8 weights.
 SPLIT_MAX_WEIGHT_BYTES = 2 * 2**30
+
+
+@dataclass(slots=True)
+class Slot:
+    """One row of the K/V rows buffer: whose sequence it holds and how much of it.
+
+    Invariant: ``flushed <= valid``; positions [0, valid) of the occupant ``key`` are in the row, and [0, flushed)
+    are in its blocks of the pool too (decode K/V reaches the pool a block at a time: GqaRunner._flush writes
+    [flushed, valid) with ``table``, the occupant's block table, the engine's live list). A free slot has no key,
+    nothing valid and no table. ``used`` is the step that last used it (least recently used goes first)."""
+
+    key: Hashable | None = None
+    valid: int = 0
+    flushed: int = 0
+    table: Sequence[int] | None = None
+    used: int = 0
+
+    def hold(self, key: Hashable, table: Sequence[int] | None, valid: int, flushed: int, used: int) -> None:
+        if flushed > valid:
+            raise RunnerError(f"slot of {key!r}: {flushed} positions flushed of {valid} valid")
+        self.key, self.table, self.valid, self.flushed, self.used = key, table, valid, flushed, used
+
+    def truncate(self, cap: int) -> None:
+        """The rows buffer shrank to ``cap`` positions."""
+        self.valid, self.flushed = min(self.valid, cap), min(self.flushed, cap)
+
+    def clear(self) -> None:
+        self.key, self.table, self.valid, self.flushed = None, None, 0, 0
+
+
+class _PromptCall(NamedTuple):
+    """One call of _run_first_prompts: its binding, the rows (indexes into the step's first prompts) on slots from
+    ``first_slot`` (relative to the base), their lengths, the logits and the first position kept in them."""
+
+    binding: object
+    rows: list[int]
+    first_slot: int
+    lens: list[int]
+    logits: np.ndarray
+    first_kept: int
+    inputs: tuple  # (ids, seqlens): the binding points at them until the call has run
 
 
 class GqaRunner(RunnerBase):
@@ -116,13 +159,7 @@ class GqaRunner(RunnerBase):
         self.slots = 0
         self.cap = 0
         self.kv = self.store.zeros((n_kv, 0, self.kv_heads, 0, self.head_dim))
-        self.slot_key: list[Hashable | None] = []
-        self.slot_valid: list[int] = []
-        self.slot_used: list[int] = []  # step counter of the last use, for LRU
-        # Decode K/V reaches the pool a block at a time (see _flush): per slot, how many of its valid positions the
-        # pool already holds, and the occupant's block table (the engine's live list) to write the rest with.
-        self.slot_flushed: list[int] = []
-        self.slot_table: list[Sequence[int] | None] = []
+        self.slot: list[Slot] = []  # one per row of the buffer
         self.reshapes = 0
         self.peak_kv_bytes = self.kv_bytes()  # most KV bytes (pool + rows) held at once, copies included
         # logits buffers, reused call after call: one for decode calls, whose rows execute returns as views (valid
@@ -211,14 +248,11 @@ class GqaRunner(RunnerBase):
         if keep:
             c = min(self.cap, cap)
             new[:, :m, :, :c] = old[:, :m, :, :c]
-            self.slot_valid = [min(v, cap) for v in self.slot_valid[:m]] + [0] * (slots - m)
-            self.slot_key = self.slot_key[:m] + [None] * (slots - m)
-            self.slot_used = self.slot_used[:m] + [0] * (slots - m)
-            self.slot_flushed = [min(f, cap) for f in self.slot_flushed[:m]] + [0] * (slots - m)
-            self.slot_table = self.slot_table[:m] + [None] * (slots - m)
+            for sl in self.slot[:m]:
+                sl.truncate(cap)
+            self.slot = self.slot[:m] + [Slot() for _ in range(slots - m)]
         else:  # refilled from the pool when next used
-            self.slot_valid, self.slot_key, self.slot_used = [0] * slots, [None] * slots, [0] * slots
-            self.slot_flushed, self.slot_table = [0] * slots, [None] * slots
+            self.slot = [Slot() for _ in range(slots)]
         del old
         self.kv, self.slots, self.cap = new, slots, cap
         self.reshapes += 1
@@ -243,25 +277,22 @@ class GqaRunner(RunnerBase):
 
     def _fill(self, slot: int, r: RunRow) -> None:
         """Make the slot hold r's sequence up to r.start (keeps what is already valid there)."""
-        mine = self.slot_key[slot] == r.key
+        sl = self.slot[slot]
+        mine = sl.key == r.key
         if not mine:
             self._flush(slot)  # the occupant's unwritten positions go to its blocks before they are overwritten
-        valid = min(self.slot_valid[slot] if mine else 0, r.start)
-        flushed = min(self.slot_flushed[slot] if mine else 0, valid)
+        valid = min(sl.valid if mine else 0, r.start)
+        flushed = min(sl.flushed if mine else 0, valid)
         if valid < r.start:
             self._gather(slot, r, valid)
             if flushed == valid:  # [0, valid) was in the pool, and [valid, start) came from it
                 flushed = r.start
-        self.slot_key[slot] = r.key
-        self.slot_valid[slot] = r.start
-        self.slot_flushed[slot] = flushed
-        self.slot_table[slot] = r.block_table
-        self.slot_used[slot] = self._tick
+        sl.hold(r.key, r.block_table, r.start, flushed, self._tick)
 
     def _place_decode(self, rows: list[RunRow]) -> None:
         """Put decode row i in slot i's range [0, B): keep slots already there, move or gather the others."""
         B = len(rows)
-        where = {k: s for s, k in enumerate(self.slot_key) if k is not None}
+        where = {sl.key: s for s, sl in enumerate(self.slot) if sl.key is not None}
         target: list[int | None] = [None] * B
         for i, r in enumerate(rows):
             s = where.get(r.key)
@@ -269,7 +300,7 @@ class GqaRunner(RunnerBase):
                 target[i] = s
         taken = {t for t in target if t is not None}
         free = [s for s in range(B) if s not in taken]
-        free.sort(key=lambda s: self.slot_used[s])  # overwrite the least recently used first
+        free.sort(key=lambda s: self.slot[s].used)  # overwrite the least recently used first
         for i, r in enumerate(rows):
             if target[i] is not None:
                 continue
@@ -277,12 +308,12 @@ class GqaRunner(RunnerBase):
             s = where.get(r.key)
             if s is not None:  # s >= B: copy the valid prefix within the buffer (cheaper than the pool)
                 self._flush(t)
-                n = min(self.slot_valid[s], r.start)
+                src = self.slot[s]
+                n = min(src.valid, r.start)
                 self.kv[:, t, :, :n] = self.kv[:, s, :, :n]
                 self.moved_tokens += n
-                self.slot_key[t], self.slot_valid[t] = r.key, n
-                self.slot_flushed[t], self.slot_table[t] = min(self.slot_flushed[s], n), self.slot_table[s]
-                self._clear(s)
+                self.slot[t].hold(r.key, src.table, n, min(src.flushed, n), self.slot[t].used)
+                src.clear()
             target[i] = t
         # Reorder so that rows[i] sits in slot i (the batch row of the call).
         order = sorted(range(B), key=lambda i: target[i])
@@ -292,12 +323,12 @@ class GqaRunner(RunnerBase):
 
     def _slot_for_prefill(self, r: RunRow, reserved: int) -> int:
         for s in range(reserved, self.slots):
-            if self.slot_key[s] == r.key:
+            if self.slot[s].key == r.key:
                 return s
-        choices = [s for s in range(reserved, self.slots) if self.slot_used[s] != self._tick or self.slot_key[s] is None]
+        choices = [s for s in range(reserved, self.slots) if self.slot[s].used != self._tick or self.slot[s].key is None]
         if not choices:
             raise RunnerError(f"more rows in one step than the runner's {self.slots} KV rows (max_batch_size)")
-        return min(choices, key=lambda s: (self.slot_key[s] is not None, self.slot_used[s]))
+        return min(choices, key=lambda s: (self.slot[s].key is not None, self.slot[s].used))
 
     # ---- the step --------------------------------------------------------------------------
     def execute(self, rows: Sequence[RunRow]) -> list[np.ndarray | None]:
@@ -444,8 +475,8 @@ class GqaRunner(RunnerBase):
         # unwritten tail is flushed before anything overwrites or drops it.
         bs = self.block_size
         for i, r in enumerate(rows):
-            self.slot_valid[i] = r.start + 1
-            self.slot_table[i] = r.block_table
+            self.slot[i].valid = r.start + 1
+            self.slot[i].table = r.block_table
             if (r.start + 1) % bs == 0:
                 self._flush(i)
         return logits[:, 0, :]
@@ -453,7 +484,7 @@ class GqaRunner(RunnerBase):
     def _fresh_slots(self, n: int, reserved: int, others: list[RunRow]) -> int | None:
         """The first slot of ``n`` adjacent slots at or above ``reserved`` (the decode rows' range) that hold none
         of ``others`` (this step's other prefill rows, which keep their slots); None when there is no such run."""
-        keep = {s for s in range(reserved, self.slots) if self.slot_key[s] in {r.key for r in others}}
+        keep = {s for s in range(reserved, self.slots) if self.slot[s].key in {r.key for r in others}}
         for base in range(reserved, self.slots - n + 1):
             if not keep.intersection(range(base, base + n)):
                 return base
@@ -476,8 +507,7 @@ class GqaRunner(RunnerBase):
         for k, i in enumerate(order):
             slot, r = base + k, rows[i]
             self._flush(slot)
-            self.slot_key[slot], self.slot_valid[slot], self.slot_used[slot] = r.key, 0, self._tick
-            self.slot_flushed[slot], self.slot_table[slot] = 0, r.block_table
+            self.slot[slot].hold(r.key, r.block_table, 0, 0, self._tick)
         split = self._half_session is not None and n >= 4
         cut = balanced_cut([len(rows[i].token_ids) for i in order], self._head_share) if split else n
         groups = [order[:cut], order[cut:]] if split else [order]
@@ -495,37 +525,33 @@ class GqaRunner(RunnerBase):
             seqlens = np.array([m - 1 for m in lens], np.int32)
             binding = self._bind(self.kv[:, base + k0:base + k0 + len(g)], ids, seqlens, logits, keep, S,
                                  self._half_session if split else None)
-            # (ids, seqlens) ride along: the binding points at them until the call has run
-            calls.append((binding, g, k0, lens, logits, S - (keep or S), (ids, seqlens)))
-        self._run([(self._half_session if split else self.session, c[0]) for c in calls])
+            calls.append(_PromptCall(binding, g, k0, lens, logits, S - (keep or S), (ids, seqlens)))
+        self._run([(self._half_session if split else self.session, c.binding) for c in calls])
         self.split_prompt_calls += int(split)
         self.calls += len(calls)
         out: list[np.ndarray | None] = [None] * n
-        for _, g, k0, lens, logits, first, _ in calls:
-            for b, i in enumerate(g):
-                self._write_back(base + k0 + b, rows[i].block_table, 0, lens[b])
-                out[i] = logits[b, lens[b] - 1 - first].copy()
+        for c in calls:
+            for b, i in enumerate(c.rows):
+                self._write_back(base + c.first_slot + b, rows[i].block_table, 0, c.lens[b])
+                out[i] = c.logits[b, c.lens[b] - 1 - c.first_kept].copy()
         return out
 
     def _flush(self, slot: int) -> None:
         """Write the slot's valid positions that the pool does not hold yet into its occupant's blocks."""
-        f, v = self.slot_flushed[slot], self.slot_valid[slot]
-        if self.slot_key[slot] is not None and f < v:
-            self._write_back(slot, self.slot_table[slot], f, v - f)
+        sl = self.slot[slot]
+        if sl.key is not None and sl.flushed < sl.valid:
+            self._write_back(slot, sl.table, sl.flushed, sl.valid - sl.flushed)
 
     def _flush_all(self) -> None:
         for slot in range(self.slots):
             self._flush(slot)
 
-    def _clear(self, slot: int) -> None:
-        self.slot_key[slot], self.slot_valid[slot], self.slot_flushed[slot], self.slot_table[slot] = None, 0, 0, None
-
     def release(self, key: Hashable) -> None:
         """The engine freed ``key``'s blocks (finished, cancelled or preempted): its slot's content is dead, and
         its unwritten positions must never be flushed into blocks that may already belong to another sequence."""
-        for slot, k in enumerate(self.slot_key):
-            if k == key:
-                self._clear(slot)
+        for sl in self.slot:
+            if sl.key == key:
+                sl.clear()
 
     def _write_back(self, slot: int, block_table: Sequence[int], s: int, n: int) -> None:
         """Copy positions [s, s + n) of the slot into the sequence's blocks; the slot then holds s + n valid, all
@@ -538,8 +564,7 @@ class GqaRunner(RunnerBase):
             m = min(bs - o, s + n - pos)
             self.pool[:, b, :, o:o + m, :] = self.kv[:, slot, :, pos:pos + m, :]
             pos += m
-        self.slot_valid[slot] = s + n
-        self.slot_flushed[slot] = s + n
+        self.slot[slot].valid = self.slot[slot].flushed = s + n
 
     def _run_prefill(self, slot: int, r: RunRow) -> np.ndarray:
         n, s = len(r.token_ids), r.start

@@ -179,17 +179,13 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
             limits = [chat_limit(cfg.accept, k, verdict.criteria) for k in ("max_chat_perplexity_ratio",
                                                                             "max_chat_judged_ratio")]
             log_figure(chat_eval.plot_by_kind(chat, *limits), "chat_by_kind.png")
-        log_json({"accepted": verdict.accepted, "reasons": verdict.reasons, "criteria": verdict.criteria,
-                  "checks": verdict.checks, "genres": genres, "chat": chat, "chat_note": chat_note,
-                  "candidate": cand, "baseline": base,
-                  "split": "test", "heldout_source": held.heldout_source, "side": side,
-                  "selection": {"candidate": sel_cand, "baseline": sel_base}, "evaluated_in": evaluated_in,
-                  "seconds": seconds, "reference": reference_name},
+        log_json(verdict.record(genres=genres, chat=chat, chat_note=chat_note, candidate=cand, baseline=base,
+                                split="test", heldout_source=held.heldout_source, side=side,
+                                selection={"candidate": sel_cand, "baseline": sel_base}, evaluated_in=evaluated_in,
+                                seconds=seconds, reference=reference_name),
                  "verdict.json")
-    return mark_done(folder, {"accepted": verdict.accepted, "reasons": verdict.reasons, "metrics": metrics,
-                              "criteria": verdict.criteria, "checks": verdict.checks, "genres": genres,
-                              "chat_by_kind": chat.get("by_kind", {}), "chat_note": chat_note,
-                              "candidate": cand, "baseline": base, "heldout_source": held.heldout_source,
-                              "selection": {"candidate": sel_cand, "baseline": sel_base},
-                              "evaluated_in": evaluated_in, "seconds": seconds, "reference": reference_name,
-                              "run_id": run.info.run_id if run is not None else None})
+    return mark_done(folder, verdict.record(
+        metrics=metrics, genres=genres, chat_by_kind=chat.get("by_kind", {}), chat_note=chat_note, candidate=cand,
+        baseline=base, heldout_source=held.heldout_source, selection={"candidate": sel_cand, "baseline": sel_base},
+        evaluated_in=evaluated_in, seconds=seconds, reference=reference_name,
+        run_id=run.info.run_id if run is not None else None))

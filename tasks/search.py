@@ -145,11 +145,8 @@ def search_gate_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: s
         log_metrics(metrics)
         if run is not None:
             mlflow.set_tag("search_mlp_ratio", str(cfg.prune.mlp_ratio))
-            log_json({"accepted": verdict.accepted, "reasons": verdict.reasons, "criteria": verdict.criteria,
-                      "checks": verdict.checks, "candidate": cand, "baseline": baseline_figures, "split": "selection"},
-                     "search_gate.json")
-    return mark_done(folder, {"accepted": verdict.accepted, "reasons": verdict.reasons, "criteria": verdict.criteria,
-                              "checks": verdict.checks, "candidate": cand, "metrics": metrics})
+            log_json(verdict.record(candidate=cand, baseline=baseline_figures, split="selection"), "search_gate.json")
+    return mark_done(folder, verdict.record(candidate=cand, metrics=metrics))
 
 
 @task(name="search_branch", cache_policy=NONE)

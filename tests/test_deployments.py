@@ -1,10 +1,11 @@
 """Every deployment in prefect.yaml, run as the README says, against a real Prefect server, a process worker,
 a real MLflow store and live model servers: compress (accepted, rejected, bad input), deploy (smoke test passes;
-a failing smoke test moves the alias back), rollback. Asserts final states, `--watch` exit codes and output,
-and where the aliases point."""
+a failing smoke test moves the alias back), rollback, and two compress runs at once through the one worker.
+Asserts final states, `--watch` exit codes and output, and where the aliases point."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -90,8 +91,35 @@ def test_deploy_and_run_on_demand(prefect_server):
     worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", "test-pool"], env, tmp / "worker.log")
     try:
         _operator_loop(env, tmp)
+        _overlapping_runs(env, tmp)
     finally:
         _stop(worker)
+
+
+def _overlapping_runs(env, tmp):
+    """Two `prefect deployment run`s 3 s apart through the one worker, on one store, workdir and a new model name
+    (issue 42): both end in a verdict state, one baseline, each accepted candidate once, one champion."""
+    from test_overlapping_runs import COMMON, check_one_champion
+
+    sets = [s for s in COMMON if not s.startswith(("registry.model_name", "mlflow.experiment"))]
+    sets += ["registry.model_name=overlap-worker", f"workdir={tmp / 'work'}"]
+    procs = []
+    for k, method in enumerate(("weight_only", "dynamic")):
+        overrides = json.dumps(sets + [f"quantize.method={method}"])
+        procs.append(subprocess.Popen(
+            [str(BIN / "prefect"), "deployment", "run", "compress/on-demand", "--watch", "-p",
+             "config=configs/tiny.yaml", "-p", f"overrides={overrides}"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        if k == 0:
+            time.sleep(3)
+    outs = [" ".join(p.communicate(timeout=600)[0].split()) for p in procs]
+    log = (tmp / "worker.log").read_text()
+    for p, out in zip(procs, outs):
+        assert p.returncode in (0, 1), out[-3000:] + log[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        assert any(f"in state '{v}'" in out or f"in '{v}'" in out for v in ("Accepted", "Rejected", "Blocked")), \
+            out[-3000:]
+    check_one_champion(env["MLFLOW_TRACKING_URI"], "overlap-worker")
 
 
 def _watch(env, tmp, *args) -> tuple[int, str]:

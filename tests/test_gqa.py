@@ -193,43 +193,33 @@ def test_first_prompts_in_one_call(tiny_artifact, gqa_artifact):
     assert eng.runner.calls == 1 + 5  # one prefill call, then five decode steps of all eight
 
 
-def test_a_burst_of_arrivals_runs_as_one_prompt_call(gqa_artifact):
-    """The engine's own loop (start=True): after a burst has been seen, the next burst's requests, sent a few ms
-    apart from client threads, are admitted together once arrivals pause: one first-prompt call for all of
-    them; with coalescing off the same arrivals trickle into several calls. Outputs equal batch 1."""
-    import threading
-    import time
-
+def test_first_prompts_admitted_together_run_as_one_prompt_call(gqa_artifact):
+    """Six first prompts admitted in one step go to the runner as one prompt call, then decode together; the same
+    prompts arriving one step apart take a call each. Outputs equal batch 1. Stepped by hand, no clock: when the
+    engine's loop admits arrivals together (serve.admit_quiet_ms) is the scheduler's, tested with a fake clock in
+    tests/test_scheduler.py."""
     reqs = prompts(6, 5, 20, seed=21)
+    cfg = ServeConfig(providers=[CPU], verify_artifact=False, enable_prefix_caching=False, max_batch_size=8,
+                      decode_split_rows=0)
 
-    def burst(eng):
-        handles, threads = [], []
-        for p in reqs:
-            t = threading.Thread(target=lambda p=p: handles.append(
-                eng.add_request(p, SamplingParams.greedy(4, ignore_eos=True))))
-            t.start()
-            threads.append(t)
-            time.sleep(0.004)
-        for t in threads:
-            t.join()
-        return {tuple(h.prompt_ids): h.result(60).output_ids for h in handles}
+    def serve(together: bool):
+        with Engine(gqa_artifact, cfg, start=False) as eng:
+            handles = []
+            for p in reqs:
+                handles.append(eng.add_request(p, SamplingParams.greedy(4, ignore_eos=True)))
+                if not together:
+                    eng.step()
+            eng.run_until_done()
+            return ({tuple(h.prompt_ids): h.result(60).output_ids for h in handles}, eng.runner.calls,
+                    eng.runner.batched_prompts)
 
-    def serve(quiet_ms):
-        cfg = ServeConfig(providers=[CPU], verify_artifact=False, enable_prefix_caching=False, max_batch_size=8,
-                          admit_quiet_ms=quiet_ms, admit_max_delay_ms=2000, decode_split_rows=0)
-        with Engine(gqa_artifact, cfg) as eng:
-            burst(eng)  # the first burst: its first request came alone
-            calls0, batched0 = eng.runner.calls, eng.runner.batched_prompts
-            out = burst(eng)
-            return out, eng.runner.calls - calls0, eng.runner.batched_prompts - batched0
-
-    out, calls, batched = serve(quiet_ms=60.0)
+    out, calls, batched = serve(together=True)
     assert batched == 6 and calls == 1 + 3  # one prompt call for all six, then three decode steps
     with Engine(gqa_artifact, ServeConfig(providers=[CPU], verify_artifact=False), start=False) as alone:
         ref = {tuple(p): alone.generate(p, SamplingParams.greedy(4, ignore_eos=True)) for p in reqs}
     assert out == ref
-    _, calls_off, _ = serve(quiet_ms=0.0)
-    assert calls_off > calls
+    apart, calls_apart, batched_apart = serve(together=False)
+    assert apart == ref and batched_apart == 0 and calls_apart > calls
 
 
 def test_prefix_hits_copy_cached_blocks(tiny_artifact, gqa_artifact):
@@ -269,18 +259,17 @@ def test_released_sequence_never_writes_into_reused_blocks(gqa_artifact):
     r = GqaRunner(gqa_artifact, read_manifest(gqa_artifact, verify=False), num_blocks=8, block_size=4,
                   providers=[CPU], max_batch_size=2, decode_split_rows=0)
     r.execute([RunRow("A", [0, 1, 2], 0, list(range(10, 15))), RunRow("D", [6, 7], 0, list(range(50, 54)))])
-    a = r.slot_key.index("A")
     for pos in range(5, 9):  # position 7 fills block 1 (flushed); position 8 sits in block 2, not yet written
         r.execute([RunRow("A", [0, 1, 2], pos, [20 + pos])])
-        a = r.slot_key.index("A")
-    assert r.slot_flushed[a] == 8 and r.slot_valid[a] == 9
+    a = [sl.key for sl in r.slot].index("A")
+    assert r.slot[a].flushed == 8 and r.slot[a].valid == 9
     r.release("A")  # the engine freed A's blocks: block 2 goes to B
     r.execute([RunRow("B", [2, 3], 0, list(range(30, 36)))])
-    b = r.slot_key.index("B")
+    b = [sl.key for sl in r.slot].index("B")
     written = r.pool[:, 2].copy()
     assert np.array_equal(written, r.kv[:, b, :, 0:4, :])  # B's first block, written by its prefill
     r.execute([RunRow("C", [4, 5], 0, list(range(40, 46)))])  # takes the least recently used row
-    assert set(r.slot_key) == {"B", "C"}
+    assert {sl.key for sl in r.slot} == {"B", "C"}
     assert np.array_equal(r.pool[:, 2], written)  # B's block is untouched
 
 

@@ -16,7 +16,6 @@ COMMON = ["prune.enabled=false", "distill.enabled=false", "benchmark.enabled=fal
 
 
 def test_two_runs_seconds_apart_on_one_store(prefect_harness, tmp_path):
-    from mlflow.tracking import MlflowClient
     from prefect.settings import PREFECT_API_URL
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -34,17 +33,27 @@ def test_two_runs_seconds_apart_on_one_store(prefect_harness, tmp_path):
         assert "Traceback" not in out, out[-3000:]
         assert p.returncode in (0, 1), out[-3000:]  # a verdict: accepted (0) or not accepted (1)
         assert "verdict" in out.lower() or "accepted" in out.lower(), out[-2000:]
+    check_one_champion(uri, "overlap")
+
+
+def check_one_champion(uri: str, name: str) -> dict:
+    """The registry after overlapping runs: one baseline, each accepted candidate once, exactly one champion (the
+    better on the chat set when both were accepted). Returns {version: (role, verdict, aliases, promotion_blocked)}."""
+    from mlflow.tracking import MlflowClient
+
     client = MlflowClient(tracking_uri=uri)
-    versions = [client.get_model_version("overlap", v.version) for v in client.search_model_versions("name='overlap'")]
+    versions = [client.get_model_version(name, v.version) for v in client.search_model_versions(f"name='{name}'")]
     roles = [v.tags.get("role") for v in versions]
     assert roles.count("baseline") == 1, roles
     accepted = [v for v in versions if v.tags.get("role") == "candidate" and v.tags.get("verdict") == "accepted"]
     digests = [v.tags.get("artifact_sha256") for v in accepted]
     assert len(digests) == len(set(digests))  # each accepted candidate once
     champions = [v for v in versions if "champion" in v.aliases]
-    print({v.version: (v.tags.get("role"), v.tags.get("verdict"), v.aliases, v.tags.get("promotion_blocked"))
-           for v in versions})
-    assert len(champions) == (1 if accepted else 0)
+    table = {v.version: (v.tags.get("role"), v.tags.get("verdict"), v.aliases, v.tags.get("promotion_blocked"))
+             for v in versions}
+    print(table)
+    assert len(champions) == (1 if accepted else 0), table
     if len(accepted) == 2:
         ratio = {v.version: client.get_run(v.run_id).data.metrics.get("chat_perplexity_ratio") for v in accepted}
         assert ratio[champions[0].version] == min(ratio.values()), ratio
+    return table

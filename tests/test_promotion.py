@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.promotion import lost_race, promote_if_still_best
+from flows.promotion import decide_promotion, lost_race, promote_if_still_best, verdict_status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +33,37 @@ def test_lost_race(judged, now, when_worse, lost):
     assert (why is not None) == lost
     if lost:
         assert "v4" in why and "1.0500x vs 1.0100x" in why and "promote_when_worse" in why
+
+
+SLOW = "decode 0.8x < accept.min_decode_speed_ratio 1.0"
+
+
+@pytest.mark.parametrize("status, promote, bench, vs, when_worse, aliases, promoted, blocked", [
+    ("accepted", True, None, None, False, ("candidate",), True, None),           # no champion yet
+    ("accepted", True, None, _vs("2", False), False, ("candidate",), True, None),  # better than the champion
+    ("accepted", True, None, _vs("2", True), False, (), False, "v2"),             # worse on the chat set
+    ("accepted", True, None, _vs("2", True), True, ("candidate",), True, None),    # ... let through
+    ("accepted", True, SLOW, None, False, (), False, SLOW),                       # under the speed floor
+    ("accepted", True, SLOW, _vs("2", True), True, (), False, SLOW),              # the floor whatever the chat
+    ("accepted", False, None, _vs("2", True), False, ("candidate",), False, None),  # promote off: judged, kept
+    ("rejected", True, None, None, False, (), False, None),                       # the gate said no
+    ("rejected", True, SLOW, None, False, (), False, SLOW),
+    ("unchecked", True, None, None, False, ("candidate",), False, None),          # no gate: never champion
+])
+def test_decide_promotion(status, promote, bench, vs, when_worse, aliases, promoted, blocked):
+    d = decide_promotion(status, promote, bench, vs, when_worse)
+    assert (d.aliases, d.promote) == (aliases, promoted)
+    if blocked is None:
+        assert d.blocked is None
+    else:
+        assert blocked in d.blocked
+    if blocked == "v2":
+        assert "1.0500x vs 1.0100x" in d.blocked and "promote_when_worse" in d.blocked
+
+
+def test_verdict_status():
+    assert [verdict_status(v) for v in (None, {"accepted": True}, {"accepted": False})] == \
+        ["unchecked", "accepted", "rejected"]
 
 
 def test_a_lost_race_promotes_nothing(tmp_path):

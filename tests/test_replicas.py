@@ -222,33 +222,39 @@ def test_an_alias_flip_reaches_both_replicas_without_dropping_requests(cluster, 
     from flows.deploy import served_version
     from serve import replicas
 
-    n, results, stop = 48, [], threading.Event()
+    n, results, stop, done = 48, [], threading.Event(), threading.Condition()
 
     def traffic(worker: int):
         i = 0
-        while not stop.is_set() or i < 2:
-            prompt = f"flip {worker}.{i}"
+        while not stop.is_set():
+            prompt, started = f"flip {worker}.{i}", time.monotonic()
             r = httpx.post(cluster + "/v1/completions", timeout=60, json={
                 "model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
                 "stream": True})
-            results.append((prompt, r.status_code, r.text))
+            with done:
+                results.append((worker, started, prompt, r.status_code, r.text))
+                done.notify_all()
             i += 1
+
+    def each_worker_finished_one_started_after(t: float) -> None:
+        with done:
+            assert done.wait_for(lambda: {w for w, started, *_ in results if started > t} == {0, 1, 2}, 120)
 
     threads = [threading.Thread(target=traffic, args=(w,)) for w in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    each_worker_finished_one_started_after(0.0)  # traffic on version 1 before the flip
     t0 = time.monotonic()
     registry.set_alias(NAME, "champion", versions["v2"])
     infos = replicas.wait_replicas(cluster, 2, timeout_s=60, version="2")
     print(f"\nalias moved -> both replicas on version 2 in {time.monotonic() - t0:.2f} s")
     assert all(r["swaps"] >= 1 for r in infos)
-    time.sleep(0.3)
+    each_worker_finished_one_started_after(time.monotonic())  # and on version 2 after it
     stop.set()
     for t in threads:
         t.join(60)
     served = Counter()
-    for prompt, status, text in results:  # every request finished, on the model it started on
+    for _, _, prompt, status, text in results:  # every request finished, on the model it started on
         assert status == 200, text
         events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
         version = events[0]["system_fingerprint"].rsplit("-v", 1)[1]
@@ -358,6 +364,42 @@ def test_a_killed_replica_is_replaced_and_no_request_hangs(cluster):
     with ThreadPoolExecutor(8) as pool:
         after = list(pool.map(lambda i: chat(client(cluster), f"after {i}: which floor has the maps?"), range(8)))
     assert all(text for text, _ in after) and len({rid for _, rid in after}) == 2
+
+
+def test_a_restarted_ingress_rebuilds_its_prefix_table_from_the_replicas(cluster):
+    """The ingress's process is killed; Ray starts a new one, whose router asks the replicas which prefix chains they
+    served. Conversations seen before the kill go to the same replica, routed by affinity, not as new prefixes."""
+    c = client(cluster)
+    systems = [f"Desk {k}: " + SYSTEM for k in range(4)]
+    placed = {k: chat(c, "where are the atlases?", system=s_)[1] for k, s_ in enumerate(systems)}
+    old = httpx.get(cluster + "/health", timeout=30).json()["pid"]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, "no new ingress within 120 s"
+        try:
+            h = httpx.get(cluster + "/health", timeout=5)
+            if h.status_code == 200 and h.json()["pid"] != old and h.json()["replicas"] == 2:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    router = {}
+    while not router.get("restored"):  # the rebuild runs beside the first requests; wait for it here
+        assert time.monotonic() < deadline, router
+        router = httpx.get(cluster + "/replicas", timeout=30).json()["router"]
+        time.sleep(0.2)
+    again = {k: chat(c, "and the maps?", system=s_)[1] for k, s_ in enumerate(systems)}
+    router = httpx.get(cluster + "/replicas", timeout=30).json()["router"]
+    assert again == placed, (placed, again)
+    assert router.get("affinity") == 4 and not router.get("new_prefix"), router
+    text = httpx.get(cluster + "/metrics", timeout=30).text
+    from serve.replica_http import forwarded
+
+    mine = {h for s_ in systems for h in forwarded("POST", "/v1/chat/completions", b"", [], json.dumps(
+        {"messages": [{"role": "system", "content": s_}, {"role": "user", "content": "where are the atlases?"}]}
+    ).encode()).prefix_hashes}
+    assert metric_value(text, "compressor:router_chains_restored_total") == router["restored"] >= len(mine) >= 4
 
 
 # ---- the parts without Ray: routing key, block hashes, merged metrics ------------------------------------------

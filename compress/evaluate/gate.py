@@ -71,6 +71,12 @@ class Verdict:
     def __bool__(self) -> bool:
         return self.accepted
 
+    def record(self, **extra) -> dict:
+        """The verdict as stages hand it on and log it (verdict.json, a stage's DONE.json, the flow): accepted,
+        reasons, criteria, checks and metrics, plus the stage's own fields (``extra`` wins on a clash)."""
+        return {"accepted": self.accepted, "reasons": list(self.reasons), "criteria": self.criteria,
+                "checks": list(self.checks), "metrics": dict(self.metrics), **extra}
+
 
 def _num(d: dict, key: str, who: str) -> float:
     if key not in d or d[key] is None:
