@@ -52,11 +52,11 @@ def main(argv=None) -> int:
         if "fp32_kv16" not in a.skip or not (out / "fp32_kv16" / "manifest.json").is_file():
             build_gqa_artifact(model, tok, out / "fp32_kv16", kv_dtype="float16")
     del model
-    wo8 = cfg.quantize.model_copy(update={"method": "weight_only", "smoothquant_alpha": None})
+    wo8 = cfg.quantize.model_copy(update={"method": "weight_only", "smoothquant_alpha": None, "kv_cache": "float32"})
     forms = {
         # W8A8 as the demo's w8a8 candidate makes it (quantize.method auto tries both forms)
         "w8a8": ("fp32", cfg.quantize.model_copy(update={"method": "dynamic", "activation_granularity": "token",
-                                                         "smoothquant_alpha": "auto"})),
+                                                         "smoothquant_alpha": "auto", "kv_cache": "float32"})),
         "wo8": ("fp32", wo8),
         **({"wo8_kv16": ("fp32_kv16", wo8)} if a.kv16 else {}),
     }

@@ -61,7 +61,7 @@ def ensure_artifact(path: Path) -> Path:
     if not (fp32 / "manifest.json").is_file():
         build_gqa_artifact(model, tok, fp32)
     del model
-    qcfg = cfg.quantize.model_copy(update={"method": "weight_only", "smoothquant_alpha": None})
+    qcfg = cfg.quantize.model_copy(update={"method": "weight_only", "smoothquant_alpha": None, "kv_cache": "float32"})
     quantize_artifact(fp32, path, splits.calib, qcfg)
     return path
 
