@@ -48,8 +48,8 @@ def sequential(artifact: Path, prompts, max_tokens: int, threads: int) -> dict:
 
 def engine_run(artifact: Path, prompts, max_tokens: int, concurrency: int, threads: int, batch_cap: int) -> dict:
     from serve.config import ServeConfig
-    from serve.engine import Engine
-    from serve.sampling import SamplingParams
+    from serve.engine.engine import Engine
+    from serve.engine.sampling import SamplingParams
 
     cfg = ServeConfig(verify_artifact=False, providers=["CPUExecutionProvider"], intra_op_threads=threads,
                       max_batch_size=max(batch_cap, concurrency), max_num_batched_tokens=512, kv_memory_mb=1024,

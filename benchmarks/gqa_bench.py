@@ -3,10 +3,10 @@
     python -m benchmarks.gqa_bench --standard .cache/bench/smollm2-fp32 --gqa .cache/bench/smollm2-gqa \
         --batch 1 8 32 --past 128
 
-standard: session.run with right-sized past tensors [B, kv_heads, past, head_dim] (what serve/runner.py feeds
+standard: session.run with right-sized past tensors [B, kv_heads, past, head_dim] (what serve/runners/standard.py feeds
 after its gather; the graph concatenates past and new into fresh present tensors every call).
 gqa: IOBinding with one preallocated buffer per layer bound as past and present (in place), as
-serve/runner_gqa.py runs it. Both interleave step by step so load changes hit both alike.
+serve/runners/gqa.py runs it. Both interleave step by step so load changes hit both alike.
 Reports median ms per step and the process CPU-seconds per step.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 
 def _session(folder: Path, threads: int):
     from compress.artifact import read_manifest
-    from serve.runner import make_session
+    from serve.runners.onnx_session import make_session
 
     man = read_manifest(folder, verify=False)
     return make_session(folder / man.get("onnx_file", "model.onnx"), ["CPUExecutionProvider"], threads), man

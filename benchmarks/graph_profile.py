@@ -4,7 +4,7 @@
         --graph genai=.cache/bench/genai/int8/model.onnx --prompt-tokens 64 --steps 64
 
 Both graphs run under this venv's onnxruntime (same kernels), batch 1, greedy, with the KV buffers
-bound as past and present (in place), as serve/runner_gqa.py and genai (past_present_share_buffer)
+bound as past and present (in place), as serve/runners/gqa.py and genai (past_present_share_buffer)
 run them. Two graph contracts are recognised by their inputs: ours (``seqlens_k`` +
 ``total_sequence_length``, compress/export/gqa.py) and genai's builder (``attention_mask``).
 

@@ -5,7 +5,7 @@
 One wave: ``--prompts`` of the sweep's chat prompts (benchmarks/sweep.py) in the artifact's template, the first
 ``--long`` of them made ~8x longer (the prompt repeated), admitted in one engine step (prefix and result caches
 off, one new token each), so the step is the runner's batched first-prompt call, run as two calls at once on the
-split session (serve/runner_gqa.py). Each trial runs the same wave twice, cut at n // 2 and by ``balanced_cut``
+split session (serve/runners/gqa.py). Each trial runs the same wave twice, cut at n // 2 and by ``balanced_cut``
 (the order alternating), a new seed per trial; prints each trial's pair, the medians, and balanced / half.
 """
 
@@ -28,11 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=8)
     a = p.parse_args(argv)
 
-    import serve.runner_gqa as runner_gqa
+    import serve.runners.gqa as runner_gqa
     from serve.config import ServeConfig
-    from serve.engine import Engine
-    from serve.runner import CPU
-    from serve.sampling import SamplingParams
+    from serve.engine.engine import Engine
+    from serve.runners.onnx_session import CPU
+    from serve.engine.sampling import SamplingParams
 
     eng = Engine(a.artifact, ServeConfig(providers=[CPU], verify_artifact=False, max_batch_size=max(a.prompts, 16),
                                          enable_prefix_caching=False, result_cache_size=0,

@@ -2,7 +2,7 @@
 
     python -m benchmarks.prompt_profile --artifact champion=<dir> --artifact f32kv=<dir> --prompts 16 --threads 1
 
-The call is the one serve/runner_gqa.py makes for a wave of new requests (``_run_first_prompts``): the sweep's chat
+The call is the one serve/runners/gqa.py makes for a wave of new requests (``_run_first_prompts``): the sweep's chat
 prompts (benchmarks/sweep.py) in the artifact's own template, sorted by length, right-padded to the longest,
 ``seqlens_k`` = each length - 1, ``total_sequence_length`` = the padded length, the last positions' logits only,
 K/V bound in place as past and present. At 32 users the server runs two such calls of 16 at once, one thread
@@ -30,8 +30,8 @@ from benchmarks.sweep import chats
 def chat_prompts(artifact: Path, n: int, seed: int = 32) -> list[list[int]]:
     """The sweep's first ``n`` chat prompts as token ids, through the artifact's chat template and tokenizer (the
     user text alone for a model without a template)."""
-    from serve.chat_template import render_template
-    from serve.tokenizer import load_tokenizer
+    from serve.api.chat_template import render_template
+    from serve.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(artifact)
     template = json.loads((artifact / "manifest.json").read_text()).get("chat_template")
@@ -52,7 +52,7 @@ class PromptCall:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.log_severity_level = 3
-        if threads == 1:  # as the server's split session (serve/runner_gqa.py _halves)
+        if threads == 1:  # as the server's split session (serve/runners/gqa.py _halves)
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if profile_dir:
             opts.enable_profiling = True

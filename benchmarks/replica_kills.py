@@ -6,8 +6,8 @@ SIGKILLed every 20 s for 2 minutes; what each client saw, per kill.
 The server is the documented command, ``python -m serve --model ARTIFACT --replicas 2`` (a local Ray instance). The
 clients are threads with httpx, each sending chat completions one after another until the time is up, streamed
 and whole in turn (greedy, ``--max-tokens`` each, one of 8 system prompts so prefix routing has work). Every
-``--kill-every`` seconds the replicas' pids are read from ``/replicas`` and one (in turn) gets SIGKILL; Ray starts
-a replacement. A request's outcome:
+``--kill-every`` seconds the replicas' pids are read from ``/replicas`` and the one that took the most requests
+since the last kill gets SIGKILL; Ray starts a replacement. A request's outcome:
 
 - whole: ``ok`` (200 with a completion) or failed (any other status, or a cut connection);
 - streamed: ``ok`` (``[DONE]`` after its tokens), ``failed_before_start`` (a non-200 status, an error event or a
@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.replicas import WORDS, model_id, server
-from serve.replica_http import REPLICA_HEADER, metric_value
+from serve.replicas.forwarding import REPLICA_HEADER, metric_value
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "replica_kills.json"
@@ -156,19 +156,24 @@ def main(argv=None) -> int:
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
         for t in threads:
             t.start()
-        n = 0
+        n, routed_seen = 0, {}
         while True:
             t_next = t0 + args.kill_every * (n + 1)
             if t_next >= stop_at:
                 break
             time.sleep(max(0.0, t_next - time.monotonic()))
-            live = sorted(replicas_now(url), key=lambda r: r["replica"])
-            victim = live[n % len(live)]
+            # The replica that took the most requests since the last kill: the harsher case (after a kill, prefix
+            # routing keeps the survivor's conversations on it, so the replacement may be nearly idle).
+            live = replicas_now(url)
+            victim = max(live, key=lambda r: (r.get("requests_routed") or 0) - routed_seen.get(r["replica"], 0))
+            routed_seen = {r["replica"]: r.get("requests_routed") or 0 for r in live}
             before = ingress_counters(url)
             t_kill = time.monotonic()
             os.kill(victim["pid"], signal.SIGKILL)
             kill = {"n": n + 1, "at_s": round(t_kill - t0, 1), "victim": victim["replica"], "t": t_kill,
-                    "counters_before": before}
+                    "counters_before": before,
+                    "routed_before": {r["replica"]: r.get("requests_routed") for r in live},
+                    "finished_on_victim_before": sum(1 for r in list(records) if r["replica"] == victim["replica"])}
             replaced = None
             while replaced is None and time.monotonic() < t_kill + args.kill_every - 1:
                 try:
@@ -210,6 +215,7 @@ def main(argv=None) -> int:
         streams_error_after_start=tally[("stream", "error_after_start")],
         streams_cut_after_start=tally[("stream", "cut_after_start")],
         kills=kills, load_average_after=os.getloadavg()[0],
+        by_replica=dict(Counter(str(r["replica"]) for r in records)),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -108,7 +108,7 @@ def run_chats(url: str, convs: list[list[dict]], max_tokens: int, concurrency: i
 
 
 def prefix_counters(url: str) -> tuple[float, float]:
-    from serve.replica_http import metric_value
+    from serve.replicas.forwarding import metric_value
 
     text = httpx.get(url + "/metrics", timeout=60).text
     return (metric_value(text, "vllm:prefix_cache_hits_total"), metric_value(text, "vllm:prefix_cache_queries_total"))

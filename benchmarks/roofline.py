@@ -38,7 +38,7 @@ MATMUL_OPS = {"MatMul", "MatMulInteger", "MatMulIntegerToFloat", "QLinearMatMul"
 
 
 def _session(model: onnx.ModelProto, threads: int):
-    from serve.onnx_session import make_session
+    from serve.runners.onnx_session import make_session
 
     return make_session(model, threads=threads)
 
@@ -134,9 +134,9 @@ def decode_step(artifact: Path, batch: int, threads: int, steps: int = 24, promp
     """(seconds inside session.run per decode step, seconds per whole step) with ``batch`` rows decoding, each
     after a prompt of ``prompt_tokens``."""
     from serve.config import ServeConfig
-    from serve.engine import Engine
-    from serve.runner import CPU
-    from serve.sampling import SamplingParams
+    from serve.engine.engine import Engine
+    from serve.runners.onnx_session import CPU
+    from serve.engine.sampling import SamplingParams
 
     cfg = ServeConfig(providers=[CPU], max_batch_size=batch, max_num_batched_tokens=max(256, batch * prompt_tokens),
                       kv_memory_mb=1024, intra_op_threads=threads, enable_prefix_caching=False,
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
               f"   fp32 MatMul {f32 / 1e9:7.1f} GFLOPS")
     read, params = weight_figures(a.artifact)
     from serve.artifact import read_manifest
-    from serve.kv_budget import KVCacheSpec
+    from serve.kv.budget import KVCacheSpec
 
     kv_token = KVCacheSpec.from_manifest(read_manifest(a.artifact, verify=False)).bytes_per_token
     context = a.prompt_tokens + 3 + 12  # the prompt, the warm-up steps, half the timed ones

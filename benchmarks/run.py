@@ -5,7 +5,7 @@
 
 Systems, for each precision given (int8, fp32):
 
-- ``engine``: the server's engine in-process (serve.engine.Engine, manual stepping: scheduler, runner,
+- ``engine``: the server's engine in-process (serve.engine.engine.Engine, manual stepping: scheduler, runner,
   ORT call, sampling, detokenization; no HTTP), prefix and result caches off, batch 1;
 - ``graph``: the same artifact's graph alone through the offline driver (compress.drivers greedy),
   which splits the engine's own per-token cost from the graph's;
@@ -44,7 +44,7 @@ class GraphSystem:
         from tokenizers import Tokenizer
 
         from compress.drivers import load_lm
-        from serve.onnx_session import artifact_session
+        from serve.runners.onnx_session import artifact_session
 
         self.lm = load_lm(artifact, threads=threads or None)
         # the same session settings as the engine's runner, so the two differ only by the engine's own per-token work

@@ -74,12 +74,12 @@ def op_split(profile_json: str, last_runs: int) -> dict[str, float]:
 
 
 def engine_split(artifact: Path, steps: int, overrides: dict, batch: int = 1, ops: bool = False) -> dict[str, float]:
-    import serve.engine as engine_mod
-    import serve.in_flight as in_flight_mod
+    import serve.engine.engine as engine_mod
+    import serve.engine.in_flight as in_flight_mod
     from serve.config import ServeConfig
-    from serve.engine import Engine
-    from serve.runner import CPU
-    from serve.sampling import SamplingParams
+    from serve.engine.engine import Engine
+    from serve.runners.onnx_session import CPU
+    from serve.engine.sampling import SamplingParams
 
     spent = {"sampling": 0.0, "detokenize": 0.0}
     sample_token, add_token = engine_mod.sample_token, in_flight_mod.InFlightRequest.add_token

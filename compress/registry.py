@@ -21,11 +21,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-# The lookups the server needs live with the server (serve/registry_client.py); this module adds the
+# The lookups the server needs live with the server (serve/registry/client.py); this module adds the
 # pipeline's side (register, promote, roll back) and re-exports them, so callers need one module.
-from serve.registry_client import (RegistryError, Version, check_reachable, connect, default_tracking_uri, download,
+from serve.registry.client import (RegistryError, Version, check_reachable, connect, default_tracking_uri, download,
                                    get_version, resolve_tracking_uri, sqlite_path, version_for_alias)
-from serve.registry_client import client as _client
+from serve.registry.client import client as _client
 
 __all__ = ["RegistryError", "Version", "check_reachable", "configure", "default_tracking_uri", "download",
            "get_version", "resolve_tracking_uri", "version_for_alias"]
@@ -150,7 +150,7 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
 
     from compress.artifact import read_manifest
     from serve.artifact import CHECKPOINT_RECORD
-    from serve.mlflow_model import write_mlmodel
+    from serve.api.mlflow_model import write_mlmodel
 
     client = _client()
     _log_to_run(client, run_id, metrics or {}, params or {})
@@ -161,7 +161,7 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
             client.log_artifacts(run_id, str(folder), ARTIFACT_PATH)
             manifest = read_manifest(folder, verify=False)
             if manifest.get("kind") != CHECKPOINT_RECORD:  # a checkpoint record has no graph to load
-                # an MLflow Model over the folder's own files (serve/mlflow_model.py): MLmodel beside them
+                # an MLflow Model over the folder's own files (serve/api/mlflow_model.py): MLmodel beside them
                 write_mlmodel(tmp, manifest, run_id)
                 client.log_artifacts(run_id, tmp, ARTIFACT_PATH)
     try:

@@ -26,8 +26,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from serve.kv_budget import DTYPE_BYTES, ROW_COPIES, KVCacheSpec, split_budget  # the server's table and split
-from serve.kv_budget import dtype_bytes as _table_bytes
+from serve.kv.budget import DTYPE_BYTES, ROW_COPIES, KVCacheSpec, split_budget  # the server's table and split
+from serve.kv.budget import dtype_bytes as _table_bytes
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -35,7 +35,7 @@ MiB = 1024 ** 2
 
 def dtype_bytes(dtype: str | float) -> float:
     """Bytes per element: a dtype name (float32, float16, bfloat16, int8, fp8, int4; the server's table,
-    serve.kv_cache.DTYPE_BYTES) or a number."""
+    serve.kv.cache.DTYPE_BYTES) or a number."""
     if isinstance(dtype, (int, float)):
         if dtype <= 0:
             raise ValueError(f"dtype bytes must be > 0 (got {dtype})")
@@ -46,7 +46,7 @@ def dtype_bytes(dtype: str | float) -> float:
         raise ValueError(f"{e} or a number of bytes") from None
 
 
-# The one KV shape type, shared with the server (serve/kv_budget.py); the calculator's old name stays.
+# The one KV shape type, shared with the server (serve/kv/budget.py); the calculator's old name stays.
 KVShape = KVCacheSpec
 
 

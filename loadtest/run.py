@@ -79,7 +79,7 @@ def kv_budget_mb(artifact: Path, workload: list[dict], concurrency: int, block_s
 
     from loadtest.kv_calc import kv_memory_bytes, shape_from_manifest
     from serve.artifact import read_manifest
-    from serve.tokenizer import encode_prompt
+    from serve.engine.tokenizer import encode_prompt
 
     tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
     man = read_manifest(artifact, verify=False)

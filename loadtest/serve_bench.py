@@ -9,7 +9,7 @@ The server runs in a **subprocess** (``python -m serve`` on a free 127.0.0.1 por
 its RSS is then the serving process's own (not the caller's torch, MLflow or pipeline state), its
 CPU time is counted apart from the load generator's, and the client and the server do not share
 one GIL. Start-up costs ~2-3 s on the tiny model. ``isolate=False`` runs it in this process
-(uvicorn in a thread via ``serve.background.BackgroundServer``): faster to start, but RSS and CPU
+(uvicorn in a thread via ``serve.api.background.BackgroundServer``): faster to start, but RSS and CPU
 are then this whole process's.
 
 Deterministic for a given workload: greedy requests in workload order (closed loop), a fresh
@@ -159,8 +159,8 @@ def running_server(artifact_dir: Path, overrides: dict | None = None,
 def _in_process(artifact_dir, workload, concurrency, overrides, request_rate, label, seed, sample_interval_s,
                 ready_timeout_s, warmup, meta) -> BenchResult:
     from serve.config import ServeConfig
-    from serve.background import BackgroundServer
-    from serve.api import create_app
+    from serve.api.background import BackgroundServer
+    from serve.api.app import create_app
 
     app = create_app(str(artifact_dir), ServeConfig(**overrides), admin_token=None)
     srv = BackgroundServer(app, ready_timeout_s=ready_timeout_s)

@@ -550,7 +550,7 @@ def shoot(base: str, t: dict, out: Path, args: argparse.Namespace) -> list[Path]
             save(page, "4-registered-model.png", grow=True)
 
             # 5. the champion's (else the newest) version page: its description (verdict, links), tags and the
-            # MLflow Model's schema (serve/mlflow_model.py)
+            # MLflow Model's schema (serve/api/mlflow_model.py)
             shown = t["aliases"].get("champion", newest)
             url = f"{base}/#/models/{quote(t['model'], safe='')}/versions/{shown}"
             log(f"model version: {url}")

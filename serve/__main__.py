@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser, config_args: bool = True) -> None:
     p.add_argument("--tracking-uri", default=None,
                    help="MLflow tracking URI (default: mlflow.tracking_uri, $MLFLOW_TRACKING_URI, or mlruns/)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from serve.replica_http import POLICIES  # no Ray here: it is imported only when --replicas is given
+    from serve.replicas.forwarding import POLICIES  # no Ray here: it is imported only when --replicas is given
 
     g = p.add_argument_group("replicas on Ray Serve (pip install -e '.[ray]'; docs/scaling.md)")
     g.add_argument("--replicas", type=int, default=None, metavar="N",
@@ -59,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
     """Load the model (fail fast with a clear message), then serve until interrupted."""
     import uvicorn
 
-    from serve.api import create_app
+    from serve.api.app import create_app
     from serve.config import ConfigError, load_serve_config
-    from serve.model_resolver import ModelSourceError
-    from serve.model_source import ModelManager
+    from serve.registry.resolver import ModelSourceError
+    from serve.registry.source import ModelManager
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             serve_cfg.port = args.port
         if getattr(args, "replicas", None) is not None:
             try:
-                from serve import replicas
+                from serve.replicas import deploy as replicas
             except ImportError as e:
                 print(f"error: --replicas needs Ray Serve: pip install -e '.[ray]' ({e})", file=sys.stderr)
                 return 2

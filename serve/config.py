@@ -83,7 +83,7 @@ class ServeConfig(Section):
     # Reuse the KV blocks of a prompt prefix computed before (system prompts, chat history).
     enable_prefix_caching: bool = True
     # Rows decoding together. 64: every INT8 form's tokens/s still rose from 32 to 64 rows (benchmarks/history.md run 9);
-    # the KV rows are allocated for the traffic there is, not for this many (serve/runner_gqa.py).
+    # the KV rows are allocated for the traffic there is, not for this many (serve/runners/gqa.py).
     max_batch_size: int = Field(64, ge=1)
     # Tokens one step computes (decodes + prompt chunks); 2048 as vLLM's online server. 32 chat prompts (~1,300
     # tokens) then run in one batched call: at 512 a wave of them took four calls, each reading every weight
@@ -105,7 +105,7 @@ class ServeConfig(Section):
     # once comes back at once, and with 64 of each, a wave at 64 users was shed while it queued (run 11).
     max_waiting: int = Field(256, ge=1)
     # A request waiting longer than this for a row is admitted before any newer one (the P99 guard,
-    # serve/scheduler.py).
+    # serve/engine/scheduler.py).
     max_wait_s: float = Field(2.0, gt=0)
     # Order of the waiting queue for requests younger than max_wait_s.
     scheduling_policy: Literal["fcfs", "shortest_first"] = "fcfs"
@@ -127,7 +127,7 @@ class ServeConfig(Section):
     # From this many decode rows on (0 = never), a gqa step on the CPU runs as two halves at once on a second
     # session with half the threads: 5-16 % more tokens/s and 10-25 % less CPU per token at 32-64 rows on 2 cores; the
     # second session is a second copy of the weights (made at start-up when max_batch_size reaches this size; never
-    # for a graph over 2 GiB of weights, serve/runner_gqa.SPLIT_MAX_WEIGHT_BYTES: a 7B's server would hold two).
+    # for a graph over 2 GiB of weights, serve/runners/gqa.SPLIT_MAX_WEIGHT_BYTES: a 7B's server would hold two).
     # benchmarks/history.md run 10.
     decode_split_rows: int = Field(16, ge=0)
     # Where a gqa runner keeps its block pool and KV rows: "auto" = GPU memory on the CUDA EP for the CUDA form's
@@ -137,13 +137,13 @@ class ServeConfig(Section):
     # How many nice steps below the HTTP event loop the model's threads run (the engine's step loop and
     # onnxruntime's intra-op pool; Linux, 0 = same priority). The loop then gets a core as soon as it has
     # work, so /health and 429s answer in a burst; the model still takes every cycle the loop leaves
-    # (serve/thread_priority.py, docs/serving.md "The event loop under bursts").
+    # (serve/engine/thread_priority.py, docs/serving.md "The event loop under bursts").
     model_thread_nice: int = Field(10, ge=0, le=19)
     # Check every artifact file against its sha256 in the manifest before serving.
     verify_artifact: bool = True
     # How many recent TTFT / inter-token latency samples the stats snapshot keeps.
     latency_window: int = Field(2048, ge=1)
-    # HTTP server (serve/api.py): largest accepted request body; bigger ones get 413.
+    # HTTP server (serve/api/app.py): largest accepted request body; bigger ones get 413.
     max_request_bytes: int = Field(1_048_576, ge=1024)
     # After a live swap, how long in-flight requests may keep the old model before it is shut down anyway.
     drain_timeout_s: float = Field(300.0, gt=0)

@@ -4,7 +4,7 @@ Per family (compress/tiny.py): export with ``export.exporter: auto`` (the gqa gr
 the family, the dynamo export otherwise) + golden, with a prompt longer than the sliding window and a
 left-padded batch; structured pruning (KV groups, MLP, a layer) then export + golden of the student, or
 the UnsupportedArchitectureError naming why; a few distillation steps; static INT8; serving through
-serve.engine with batched greedy outputs equal to batch 1. Plus the standard layout on the families
+serve.engine.engine with batched greedy outputs equal to batch 1. Plus the standard layout on the families
 whose standard export has its own trap (sliding-window caches). docs/models.md has the measured table.
 """
 
@@ -180,9 +180,9 @@ def _requests() -> list[tuple[list[int], int]]:
 
 
 def _engine_outputs(folder, reqs, max_batch_size: int) -> list[list[int]]:
-    from serve.engine import Engine
-    from serve.runner import CPU
-    from serve.sampling import SamplingParams
+    from serve.engine.engine import Engine
+    from serve.runners.onnx_session import CPU
+    from serve.engine.sampling import SamplingParams
 
     eng = Engine(folder, ServeConfig(providers=[CPU], max_batch_size=max_batch_size, enable_prefix_caching=False,
                                      max_num_batched_tokens=64), start=False)
@@ -207,10 +207,10 @@ def test_serving_batched_equals_batch_one(family, models, artifacts):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_wave_of_prompts_split_in_two_calls_equals_torch(family, models, artifacts):
     """Eight first prompts of 4 to 70 tokens in one step, run as two calls at once on the split session (cut where
-    their work is even, serve/runner_gqa.py balanced_cut), then decoded as two halves: torch's greedy tokens."""
-    from serve.engine import Engine
-    from serve.runner import CPU
-    from serve.sampling import SamplingParams
+    their work is even, serve/runners/gqa.py balanced_cut), then decoded as two halves: torch's greedy tokens."""
+    from serve.engine.engine import Engine
+    from serve.runners.onnx_session import CPU
+    from serve.engine.sampling import SamplingParams
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the split session needs 2 cores")

@@ -97,8 +97,8 @@ def test_kv_calc_matches_hand_computed_figures(tiny_artifact, tmp_path):
 def test_kv_calc_layout_gives_the_context_the_server_serves(tiny_artifact):
     """--layout models the server's split of serve.kv_memory_mb: its max context is what the engine advertises."""
     from serve.config import ServeConfig
-    from serve.engine import Engine
-    from serve.runner import CPU
+    from serve.engine.engine import Engine
+    from serve.runners.onnx_session import CPU
 
     shape = kv_calc.shape_from_manifest(tiny_artifact)
     for mb, share in ((1, 0.2), (1, 0.1)):  # small enough that the rows, not the manifest, set the context
@@ -153,8 +153,8 @@ def _check_sane(res, workload):
 
 def test_loadgen_against_in_process_server(tiny_artifact):
     from loadtest.loadgen import run_workload
-    from serve.background import BackgroundServer
-    from serve.api import create_app
+    from serve.api.background import BackgroundServer
+    from serve.api.app import create_app
     from serve.config import ServeConfig
 
     w = small_workload(tiny_artifact)

@@ -1,5 +1,5 @@
 """The CUDA form (fp16 weights, activations and K/V: compress/quantize/cuda_fp16.py) and the device K/V store
-(serve/kv_device.py), both run here on the CPU EP: the form's logits against the fp32 graph's, and the engine with
+(serve/kv/device.py), both run here on the CPU EP: the form's logits against the fp32 graph's, and the engine with
 its pool and rows in torch tensors against the same engine with numpy arrays, token for token."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 from compress.artifact import read_manifest
 from compress.config import ServeConfig
 from compress.quantize.cuda_fp16 import CudaFormError, to_fp16, write_fp16_artifact
-from serve.engine import Engine
-from serve.kv_device import HostKv, TorchKv, kv_store
-from serve.runner import CPU, CUDA
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.kv.device import HostKv, TorchKv, kv_store
+from serve.runners.onnx_session import CPU, CUDA
+from serve.engine.sampling import SamplingParams
 
 from tests.test_gqa import prompts
 
@@ -116,7 +116,7 @@ def test_the_cuda_docs_name_keys_commands_and_paths_that_exist():
     from pathlib import Path
 
     from compress.config import PipelineConfig
-    from serve.metrics import GPU_GAUGES
+    from serve.api.metrics import GPU_GAUGES
 
     root = Path(__file__).resolve().parents[1]
     text = (root / "docs/serving.md").read_text()

@@ -55,7 +55,7 @@ SCHEMA = _schema()
 
 
 def _is_module(section: str, rest: str) -> bool:
-    """`serve.replicas`, `data.py`: a module or file, not a config key."""
+    """`serve.replicas.deploy`, `data.py`: a module or file, not a config key."""
     return (rest in FILE_SUFFIXES or (ROOT / section / f"{rest}.py").exists() or (ROOT / section / rest).is_dir())
 
 
@@ -134,7 +134,7 @@ def _path_candidates(span: str) -> str | None:
 
 
 def _exists(path: str) -> bool:
-    """A file or folder, or a module's attribute (`serve/runner_gqa.SPLIT_MAX_WEIGHT_BYTES`, `compress/data`)."""
+    """A file or folder, or a module's attribute (`serve/runners/gqa.SPLIT_MAX_WEIGHT_BYTES`, `compress/data`)."""
     module = re.sub(r"\.[A-Za-z_]\w*$", "", path) if not (ROOT / path).exists() else path
     return (ROOT / path).exists() or (ROOT / f"{module}.py").exists()
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from serve.config import ServeConfig
-from serve.engine import Engine
-from serve.runner import CPU, choose_providers
-from serve.sampling import SamplingError, SamplingParams
-from serve.scheduler import AdmissionError, QueueFullError, RequestTooLargeError
+from serve.engine.engine import Engine
+from serve.runners.onnx_session import CPU, choose_providers
+from serve.engine.sampling import SamplingError, SamplingParams
+from serve.engine.scheduler import AdmissionError, QueueFullError, RequestTooLargeError
 from step_gate import held_steps, seen_cancels
 
 SPECIAL = 3  # ids 0..2 are the tiny tokenizer's special tokens
@@ -40,7 +40,7 @@ class LogitTap:
         self.rows: dict[tuple, np.ndarray] = {}
 
     def __enter__(self):
-        import serve.engine as mod
+        import serve.engine.engine as mod
 
         self._mod, self._orig = mod, mod.sample_token
 
@@ -135,14 +135,14 @@ def test_a_dropped_engine_frees_its_model_at_once(tiny_artifact, tiny_gqa):
 
 
 def test_every_runner_implements_the_whole_runner_protocol(tiny_artifact):
-    """The engine calls its runner through serve.runner_protocol.ModelRunner without probing: every runner class
+    """The engine calls its runner through serve.runners.protocol.ModelRunner without probing: every runner class
     defines every method of it, and a live runner has every attribute, with the KV figures the engine reports."""
     import inspect
     import typing
 
-    from serve.runner import Runner
-    from serve.runner_gqa import GqaRunner
-    from serve.runner_protocol import ModelRunner
+    from serve.runners.standard import Runner
+    from serve.runners.gqa import GqaRunner
+    from serve.runners.protocol import ModelRunner
 
     methods = [n for n, v in vars(ModelRunner).items() if inspect.isfunction(v) and not n.startswith("_")]
     attrs = list(typing.get_type_hints(ModelRunner))

@@ -79,8 +79,8 @@ def test_the_int8_export_is_the_candidate_judged_against_the_checkpoint(int8_run
 
 def test_the_baseline_version_records_the_checkpoint_by_digest(int8_run, tmp_path):
     from compress import registry
-    from serve.engine import Engine
-    from serve.registry_client import download
+    from serve.engine.engine import Engine
+    from serve.registry.client import download
 
     out, _ = int8_run
     base, cand = out["registered"][0], out["registered"][-1]

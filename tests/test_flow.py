@@ -59,7 +59,7 @@ def test_accepted_int8_candidate_is_registered_and_promoted(tiny_flow_run, mlflo
     attached = {f.path for f in registry._client().list_artifacts(cand.run_id, "verdict")}
     assert "verdict/verdict.json" in attached  # in the version's source run, beside its files
     info = mlflow.models.get_model_info("models:/tiny-llama@champion")
-    assert info.flavors["python_function"]["loader_module"] == "serve.mlflow_model"
+    assert info.flavors["python_function"]["loader_module"] == "serve.api.mlflow_model"
     assert registry.figures("tiny-llama", cand.version)["gate_perplexity_ratio"] <= 1.5 and cand.tags["config_hash"]
     graph = onnx.load(out["candidate_artifact"] + "/model.onnx", load_external_data=False).graph
     assert any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in graph.node)

@@ -13,10 +13,10 @@ from compress.artifact import read_manifest
 from compress.config import QuantizeConfig, ServeConfig
 from compress.export.gqa import GqaBuildError, build_gqa_artifact, build_gqa_model
 from compress.drivers.gqa import GqaCache, GqaLM
-from serve.engine import Engine
-from serve.runner import CPU
-from serve.runner_gqa import GqaRunner, balanced_cut
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.runners.onnx_session import CPU
+from serve.runners.gqa import GqaRunner, balanced_cut
+from serve.engine.sampling import SamplingParams
 
 SPECIAL = 3
 
@@ -43,7 +43,7 @@ class Tap:
     """The logits the engine samples from, keyed by context (equal tokens alone hide K/V mistakes)."""
 
     def __enter__(self):
-        import serve.engine as mod
+        import serve.engine.engine as mod
 
         self.rows, self._mod, self._orig = {}, mod, mod.sample_token
 
@@ -254,7 +254,7 @@ def test_released_sequence_never_writes_into_reused_blocks(gqa_artifact):
     """A sequence freed with K/V still only in its row (a partial block) is released by the engine: when its row
     is later overwritten, nothing is written into the blocks, which by then belong to another sequence."""
     from serve.artifact import read_manifest
-    from serve.runner_protocol import RunRow
+    from serve.runners.protocol import RunRow
 
     r = GqaRunner(gqa_artifact, read_manifest(gqa_artifact, verify=False), num_blocks=8, block_size=4,
                   providers=[CPU], max_batch_size=2, decode_split_rows=0)
@@ -440,7 +440,7 @@ def test_prompt_cut_times_a_wave_cut_both_ways(gqa_artifact, tiny_artifact, caps
 def test_no_split_session_for_a_graph_over_the_weight_limit(gqa_artifact, monkeypatch):
     """The split decode's second session is a second copy of the weights: a graph over SPLIT_MAX_WEIGHT_BYTES (a 7B's
     8.6 GB) gets none, so the server holds its weights once."""
-    from serve import runner_gqa
+    from serve.runners import gqa as runner_gqa
     from serve.artifact import read_manifest
 
     manifest = read_manifest(gqa_artifact, verify=False)

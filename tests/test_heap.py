@@ -1,4 +1,4 @@
-"""serve.heap.release_free_memory gives a thread's freed heap memory back (what model loading leaves)."""
+"""serve.engine.heap.release_free_memory gives a thread's freed heap memory back (what model loading leaves)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 from proc_memory import rss_anon
 
-from serve.heap import release_free_memory
+from serve.engine.heap import release_free_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
 

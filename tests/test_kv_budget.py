@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from serve.config import ConfigError, ServeConfig
-from serve.engine import Engine
-from serve.runner import CPU
-from serve.runner_gqa import GqaRunner
-from serve.sampling import SamplingParams
-from serve.scheduler import RequestTooLargeError
+from serve.engine.engine import Engine
+from serve.runners.onnx_session import CPU
+from serve.runners.gqa import GqaRunner
+from serve.engine.sampling import SamplingParams
+from serve.engine.scheduler import RequestTooLargeError
 
 
 def ids(n, seed):

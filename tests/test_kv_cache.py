@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from serve.kv_cache import (
+from serve.kv.cache import (
     BlockManager,
     KVCacheError,
     KVCacheSpec,

@@ -13,9 +13,9 @@ from compress.config import ExportConfig, QuantizeConfig, ServeConfig
 from compress.export.gqa import build_gqa_artifact
 from compress.drivers.gqa import GqaLM
 from compress.export.kv_fp16 import KvDtypeError, kv_to_fp16
-from serve.engine import Engine
-from serve.runner import CPU
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.runners.onnx_session import CPU
+from serve.engine.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

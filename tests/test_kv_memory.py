@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from proc_memory import rss_anon
 
-from serve.kv_memory import kv_zeros
+from serve.kv.memory import kv_zeros
 
 
 def test_kv_zeros_is_a_zeroed_writable_array_of_the_shape_and_dtype():

@@ -24,8 +24,8 @@ from compress.memory import (GIB, MemoryBudgetError, Shape, check_distill_memory
                              estimate_for_shape)
 from compress.models import ModelError, resolve_source
 from compress.shapes import SHAPES, build_shape, scaled_shape, shape_config
-from serve.onnx_external import is_external, load_lazy, save_external, tensor_array
-from serve.onnx_session import make_session
+from serve.runners.onnx_external import is_external, load_lazy, save_external, tensor_array
+from serve.runners.onnx_session import make_session
 
 IDS = np.array([[0, 5, 9, 33, 100, 7, 250, 3]], np.int64)
 

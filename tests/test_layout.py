@@ -70,7 +70,7 @@ FORBIDDEN_IMPORTS = {
 }
 # The one exception: the device K/V store imports torch inside TorchKv, only when a runner keeps its K/V in GPU
 # memory (the CUDA EP) or is told to rehearse that path; the server on the CPU EP never imports it.
-ALLOWED_IMPORTS = {("serve/kv_device.py", "torch")}
+ALLOWED_IMPORTS = {("serve/kv/device.py", "torch")}
 
 
 def _imports(source: str, filename: str = "<string>") -> list[tuple[int, str]]:
@@ -114,7 +114,7 @@ def test_import_rules():
 # they happen to load, and a circle hides which one is the lower layer. Every import counts: at any depth (lazy
 # ones in functions), under `if TYPE_CHECKING:` (a circle for the reader all the same), relative ones, and
 # importlib.import_module("…") with a literal name. A type both sides need lives in the lower module (or a
-# Protocol there names what it needs of the higher one: serve/request_handle.StepDriver, compress/quantize/
+# Protocol there names what it needs of the higher one: serve/engine/request_handle.StepDriver, compress/quantize/
 # sensitivity.QuantizerView).
 CYCLE_PACKAGES = ("compress", "serve", "tasks", "flows", "loadtest")
 
@@ -251,3 +251,43 @@ def test_compress_entry_points_resolve():
         pkg = importlib.import_module(f"compress.{sub}")
         missing = [n for n in pkg.__all__ if getattr(pkg, n, None) is None]
         assert not missing, f"compress.{sub} promises {missing}"
+
+
+# serve/ in rooms (docs/architecture.md, the serve/ block): config.py and artifact.py at the top import no room; each
+# room imports only itself and the rooms before it in this order; __main__ (the entry point) may import any.
+SERVE_ROOMS = ("kv", "runners", "engine", "registry", "api", "replicas")
+
+
+def _upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports in serve/ that break the room order (see SERVE_ROOMS)."""
+    def room(mod: str) -> str:
+        parts = mod.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in SERVE_ROOMS else "main" if parts[-1] == "__main__" else "top"
+
+    rank = {r: i for i, r in enumerate(SERVE_ROOMS)}
+    broken = []
+    for m, targets in graph.items():
+        for t, line in targets.items():
+            a, b = room(m), room(t)
+            if a == "main" or a == b or b == "top":
+                continue
+            if a == "top" or b == "main" or rank[b] > rank[a]:
+                broken.append(f"{m}:{line} imports {t} ({a} -> {b})")
+    return sorted(broken)
+
+
+def test_serve_rooms_are_layered():
+    # The rule reports a room importing a later one, and the top modules importing a room.
+    probe = {"serve": ("", True), "serve.kv": ("", True), "serve.engine": ("", True),
+             "serve.config": ("from serve.kv.cache import BlockManager\n", False),
+             "serve.kv.cache": ("from serve.engine.engine import Engine\n", False),
+             "serve.engine.engine": ("from serve.kv.cache import BlockManager\nimport serve.config\n", False)}
+    assert _upward_imports(_module_graph(probe)) == [
+        "serve.config:1 imports serve.kv.cache (top -> kv)", "serve.kv.cache:1 imports serve.engine.engine (kv -> engine)"]
+
+    on_disk = {p.name for p in (ROOT / "serve").iterdir() if (p / "__init__.py").is_file()}
+    assert on_disk == set(SERVE_ROOMS), f"serve/'s subpackages {sorted(on_disk)}: add a new one to SERVE_ROOMS"
+    loose = sorted(p.name for p in (ROOT / "serve").glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "artifact.py", "config.py"], f"a module outside a room: {loose}"
+    broken = _upward_imports(_module_graph(_project_sources(["serve"])))
+    assert not broken, "serve/'s rooms import upwards (order: " + " < ".join(SERVE_ROOMS) + "):\n" + "\n".join(broken)

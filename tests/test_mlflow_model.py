@@ -1,4 +1,4 @@
-"""Every registered version is an MLflow Model (serve/mlflow_model.py): MLflow's own loaders and its scoring server
+"""Every registered version is an MLflow Model (serve/api/mlflow_model.py): MLflow's own loaders and its scoring server
 generate with the project's engine over the version's files. A real sqlite store, a real `mlflow models serve`."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from compress import registry
 from compress.config import load_config
 from serve.config import ServeConfig
-from serve.engine import Engine
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.engine.sampling import SamplingParams
 from tasks.register import register_task
 
 

@@ -12,11 +12,11 @@ import numpy as np
 import openai
 import pytest
 
-from serve.background import BackgroundServer
-from serve.api import create_app
+from serve.api.background import BackgroundServer
+from serve.api.app import create_app
 from serve.config import ServeConfig
-from serve.runner import CPU
-from serve.sampling import (SamplingError, SamplingParams, apply_frequency_presence_penalties, process_logits,
+from serve.runners.onnx_session import CPU
+from serve.engine.sampling import (SamplingError, SamplingParams, apply_frequency_presence_penalties, process_logits,
                             sample_token, token_logprobs)
 
 pytestmark = pytest.mark.timeout(180)

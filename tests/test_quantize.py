@@ -257,7 +257,7 @@ def test_tied_lm_head_of_the_per_token_form_is_smoothed_exactly(tiny_artifact, t
     import copy
 
     from compress.quantize.smoothquant import fold_tied_lm_head, heldout_w8a8_error
-    from serve.onnx_external import tensor_array
+    from serve.runners.onnx_external import tensor_array
 
     cfg = QuantizeConfig(method="dynamic", activation_granularity="token", keep_float=[], quantize_embedding=True,
                          smoothquant_alpha=0.5)

@@ -22,7 +22,7 @@ import pytest
 from compress import registry
 from compress.artifact import ArtifactError, read_manifest
 from compress.config import ServeConfig, load_config
-from serve.runner import CPU
+from serve.runners.onnx_session import CPU
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -200,8 +200,8 @@ def test_a_version_damaged_in_the_store_is_not_promoted_by_the_deploy_flow(prefe
     import mlflow
 
     from flows.deploy import deploy_flow
-    from serve.background import BackgroundServer
-    from serve.api import create_app
+    from serve.api.background import BackgroundServer
+    from serve.api.app import create_app
 
     registry.configure(mlflow_store)
     name = unique("rel-deploy")

@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loadtest.soak import soak_server
-from serve.background import BackgroundServer
-from serve.api import create_app
+from serve.api.background import BackgroundServer
+from serve.api.app import create_app
 from serve.config import ServeConfig
-from serve.runner import CPU
-from serve.sampling import SamplingParams
+from serve.runners.onnx_session import CPU
+from serve.engine.sampling import SamplingParams
 from step_gate import SAFETY_S, held_steps
 
 pytestmark = pytest.mark.timeout(180)
@@ -255,7 +255,7 @@ def test_the_event_loop_answers_while_the_model_runs_and_while_the_engine_holds_
             assert int(r.headers["retry-after"]) >= 1
             r = c.post("/tokenize", json={"prompt": "hello there"})
             assert r.status_code == 200 and r.json()["count"] >= 2
-            # /metrics reads the engine's counters without its lock (serve.engine.Engine.stats(wait=False)).
+            # /metrics reads the engine's counters without its lock (serve.engine.engine.Engine.stats(wait=False)).
             got = c.get("/metrics")
             assert got.status_code == 200 and b"vllm:num_requests_waiting" in got.content
         m = c.get("/metrics")  # while the model runs (the step is still held), not waiting for it

@@ -1,4 +1,4 @@
-"""Engine replicas on Ray Serve (serve/replicas.py, docs/scaling.md): a local Ray instance with 2 replicas of the tiny
+"""Engine replicas on Ray Serve (serve/replicas/deploy.py, docs/scaling.md): a local Ray instance with 2 replicas of the tiny
 model behind Ray Serve's HTTP proxy, following an MLflow alias. Real Ray, real processes, the openai client.
 
 One Ray instance for the module (about 15 s to start on 2 cores): outputs equal to the single server's, both
@@ -23,13 +23,13 @@ import openai
 import pytest
 
 from loadtest.serve_bench import free_port
-from serve.api import create_app
-from serve.background import BackgroundServer
+from serve.api.app import create_app
+from serve.api.background import BackgroundServer
 from serve.config import ServeConfig
-from serve.engine import Engine
-from serve.replica_http import REPLICA_HEADER, metric_value
-from serve.runner import CPU
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.replicas.forwarding import REPLICA_HEADER, metric_value
+from serve.runners.onnx_session import CPU
+from serve.engine.sampling import SamplingParams
 
 # Ray is imported by the fixture, not at collection: the rest of the suite runs without its import side effects.
 pytestmark = [pytest.mark.timeout(420),
@@ -96,7 +96,7 @@ def cluster(versions, mlflow_store):
     import ray
     from ray import serve as ray_serve
 
-    from serve import replicas
+    from serve.replicas import deploy as replicas
 
     t0 = time.monotonic()
     url = replicas.start(f"models:/{NAME}@champion",
@@ -220,7 +220,7 @@ def test_queue_full_is_a_429_with_retry_after_through_the_proxy(cluster):
 def test_an_alias_flip_reaches_both_replicas_without_dropping_requests(cluster, versions, refs):
     from compress import registry
     from flows.deploy import served_version
-    from serve import replicas
+    from serve.replicas import deploy as replicas
 
     n, results, stop, done = 48, [], threading.Event(), threading.Condition()
 
@@ -292,7 +292,7 @@ def test_a_client_that_goes_away_cancels_its_request_on_the_replica(cluster):
 def test_a_killed_replica_is_replaced_and_no_request_hangs(cluster):
     """Streams on both replicas; one replica's process is frozen (so its streams are provably mid-run) and killed.
     Its streams end with an error event within seconds, the other's finish whole, Ray starts a replacement."""
-    from serve import replicas
+    from serve.replicas import deploy as replicas
 
     before = {r["replica"]: r for r in replica_list(cluster)}
     n, streams, started = 400, {}, threading.Semaphore(0)
@@ -329,7 +329,7 @@ def test_a_killed_replica_is_replaced_and_no_request_hangs(cluster):
     mine = [rec for rec in streams.values() if rec["replica"] == victim and rec["end"] is None]
     assert mine
     # Requests with the frozen replica's prompts, which the router sends to it (the same routing key): they wait
-    # there, unanswered, until the kill; each then goes again to the survivor (serve/replicas.Ingress._open).
+    # there, unanswered, until the kill; each then goes again to the survivor (serve/replicas/deploy.Ingress._open).
     again = [i for i, rec in streams.items() if rec["replica"] == victim]
     body = {"model": NAME, "max_tokens": 4, "temperature": 0}
     pool = ThreadPoolExecutor(8)
@@ -394,7 +394,7 @@ def test_a_restarted_ingress_rebuilds_its_prefix_table_from_the_replicas(cluster
     assert again == placed, (placed, again)
     assert router.get("affinity") == 4 and not router.get("new_prefix"), router
     text = httpx.get(cluster + "/metrics", timeout=30).text
-    from serve.replica_http import forwarded
+    from serve.replicas.forwarding import forwarded
 
     mine = {h for s_ in systems for h in forwarded("POST", "/v1/chat/completions", b"", [], json.dumps(
         {"messages": [{"role": "system", "content": s_}, {"role": "user", "content": "where are the atlases?"}]}
@@ -404,7 +404,7 @@ def test_a_restarted_ingress_rebuilds_its_prefix_table_from_the_replicas(cluster
 
 # ---- the parts without Ray: routing key, block hashes, merged metrics ------------------------------------------
 def test_routing_text_and_block_hashes():
-    from serve.replica_http import PREFIX_BLOCK_CHARS, forwarded, prefix_hashes, routing_text
+    from serve.replicas.forwarding import PREFIX_BLOCK_CHARS, forwarded, prefix_hashes, routing_text
 
     chat_body = json.dumps({"messages": [{"role": "system", "content": SYSTEM},
                                          {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}).encode()
@@ -425,7 +425,7 @@ def test_routing_text_and_block_hashes():
 
 
 def test_merged_metrics_sum_counters_average_ratios_and_keep_the_lowest_version():
-    from serve.replica_http import merge_metrics
+    from serve.replicas.forwarding import merge_metrics
 
     def text(gen: int, kv: float, version: int) -> str:  # what prometheus_client writes
         return (f"# HELP vllm:generation_tokens_total Generated tokens.\n"
@@ -454,8 +454,8 @@ def test_ray_is_imported_only_by_the_replica_entry_point():
     import subprocess
     import sys
 
-    code = ("import sys, serve.__main__, serve.api, serve.replica_http; assert 'ray' not in sys.modules, 'ray'; "
-            "import serve.replicas; print(sorted(m for m in ('torch', 'transformers', 'compress') if m in sys.modules))")
+    code = ("import sys, serve.__main__, serve.api.app, serve.replicas.forwarding; assert 'ray' not in sys.modules, 'ray'; "
+            "import serve.replicas.deploy; print(sorted(m for m in ('torch', 'transformers', 'compress') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"  # a replica process carries no torch

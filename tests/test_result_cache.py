@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from serve.result_cache import CachedResult, ResultCache, cache_key, is_deterministic
-from serve.sampling import SamplingParams
+from serve.api.result_cache import CachedResult, ResultCache, cache_key, is_deterministic
+from serve.engine.sampling import SamplingParams
 
 
 def res(text="abc", ids=(5, 6, 7), finish="length", prompt_tokens=3) -> CachedResult:

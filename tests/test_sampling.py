@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serve.sampling import SamplingError, SamplingParams, apply_repetition_penalty, find_stop, sample_token
+from serve.engine.sampling import SamplingError, SamplingParams, apply_repetition_penalty, find_stop, sample_token
 
 
 def logits_of(probs):

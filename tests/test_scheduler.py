@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from serve.kv_cache import BlockManager
-from serve.sampling import SamplingParams
-from serve.scheduler import (
+from serve.kv.cache import BlockManager
+from serve.engine.sampling import SamplingParams
+from serve.engine.scheduler import (
     AdmissionError,
     QueueFullError,
     RequestTooLargeError,

@@ -19,9 +19,9 @@ import pytest
 
 from compress.config import ModelConfig, PipelineConfig, ServeConfig, load_config, project_root
 from serve.__main__ import build_parser
-from serve.background import BackgroundServer
-from serve.api import create_app
-from serve.runner import CPU
+from serve.api.background import BackgroundServer
+from serve.api.app import create_app
+from serve.runners.onnx_session import CPU
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,8 +54,8 @@ def http(server):
 def test_the_server_binds_loopback_unless_told_otherwise(monkeypatch, caplog, tiny_artifact):
     import uvicorn
 
-    import serve.api
-    import serve.model_source
+    import serve.api.app
+    import serve.registry.source
 
     assert ServeConfig().host == "127.0.0.1" and PipelineConfig().serve.host == "127.0.0.1"
     for path in sorted((ROOT / "configs").glob("*.yaml")):
@@ -73,8 +73,8 @@ def test_the_server_binds_loopback_unless_told_otherwise(monkeypatch, caplog, ti
             return SimpleNamespace(name="m", version=None, path="p")
 
     monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: bound.append((host, port)))
-    monkeypatch.setattr(serve.model_source, "ModelManager", FakeManager)
-    monkeypatch.setattr(serve.api, "create_app", lambda *a, **kw: object())
+    monkeypatch.setattr(serve.registry.source, "ModelManager", FakeManager)
+    monkeypatch.setattr(serve.api.app, "create_app", lambda *a, **kw: object())
     from serve.__main__ import run
 
     assert run(args) == 0
@@ -117,7 +117,7 @@ def test_admin_compares_the_token_in_constant_time(http, monkeypatch):
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(hmac, "compare_digest", spy)  # serve.api calls hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", spy)  # serve.api.app calls hmac.compare_digest
     assert http.post("/admin/reload", headers={"Authorization": "Bearer guess"}).status_code == 401
     assert calls and {calls[-1][0], calls[-1][1]} == {b"guess", TOKEN.encode()}
     calls.clear()
@@ -264,8 +264,8 @@ def test_the_server_never_unpickles_anything_in_an_artifact(tiny_artifact, tmp_p
     import pickle as pkl  # only to build the trap  # noqa: F401 (scanned files exclude this one)
 
     from compress.artifact import read_manifest, write_manifest
-    from serve.engine import Engine
-    from serve.sampling import SamplingParams
+    from serve.engine.engine import Engine
+    from serve.engine.sampling import SamplingParams
 
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)
@@ -281,8 +281,8 @@ def test_the_server_never_unpickles_anything_in_an_artifact(tiny_artifact, tmp_p
 
 
 def test_serve_imports_neither_torch_nor_transformers():
-    code = ("import sys, serve.api, serve.engine, serve.model_source, serve.__main__, serve.config, "
-            "serve.artifact, serve.registry_client; "
+    code = ("import sys, serve.api.app, serve.engine.engine, serve.registry.source, serve.__main__, serve.config, "
+            "serve.artifact, serve.registry.client; "
             "print(sorted(m for m in ('torch', 'transformers', 'compress') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -296,7 +296,7 @@ def test_serve_imports_neither_torch_nor_transformers():
     "{{ raise_exception('refused by the template') }}",
 ])
 def test_the_chat_template_runs_in_a_sandbox(template, tmp_path, monkeypatch):
-    from serve.api import ApiError, ChatMessage, render_chat
+    from serve.api.app import ApiError, ChatMessage, render_chat
 
     monkeypatch.chdir(tmp_path)
     tok = SimpleNamespace(id_to_token=lambda i: "<s>")

@@ -1,4 +1,4 @@
-"""The embedded sqlite store under writers from several processes at once (serve/registry_client.use_wal): every
+"""The embedded sqlite store under writers from several processes at once (serve/registry/client.use_wal): every
 write lands, none fails with "database is locked"."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WRITER = textwrap.dedent("""
     import sys
     import mlflow
-    from serve.registry_client import connect
+    from serve.registry.client import connect
     connect(sys.argv[1])
     mlflow.set_experiment("race")
     with mlflow.start_run(run_name=sys.argv[2]):

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from serve import thread_priority as tp
+from serve.engine import thread_priority as tp
 from serve.config import ServeConfig
-from serve.engine import Engine
-from serve.runner import CPU
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.runners.onnx_session import CPU
+from serve.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not tp.supported(), reason="per-thread nice values are a Linux feature")
 
@@ -83,14 +83,14 @@ def test_model_thread_nice_zero_leaves_every_thread_at_the_callers_priority(tiny
 @pytest.mark.parametrize("mode, key, value", [("during_runs", "session.force_spinning_stop", "1"),
                                               ("off", "session.intra_op.allow_spinning", "0")])
 def test_ort_spinning_modes_reach_the_session(tiny_artifact, mode, key, value):
-    from serve.onnx_session import make_session
+    from serve.runners.onnx_session import make_session
 
     sess = make_session(tiny_artifact / "model.onnx", spinning=mode)
     assert sess.get_session_options().get_session_config_entry(key) == value
 
 
 def test_ort_spinning_config_takes_the_modes_and_the_old_booleans_and_names_the_choices():
-    from serve.onnx_session import make_session
+    from serve.runners.onnx_session import make_session
 
     assert ServeConfig().ort_spinning == "during_runs"
     assert (ServeConfig(ort_spinning=True).ort_spinning, ServeConfig(ort_spinning=False).ort_spinning) == ("always", "off")

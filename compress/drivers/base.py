@@ -12,8 +12,8 @@ perplexity, agreement, golden prefix, decode latency), quantization sensitivity 
 The drivers: ``compress.drivers.standard.OnnxLM`` (layout ``standard``: past in, present out) and
 ``compress.drivers.gqa.GqaLM`` (layout ``gqa``: one in-place buffer per layer). ``load_lm(folder)`` picks the one
 the manifest's ``attention_layout`` names; ``lm_for_model(model, manifest)`` runs an in-memory graph.
-Sessions come from serve.onnx_session.make_session (CPU EP, errors-only log), as the server's do.
-The server's batched runners (serve/runner*.py) manage their own KV and do not use these.
+Sessions come from serve.runners.onnx_session.make_session (CPU EP, errors-only log), as the server's do.
+The server's batched runners (serve/runners/standard*.py) manage their own KV and do not use these.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from compress.artifact import read_manifest
-from serve.kv_cache import served_kv_dtype
-from serve.onnx_session import CPU, artifact_session, kv_io_names, make_session
+from serve.kv.cache import served_kv_dtype
+from serve.runners.onnx_session import CPU, artifact_session, kv_io_names, make_session
 
 
 def greedy_token(logits: np.ndarray, suppress_ids: list[int] | None = None) -> int:

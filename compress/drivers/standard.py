@@ -1,6 +1,6 @@
 """The language-model driver for layout ``standard`` (compress/drivers/): past K/V in, present K/V out.
 
-Used offline by golden validation and evaluation; the server has its own batched runner in serve/runner.py.
+Used offline by golden validation and evaluation; the server has its own batched runner in serve/runners/standard.py.
 """
 
 from __future__ import annotations

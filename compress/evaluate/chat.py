@@ -6,7 +6,7 @@ that is much worse at answering them (a pruned + distilled SmolLM2 was 1.06x the
 
 * **answers the teacher would give**: each prompt (``compress/evaluate/chatsets/use.jsonl``, written for this and read by
   no training or calibration step, or a user's jsonl of conversations) is rendered with the template exactly as
-  the server renders ``/v1/chat/completions`` (serve/chat_template.py, serve/tokenizer.py), the teacher answers
+  the server renders ``/v1/chat/completions`` (serve/api/chat_template.py, serve/engine/tokenizer.py), the teacher answers
   it greedily, and the candidate is scored on those answer tokens only: NLL (``chat_perplexity_ratio`` against
   the teacher's own NLL of them) and top-1 agreement with the teacher's argmax at the same positions. A
   conversation that ends with an assistant turn is scored on that turn instead (a reference answer);
@@ -116,8 +116,8 @@ def render(artifact_dir: str | Path, conversations: list[dict]) -> list[ChatProm
     """Token ids of each conversation as the server builds them for /v1/chat/completions."""
     from jinja2 import TemplateError
 
-    from serve.chat_template import render_template, template_specials
-    from serve.tokenizer import encode_chat, load_tokenizer
+    from serve.api.chat_template import render_template, template_specials
+    from serve.engine.tokenizer import encode_chat, load_tokenizer
 
     manifest = read_manifest(artifact_dir, verify=False)
     source = manifest.get("chat_template")

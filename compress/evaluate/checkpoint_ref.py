@@ -83,7 +83,7 @@ class CheckpointReference:
         import torch
 
         from compress.models import load_teacher
-        from serve.heap import release_free_memory
+        from serve.engine.heap import release_free_memory
 
         # glibc keeps what a candidate's session freed (1.9 GiB after the 3B's chat scoring): back to the system
         # before the checkpoint comes, or the two add up at the stage's peak

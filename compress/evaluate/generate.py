@@ -1,4 +1,4 @@
-"""Greedy answers to many prompts at once, on the serving engine (serve/engine.py) in this process.
+"""Greedy answers to many prompts at once, on the serving engine (serve/engine/engine.py) in this process.
 
 The pipeline's generation (the chat set's teacher and candidate answers, golden's continuations) used to run one
 prompt at a time through a driver's batch-1 loop: 33 s a prompt for a 1B on 2 cores. Here every prompt is a
@@ -54,15 +54,15 @@ def engine_config(manifest: dict, prompts: Sequence[Sequence[int]], max_new_toke
                   kv_budget_mb: int = KV_BUDGET_MB):
     """A ServeConfig whose K/V holds as many of the prompts' rows at once as ``kv_budget_mb`` allows."""
     from serve.config import ServeConfig
-    from serve.kv_budget import ROW_COPIES, KVCacheSpec
-    from serve.onnx_session import CPU
+    from serve.kv.budget import ROW_COPIES, KVCacheSpec
+    from serve.runners.onnx_session import CPU
 
     bpt = KVCacheSpec.from_manifest(manifest).exact_bytes_per_token
     longest = max(len(p) for p in prompts) + max_new_tokens
     block = 16
     per_row = -(-longest // block) * block + block  # a row's blocks, rounded up, and one to spare
     # The block pool and the layout's dense rows (the gqa rows, or twice that for the standard layout's past and
-    # present) each hold every running row: the budget splits 1 : copies (serve/kv_budget.py).
+    # present) each hold every running row: the budget splits 1 : copies (serve/kv/budget.py).
     copies = ROW_COPIES.get(manifest.get("attention_layout", "standard"), 1)
     rows = max(1, min(MAX_ROWS, len(prompts), int(kv_budget_mb * 2**20 // ((1 + copies) * per_row * bpt))))
     mb = max(1, math.ceil((1 + copies) * rows * per_row * bpt / 2**20) + 1)
@@ -82,7 +82,7 @@ def evaluation_engine(artifact_dir: str | Path, prompts: Sequence[Sequence[int]]
     ``scoring_driver``: generate and score with one copy of the weights. Keep no reference past the block (the
     engine frees its model when the last one goes)."""
     from serve.artifact import read_manifest
-    from serve.engine import Engine
+    from serve.engine.engine import Engine
 
     manifest = read_manifest(artifact_dir, verify=False)
     engine = Engine(artifact_dir, engine_config(manifest, prompts, max_new_tokens, threads, kv_budget_mb), start=False)
@@ -122,7 +122,7 @@ def generate_on(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, s
     before every engine step (a budget's: it may raise to stop). ``logprobs``: each answer's NLL too, from the
     logits each token was picked from (what the model's own prefill of prompt + answer gives, to float32 rounding),
     so the answers need no second pass to be scored by the model that wrote them."""
-    from serve.sampling import SamplingParams
+    from serve.engine.sampling import SamplingParams
 
     if not prompts:
         return Generated([], 0.0, 0)

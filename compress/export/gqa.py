@@ -50,7 +50,7 @@ from compress.export.kv_fp16 import kv_to_fp16
 from compress.export.servable import MODEL_FILE, serving_fields, write_tokenizer_files
 from compress.export.weights import FROM_CHECKPOINT
 from compress.models import model_info
-from serve.onnx_external import ALIGN, BASE_KEY, save_external
+from serve.runners.onnx_external import ALIGN, BASE_KEY, save_external
 
 log = logging.getLogger(__name__)
 
@@ -456,7 +456,7 @@ def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True,
     fuse: residual Add + RMSNorm as SkipSimplifiedLayerNormalization and q/k/v as one packed MatMul into
     GroupQueryAttention (compress/export/graph_fusion.py; the same logits, fewer and larger kernels per step).
     data_path: weights go straight into this external-data file as they are made; the returned proto holds
-    only their offsets (save it with serve.onnx_external.save_external, into the same folder).
+    only their offsets (save it with serve.runners.onnx_external.save_external, into the same folder).
     int8: (block_size, accuracy_level): the weight-only INT8 graph written straight from the checkpoint's tensors,
     one at a time (every linear as MatMulNBits, gate/up packed, a tied table as 8-bit blocks for the Gather and the
     lm_head): what the quantize stage's weight_only form makes of the fp32 graph, with no fp32 graph in between.

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from serve.onnx_external import tensor_array
+from serve.runners.onnx_external import tensor_array
 
 MS_DOMAIN = "com.microsoft"
 _LINEAR_OPS = ("MatMul", "MatMulNBits")

@@ -8,7 +8,7 @@ the caches and the rotary tables), so the rewrite is local to each attention nod
 - the cos/sin tables it reads become float16 initializers;
 - the graph's ``past_key_values.*`` inputs and ``present.*`` outputs are declared float16.
 
-The runner and the evaluation driver read the manifest's ``kv_dtype`` (serve/kv_cache.py) and bind float16
+The runner and the evaluation driver read the manifest's ``kv_dtype`` (serve/kv/cache.py) and bind float16
 buffers; the KV budget then holds twice the tokens. What it costs in accuracy (the K/V rounded to 11-bit
 mantissas) and in time is measured in docs/gqa.md; the golden stage checks it like any export.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from serve.onnx_external import tensor_array
+from serve.runners.onnx_external import tensor_array
 
 _QKV_INPUTS = (0, 1, 2)
 _ROTARY_INPUTS = (7, 8)  # cos_cache, sin_cache

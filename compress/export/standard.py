@@ -66,7 +66,7 @@ def _position_masks(config, attention_mask, position_ids):
     """Sliding-window models: 4D additive masks that apply the window by token *positions*, or None.
 
     HF's own sliding mask compares slot indices, which equal positions only without padding. The standard
-    runner (serve/runner.py) keeps each row's past at slots [0, len) followed by stale padding and appends
+    runner (serve/runners/standard.py) keeps each row's past at slots [0, len) followed by stale padding and appends
     the new tokens after it, so a slot-based window would cover padding and drop real tokens. Here a key's
     position is the count of valid slots before it (cumsum(attention_mask) - 1), a query's is position_ids:
     right (stale) padding, left padding and no padding all give the unpadded batch-1 result.

@@ -23,7 +23,7 @@ import onnx
 from onnx import TensorProto, helper
 from onnxruntime.quantization import CalibrationDataReader
 
-from serve.onnx_session import CPU, make_session
+from serve.runners.onnx_session import CPU, make_session
 
 HIST_BINS = 2048
 

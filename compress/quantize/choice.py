@@ -149,12 +149,12 @@ def decode_step_ms(artifacts: dict[str, Path], steps: int = 32, prompt_len: int 
 def engine_tokens_per_s(artifacts: dict[str, Path], batch: int, steps: int = 16, rounds: int = 2,
                         threads: int | None = None) -> dict[str, float]:
     """Decode tokens/s of each artifact with ``batch`` requests decoding together on the server's own engine
-    (serve/engine.py: the runner, sampling and detokenizing a deployment runs), steps interleaved across
+    (serve/engine/engine.py: the runner, sampling and detokenizing a deployment runs), steps interleaved across
     artifacts so load on a shared machine hits them alike. ``batch`` 1 is the single user's rate."""
     from serve.config import ServeConfig
-    from serve.engine import Engine
-    from serve.onnx_session import CPU
-    from serve.sampling import SamplingParams
+    from serve.engine.engine import Engine
+    from serve.runners.onnx_session import CPU
+    from serve.engine.sampling import SamplingParams
 
     cfg = ServeConfig(providers=[CPU], max_batch_size=max(batch, 1), kv_memory_mb=max(256, 16 * batch),
                       intra_op_threads=threads or 0, enable_prefix_caching=False, verify_artifact=False)

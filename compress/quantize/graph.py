@@ -23,7 +23,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from compress.quantize.calibration import Linear
-from serve.onnx_external import save_external, tensor_array
+from serve.runners.onnx_external import save_external, tensor_array
 
 _MS_DOMAIN = "com.microsoft"
 
@@ -330,7 +330,7 @@ def dynamic_per_tensor(model: onnx.ModelProto, linears: list[Linear], per_channe
 
 def save_model(model: onnx.ModelProto, path: Path) -> None:
     """protobuf cannot serialize 2 GB: bigger models, and lazily loaded ones, keep their weights in
-    model.onnx.data, written tensor by tensor (serve/onnx_external.py)."""
+    model.onnx.data, written tensor by tensor (serve/runners/onnx_external.py)."""
     save_external(model, path)
 
 

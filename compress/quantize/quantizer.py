@@ -43,7 +43,7 @@ from compress.quantize.graph import (QuantizeError, dynamic_per_tensor, insert_d
 from compress.quantize.prepare import calibrate_and_smooth
 from compress.quantize.sensitivity import sensitivity_scan
 from compress.quantize.smoothquant import fold_tied_lm_head, smooth_tied_lm_head, tied_lm_head
-from serve.onnx_external import inline_bytes, load_lazy, spill
+from serve.runners.onnx_external import inline_bytes, load_lazy, spill
 
 MODEL_FILE = "model.onnx"
 # Smoothed weights held in memory beyond this go to a scratch file (Quantizer.prepare).
@@ -154,7 +154,7 @@ class Quantizer:
         self.manifest = read_manifest(self.src, verify=True)
         self.onnx_path = self.src / self.manifest.get("onnx_file", MODEL_FILE)
         # The graph without its weights: every rewrite reads one weight at a time from the artifact's files
-        # (serve/onnx_external.py), so a 1B model is never in memory as a whole fp32 proto, let alone twice.
+        # (serve/runners/onnx_external.py), so a 1B model is never in memory as a whole fp32 proto, let alone twice.
         self.model = load_lazy(self.onnx_path)
         self._scratch = None  # a temporary folder for SmoothQuant's rewritten weights (prepare)
         self.linears = find_linears(self.model)

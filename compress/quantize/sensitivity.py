@@ -19,7 +19,7 @@ import onnx
 
 from compress.config import QuantizeConfig
 from compress.quantize.calibration import ActStats, Linear
-from serve.onnx_external import tensor_array
+from serve.runners.onnx_external import tensor_array
 
 
 class QuantizerView(Protocol):

@@ -25,7 +25,7 @@ from onnx import numpy_helper
 
 from compress.export.graph_fusion import consumers_of
 from compress.quantize.calibration import ActStats, Linear
-from serve.onnx_external import tensor_array
+from serve.runners.onnx_external import tensor_array
 
 
 ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)

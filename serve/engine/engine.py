@@ -1,0 +1,438 @@
+"""The serving engine: a background step loop over scheduler → runner → sampler → streams.
+
+    engine = Engine("artifacts/run/fp32", ServeConfig())
+    handle = engine.add_request(prompt_ids, SamplingParams(max_tokens=32, temperature=0.7, seed=1))
+    async for ev in handle:          # or: for ev in handle (blocking)
+        print(ev.token_id, ev.text, ev.finish_reason)
+    engine.generate(prompt_ids, SamplingParams.greedy(16))  # -> list[int], blocking helper
+
+Threading: one engine thread runs the steps. ``add_request`` and ``cancel`` may be called
+from any thread (the HTTP server's event loop); they take the engine lock, which the
+step holds only while scheduling and while post-processing a step, never while the
+model runs. A cancel is applied at once when the engine is between steps, otherwise
+as soon as the running step ends; either way the request's blocks go back to the pool
+before the next step is scheduled. ``Engine(..., start=False)`` runs no thread: call
+``step()`` yourself (deterministic, used by tests); ``generate`` then drives the steps.
+
+Token events: every generated token yields one ``TokenEvent`` (its id, the text it adds,
+and on the last one the ``finish_reason``: ``stop`` (eos, stop id or stop string),
+``length`` (max_tokens), ``cancelled`` or ``error``). Text that might be the start of a
+stop string is held back until it is known not to be; the text never includes the stop
+string itself. The stop token's id is reported (and counted) but adds no text.
+
+One job: run the steps (schedule, run the model, sample, stream) and own the requests'
+lifecycle. The parts it drives live beside it: serve/engine/request_handle.py (what the caller
+iterates), serve/engine/in_flight.py (one request's state and the text each token adds) and
+serve/engine/stats.py (counters and the /metrics snapshot).
+
+Invariants (``check_invariants``): an in-flight request is keyed by its own id, its sequence
+is waiting or running (never finished) and its handle has had no final event; the block
+pool's, each request's and the counters' own invariants hold.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from serve.artifact import read_manifest, refuse_record
+from serve.config import ServeConfig
+from serve.engine.stats import EngineCounters, EngineStats, FinishedRequestSample
+from serve.engine.heap import release_free_memory
+from serve.engine.in_flight import InFlightRequest
+from serve.kv.budget import KVCacheSpec, context_length, kv_layout
+from serve.kv.cache import BlockManager
+from serve.engine.request_handle import RequestHandle, RequestOutput, TokenEvent
+from serve.runners.protocol import ModelRunner, RunRow
+from serve.runners.standard import Runner
+from serve.engine.sampling import SamplingError, SamplingParams, sample_token, token_logprobs
+from serve.engine.scheduler import AdmissionError, Scheduler, SchedulerOutput, SeqStatus, SequenceState
+from serve.engine.thread_priority import call_in_lowered_thread, lower_this_thread
+from serve.engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineStats", "RequestHandle", "RequestOutput", "TokenEvent"]
+
+
+class Engine:
+    def __init__(self, artifact_dir: str | Path, config: ServeConfig | None = None, *, start: bool = True):
+        self.config = config = config or ServeConfig()
+        self.artifact_dir = Path(artifact_dir)
+        self.manifest = read_manifest(self.artifact_dir, verify=config.verify_artifact)
+        refuse_record(self.artifact_dir, self.manifest)
+        self.tokenizer = load_tokenizer(self.artifact_dir)
+        spec = KVCacheSpec.from_manifest(self.manifest)
+        bs = config.kv_block_size
+        layout = self.manifest.get("attention_layout", "standard")
+        num_blocks, row_tokens = kv_layout(config, spec, layout)
+        # Served (advertised) context: the model's, within what the KV budget holds for one sequence.
+        self.max_model_len = context_length(config, spec, self.manifest, num_blocks, row_tokens, layout)
+        max_pos = int(self.manifest.get("max_positions") or 2048)
+        model_context = min(config.max_model_len or max_pos, max_pos)
+        self.eos_ids = frozenset(int(i) for i in self.manifest.get("eos_token_ids") or [])
+        self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_batch_size=config.max_batch_size, max_waiting=config.max_waiting, max_wait_s=config.max_wait_s,
+            # The scheduler refuses beyond the model's context, and beyond the pool or rows naming the KV budget.
+            max_model_len=model_context, policy=config.scheduling_policy, max_row_tokens=row_tokens)
+        if layout == "gqa":  # docs/gqa.md
+            from serve.runners.gqa import GqaRunner  # in-place GroupQueryAttention rows, host or GPU memory
+
+            extra = {"row_tokens": row_tokens, "decode_split_rows": config.decode_split_rows,
+                     "kv_store_setting": config.kv_store}
+            make_runner = partial(GqaRunner, self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
+                                  intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
+                                  max_batch_size=config.max_batch_size, max_model_len=self.max_model_len, **extra)
+        else:
+            make_runner = partial(Runner, self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
+                                  intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
+                                  row_tokens=row_tokens)
+        # onnxruntime's intra-op threads, started in the session's constructor, inherit the lowered priority.
+        self.runner: ModelRunner = call_in_lowered_thread(make_runner, config.model_thread_nice)
+        # a finished, cancelled or preempted sequence's K/V is dead for the runner too (RunRow key = id + epoch)
+        # (the hook holds the runner, not the engine: no cycle, so a dropped engine frees its weights at once)
+        runner = self.runner
+        self.block_manager.on_free = lambda seq: runner.release((seq.request_id, seq.epoch))
+        release_free_memory()  # the loader's freed temporaries, ~100 MiB for SmolLM2 (serve/engine/heap.py)
+        pool_bytes = num_blocks * spec.bytes_per_block(bs)
+        log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)%s; context %d; provider %s",
+                 num_blocks, bs, num_blocks * bs, pool_bytes / 2**20, spec.bytes_per_token,
+                 f"; KV rows up to {row_tokens} positions, {row_tokens * spec.bytes_per_token / 2**20:.1f} MiB"
+                 if row_tokens else "", self.max_model_len, self.runner.provider)
+
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()  # one step at a time, whoever drives it
+        self._reqs: dict[str, InFlightRequest] = {}
+        self._aborts: set[str] = set()
+        self._executing = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._counters = EngineCounters(config.latency_window)  # stats, updated with the lock held
+        if start:
+            self.start()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._stop = False
+        # Coalescing only where requests arrive while the engine steps; a manual-mode caller adds its own first.
+        self.scheduler.admit_quiet_s = self.config.admit_quiet_ms / 1e3
+        self.scheduler.admit_max_delay_s = self.config.admit_max_delay_ms / 1e3
+        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; unfinished requests end with finish_reason 'cancelled'."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        with self._lock:
+            events = [self._finish(r, "cancelled") for r in list(self._reqs.values())]
+        self._emit(events)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- requests --------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Prompt text as the model expects it (BOS by the manifest's rule), as the HTTP routes encode it."""
+        return encode_prompt(self.tokenizer, self.manifest, text)
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> RequestHandle:
+        """Queue a request. Raises SamplingError (bad params), RequestTooLargeError, QueueFullError."""
+        params = (params or SamplingParams()).validate()
+        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        vocab = self.runner.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise AdmissionError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise SamplingError(f"logit_bias token ids must be in [0, {vocab})")
+        rid = request_id or f"req-{next(self._ids)}"
+        handle = RequestHandle(self, rid, prompt_ids, params)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        with self._cv:
+            if rid in self._reqs:
+                raise ValueError(f"request id {rid!r} is already in use")
+            seq = SequenceState(rid, prompt_ids, params, arrival=time.monotonic())
+            try:
+                self.scheduler.add(seq)
+            except Exception:
+                self._counters.rejected += 1
+                raise
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            self._reqs[rid] = InFlightRequest(seq, handle, detok, stop_ids)
+            self._counters.added += 1
+            self._cv.notify_all()
+        return handle
+
+    def generate(self, prompt_ids: str | Sequence[int], params: SamplingParams | None = None,
+                 timeout: float | None = None) -> list[int]:
+        """Blocking helper: the generated token ids (greedy, 16 tokens when params is None)."""
+        h = self.add_request(prompt_ids, params or SamplingParams.greedy(16))
+        out = h.result(timeout)
+        if out.finish_reason == "error":
+            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        return out.output_ids
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request; its blocks return to the pool before the next step (at once if idle)."""
+        events = []
+        with self._cv:
+            if request_id not in self._reqs:
+                return
+            if self._executing:
+                self._aborts.add(request_id)
+            else:
+                events.append(self._finish(self._reqs[request_id], "cancelled"))
+                self._trim_kv()
+            self._cv.notify_all()
+        self._emit(events)
+
+    # ---- the step --------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborts)
+
+    def step(self) -> int:
+        """Schedule, run and sample one step. Returns how many sequences ran."""
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> int:
+        events: list[tuple[RequestHandle, TokenEvent]] = []
+        with self._lock:
+            events += self._apply_aborts()
+            out = self.scheduler.schedule()
+            if not out.empty:
+                self._executing = True
+                now = time.monotonic()
+                for r in out.scheduled:  # first scheduling time, for the queue/prefill histograms
+                    req = self._reqs.get(r.seq.request_id)
+                    if req is not None and req.scheduled_t is None:
+                        req.scheduled_t = now
+        if out.empty:
+            self._emit(events)
+            return 0
+        try:
+            rows = [RunRow((r.seq.request_id, r.seq.epoch), self.block_manager.block_table(r.seq), r.start,
+                           r.token_ids, r.samples, self._wants_prompt_logits(r)) for r in out.scheduled]
+            logits = self.runner.execute(rows)
+            error = None
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            log.exception("engine step failed")
+            logits, error = None, f"{type(e).__name__}: {e}"
+        with self._lock:
+            self._executing = False
+            if error is None:
+                try:
+                    self._process(out, logits, events)
+                except Exception as e:  # noqa: BLE001 - e.g. a sampler failure: fail this step's requests
+                    log.exception("post-processing a step failed")
+                    error = f"{type(e).__name__}: {e}"
+            if error is not None:
+                for r in out.scheduled:
+                    req = self._reqs.get(r.seq.request_id)
+                    if req is not None:
+                        events.append(self._finish(req, "error", error))
+            events += self._apply_aborts()
+            self._counters.record_step(len(out.scheduled), out.num_tokens)
+            self._trim_kv()
+        self._emit(events)
+        return len(out.scheduled)
+
+    def run_until_done(self, max_steps: int | None = None) -> int:
+        """Step until no request is left (manual mode). Returns the number of steps."""
+        n = 0
+        while self.has_work() and (max_steps is None or n < max_steps):
+            if self.step() == 0 and self.scheduler.has_work():
+                raise RuntimeError("requests are waiting but none could be scheduled (scheduler bug)")
+            n += 1
+        return n
+
+    def _drive_until(self, done: threading.Event) -> None:
+        """Manual mode: step until ``done`` is set (called by a handle's blocking consumers)."""
+        while not done.is_set() and not self.running:
+            if not self.has_work():
+                break
+            self.step()
+
+    def _loop(self) -> None:
+        lower_this_thread(self.config.model_thread_nice)  # the HTTP event loop gets a core first (thread_priority)
+        while True:
+            with self._cv:
+                while not self._stop and not self.has_work():
+                    self._cv.wait()
+                if self._stop:
+                    return
+            try:
+                n = self.step()
+            except Exception:  # noqa: BLE001 - keep serving
+                log.exception("engine loop error")
+                n = 0
+            if n == 0:
+                # Work exists but nothing was scheduled: new requests held to coalesce a burst (until the hold
+                # ends or another arrives), or (rare) nothing fits: do not spin.
+                with self._cv:
+                    if not self._stop:
+                        until = self.scheduler.admit_hold_until()
+                        self._cv.wait(max(until - time.monotonic(), 1e-4) if until is not None else 0.005)
+
+    # ---- KV memory -------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes held for K/V now, whatever the layout keeps (block pool, in-place rows, past buffers)."""
+        return int(self.runner.kv_bytes())
+
+    def device_memory(self) -> dict[str, int]:
+        """GPU bytes when the runner keeps its K/V on the device (serve/kv/device.py), else {}."""
+        store = getattr(self.runner, "store", None)
+        return store.memory() if store is not None else {}
+
+    def kv_budget_bytes(self) -> int:
+        """The most ``kv_bytes`` reaches by design (docs/serving.md, "One KV budget")."""
+        return int(self.runner.kv_budget_bytes())
+
+    def _trim_kv(self) -> None:
+        """Let the runner give back KV memory beyond what the running sequences need (lock held, not executing)."""
+        running = self.scheduler.running
+        if running or not self.scheduler.waiting:  # keep the rows for queued requests
+            self.runner.trim(max((len(s.token_ids) for s in running), default=0))
+
+    # ---- internals (called with the lock held) ---------------------------------------------
+    def _apply_aborts(self) -> list:
+        events = []
+        for rid in list(self._aborts):
+            req = self._reqs.get(rid)
+            if req is not None:
+                events.append(self._finish(req, "cancelled"))
+        self._aborts.clear()
+        return events
+
+    def _finish(self, req: InFlightRequest, reason: str, error: str | None = None, token_id: int | None = None,
+                text: str = "", logprobs=None) -> tuple[RequestHandle, TokenEvent]:
+        seq = req.seq
+        self.scheduler.finish(seq, reason)
+        self._reqs.pop(seq.request_id, None)
+        self._aborts.discard(seq.request_id)
+        self._counters.record_finish(reason, seq.prompt_len)
+        if req.first_token_t is not None and req.scheduled_t is not None:  # vLLM v1's phases, per request
+            last = req.last_token_t
+            self._counters.record_request(FinishedRequestSample(
+                req.scheduled_t - seq.arrival, req.first_token_t - req.scheduled_t, last - req.first_token_t,
+                last - req.scheduled_t, seq.prompt_len, seq.num_output))
+        req.handle.num_preemptions = seq.num_preemptions
+        ev = TokenEvent(seq.request_id, token_id, text, seq.num_output, reason, error, logprobs)
+        return req.handle, ev
+
+    def _wants_prompt_logits(self, row) -> bool:
+        """The row computes prompt positions whose log-probs its request asked for and does not have yet."""
+        seq = row.seq
+        if seq.params.prompt_logprobs is None or row.start >= seq.prompt_len - 1:
+            return False
+        req = self._reqs.get(seq.request_id)
+        return req is not None and len(req.handle.prompt_logprobs) < seq.prompt_len - 1
+
+    def _record_prompt_logprobs(self, row, lg: np.ndarray) -> None:
+        """``lg`` [n, vocab]: the logits of positions start .. start+n-1; position p gives prompt token p+1's
+        log-prob. Positions already recorded (a recompute after preemption) are skipped."""
+        seq = row.seq
+        req = self._reqs.get(seq.request_id)
+        if req is None:
+            return
+        got = req.handle.prompt_logprobs
+        k = seq.params.prompt_logprobs
+        for i in range(lg.shape[0]):
+            p = row.start + i
+            if p + 1 >= seq.prompt_len:
+                break
+            if p == len(got):
+                got.append(token_logprobs(lg[i], seq.token_ids[p + 1], k))
+
+    def _process(self, out: SchedulerOutput, logits: list[np.ndarray | None], events: list) -> None:
+        now = time.monotonic()
+        counters = self._counters
+        for row, lg in zip(out.scheduled, logits):
+            seq = row.seq
+            self.scheduler.commit(row)
+            if lg is not None and lg.ndim == 2:  # all positions' logits: prompt log-probs, then the last row
+                self._record_prompt_logprobs(row, lg)
+                lg = lg[-1]
+            if not row.samples:
+                continue
+            req = self._reqs[seq.request_id]
+            if seq.request_id in self._aborts:
+                continue  # cancelled while running: do not sample, _apply_aborts finishes it
+            params = seq.params
+            tok = sample_token(lg, params, req.rng, seq.token_ids, seq.prompt_len, req.stop_ids)
+            # log-probs from the raw logits of the same row the sampler saw (vLLM's default raw_logprobs)
+            lp = token_logprobs(lg, tok, params.logprobs) if params.logprobs is not None else None
+            seq.token_ids.append(tok)
+            counters.generated += 1
+            if req.first_token_t is None:
+                req.first_token_t = now
+                ttft = now - seq.arrival
+                req.handle.ttft_s = ttft
+                req.handle.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+                counters.record_ttft(ttft)
+            else:
+                counters.record_itl(now - req.last_token_t)
+            req.last_token_t = now
+            reason, delta = req.add_token(tok, self.max_model_len)
+            if reason is not None:
+                events.append(self._finish(req, reason, token_id=tok, text=delta, logprobs=lp))
+            else:
+                events.append((req.handle, TokenEvent(seq.request_id, tok, delta, seq.num_output, logprobs=lp)))
+
+    @staticmethod
+    def _emit(events) -> None:
+        for handle, ev in events:
+            handle._push(ev)
+
+    # ---- stats -----------------------------------------------------------------------------
+    def stats(self, wait: bool = True) -> EngineStats:
+        """The counters now. ``wait=False`` reads them without the engine's lock, which a step holds while it
+        samples and detokenizes a whole batch: figures may then be from either side of a step boundary, which a
+        Prometheus scrape tolerates and which keeps /metrics from waiting on the model (serve/api/metrics.py)."""
+        if not wait:
+            return self._counters.snapshot(self.runner.provider, self.scheduler, self.block_manager)
+        with self._lock:
+            return self._counters.snapshot(self.runner.provider, self.scheduler, self.block_manager)
+
+    def check_invariants(self) -> None:
+        """Consistency of the requests, the block pool and the counters (tests; call between steps)."""
+        with self._lock:
+            self.block_manager.check_invariants()
+            self._counters.check_invariants()
+            for rid, req in self._reqs.items():
+                assert req.seq.request_id == rid and not req.handle.finished, rid
+                assert req.seq.status is not SeqStatus.FINISHED, rid
+                req.check_invariants()
+
+    def pop_latency_samples(self) -> tuple[list[float], list[float]]:
+        """TTFT and inter-token latency samples recorded since the last call (for histograms; lock-free)."""
+        return self._counters.pop_latency_samples()
+
+    def pop_request_samples(self) -> list[FinishedRequestSample]:
+        """Finished requests' phases and token counts recorded since the last call (for histograms; lock-free)."""
+        return self._counters.pop_request_samples()

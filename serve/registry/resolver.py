@@ -1,0 +1,134 @@
+"""Where the server's model comes from: parse ``--model``, resolve it to a version, fetch that version.
+
+One job: turn a ``--model`` value (``models:/NAME@alias``, ``models:/NAME/VERSION`` or a local
+artifact folder) into a version number and a local folder an Engine can load; loading,
+swapping and draining engines is serve/registry/source.py's. The registry is reached only
+through ``serve.registry.client`` (which imports MLflow lazily), so serving a local folder
+needs no MLflow at all. A downloaded version gets a folder of its own under the download
+root (deleted by ``cleanup`` when the root is ours); a local folder is used in place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MODELS_SCHEME = "models:/"
+
+
+class ModelSourceError(RuntimeError):
+    """The model URI cannot be resolved or loaded; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed ``--model`` value."""
+
+    uri: str
+    name: str  # registered model name, or the folder's name
+    alias: str | None = None  # models:/NAME@alias: follow it
+    version: str | None = None  # models:/NAME/3: pinned
+    path: Path | None = None  # a local artifact folder
+
+    @property
+    def is_registry(self) -> bool:
+        return self.path is None
+
+    @property
+    def follows_alias(self) -> bool:
+        return self.alias is not None
+
+
+def parse_model_uri(uri: str) -> ModelSpec:
+    """``models:/NAME@alias``, ``models:/NAME/VERSION`` or a path to an artifact folder."""
+    if uri.startswith(MODELS_SCHEME):
+        rest = uri[len(MODELS_SCHEME):].strip("/")
+        if "@" in rest:
+            name, alias = rest.split("@", 1)
+            if name and alias and "/" not in name:
+                return ModelSpec(uri, name, alias=alias)
+        elif "/" in rest:
+            name, version = rest.split("/", 1)
+            if name and version.isdigit():
+                return ModelSpec(uri, name, version=version)
+        raise ModelSourceError(f"model {uri!r}: expected models:/NAME@ALIAS (e.g. models:/smollm2-135m@champion), "
+                               f"models:/NAME/VERSION or a local artifact folder")
+    path = Path(uri).expanduser().resolve()
+    if not path.is_dir():
+        raise ModelSourceError(f"model {uri!r}: no such folder; pass an artifact folder (with manifest.json) "
+                               f"or models:/NAME@ALIAS")
+    if not (path / "manifest.json").is_file():
+        raise ModelSourceError(f"model {uri!r}: {path} has no manifest.json; it is not an artifact folder "
+                               f"written by the pipeline")
+    return ModelSpec(uri, path.name, path=path)
+
+
+@dataclass
+class LocalVersion:
+    """A version on local disk, ready for an Engine."""
+
+    name: str
+    version: str | None
+    alias: str | None
+    path: Path
+    downloaded: bool  # we own the folder and delete it when the model retires
+
+
+class ModelSource:
+    """Resolves a ModelSpec to versions and local folders (the registry side of the swap)."""
+
+    def __init__(self, spec: ModelSpec | str, tracking_uri: str | None = None, download_root: str | Path | None = None,
+                 served_name: str | None = None):
+        self.spec = parse_model_uri(spec) if isinstance(spec, str) else spec
+        # The id clients use in "model" and see in /v1/models; default: the registered or folder name.
+        self.served_name = served_name or self.spec.name
+        self.tracking_uri = tracking_uri
+        self._download_root = Path(download_root) if download_root else None
+        self._own_root = download_root is None
+        self._configured = False
+
+    def _registry(self):
+        from serve.registry import client as registry
+
+        if not self._configured:
+            os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no tqdm bars in server logs
+            registry.connect(self.tracking_uri)
+            self._configured = True
+        return registry
+
+    def wanted_version(self) -> str | None:
+        """The version the server should run now (None for a local folder)."""
+        spec = self.spec
+        if not spec.is_registry:
+            return None
+        if spec.version is not None:
+            return spec.version
+        v = self._registry().version_for_alias(spec.name, spec.alias)
+        if v is None:
+            raise ModelSourceError(f"registered model {spec.name!r} has no alias {spec.alias!r} (or the registry "
+                                   f"is unreachable); set it with `compressor registry promote` or check "
+                                   f"MLFLOW_TRACKING_URI")
+        return str(v.version)
+
+    def fetch(self, version: str | None) -> LocalVersion:
+        spec = self.spec
+        if not spec.is_registry:
+            return LocalVersion(self.served_name, None, None, spec.path, downloaded=False)
+        if self._download_root is None:
+            self._download_root = Path(tempfile.mkdtemp(prefix="compressor-serve-"))
+        dst = self._download_root / f"{spec.name}-v{version}-{time.monotonic_ns()}"
+        dst.mkdir(parents=True)
+        try:
+            path = self._registry().download(f"{MODELS_SCHEME}{spec.name}/{version}", dst)
+        except Exception as e:
+            shutil.rmtree(dst, ignore_errors=True)
+            raise ModelSourceError(f"downloading {spec.name} version {version} failed: {type(e).__name__}: {e}") from e
+        return LocalVersion(self.served_name, str(version), spec.alias, Path(path), downloaded=True)
+
+    def cleanup(self) -> None:
+        if self._own_root and self._download_root is not None:
+            shutil.rmtree(self._download_root, ignore_errors=True)
