@@ -72,12 +72,6 @@ class Shape:
         """From an artifact's manifest.json (num_parameters, vocab_size, hidden_size)."""
         return cls(int(manifest["num_parameters"]), int(manifest["vocab_size"]), int(manifest["hidden_size"]))
 
-    @classmethod
-    def of_model(cls, model) -> "Shape":
-        c = model.config
-        return cls(sum(p.numel() for p in model.parameters()), c.vocab_size, c.hidden_size,
-                   bool(getattr(c, "tie_word_embeddings", False)))
-
 
 def stage_bytes(shape: Shape, batch: int = 4, block: int = 128) -> dict[str, float]:
     """Estimated peak resident bytes of each stage's process (formulas in the module docstring)."""

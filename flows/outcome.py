@@ -14,6 +14,7 @@ exit code):
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from prefect import get_run_logger
@@ -28,6 +29,22 @@ class RunNotAccepted(RuntimeError):
     def __init__(self, message: str, outcome: dict):
         super().__init__(message)
         self.outcome = outcome
+
+
+class _QuietExpectedEnds(logging.Filter):
+    """Prefect's engine, in a worker's flow-run process, logs "Engine execution exited with unexpected exception"
+    and a traceback whenever a run ends Failed: a Rejected or Blocked verdict and bad input included. Their final
+    state already carries the name and the message a person acts on; the traceback is Prefect's own frames."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        expected = isinstance(exc, RunNotAccepted) or (exc is not None and is_user_error(exc))
+        return not (expected and str(record.msg).startswith("Engine execution exited with unexpected exception"))
+
+
+_flow_runs_log = logging.getLogger("prefect.flow_runs")
+if not any(isinstance(f, _QuietExpectedEnds) for f in _flow_runs_log.filters):
+    _flow_runs_log.addFilter(_QuietExpectedEnds())
 
 
 def versions_line(registered: list[dict]) -> str:

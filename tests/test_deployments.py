@@ -177,12 +177,14 @@ def _operator_loop(env, tmp):
                      "-p", f'overrides=["{work}", "accept.min_top1_agreement=1.0", "accept.relax_trials=0"]')
     assert rc == 1 and "Flow run finished in state 'Rejected'" in out, out[-4000:]
     assert "min_top1_agreement" in out and "tiny-llama v3 (no alias)" in out, out[-4000:]
+    assert "Traceback" not in out.split("--- worker log ---")[0], out[-4000:]  # a verdict, not an engine crash
     assert _aliases(env) == {"baseline": "1", "candidate": "2", "champion": "2"}
 
     # Bad input: exit 1, the state names the error and the output names the key.
     rc, out = _watch(env, tmp, "compress/on-demand", "-p", "config=configs/tiny.yaml",
                      "-p", f'overrides=["{work}", "data.bogus=1"]')
     assert rc == 1 and "Flow run finished in state 'ConfigError'" in out and "data.bogus: unknown key" in out, out[-4000:]
+    assert "Traceback" not in out.split("--- worker log ---")[0], out[-4000:]
     missing = _watch(env, tmp, "compress/on-demand", "-p", "config=configs/missing.yaml")
     assert missing[0] == 1 and "configs/missing.yaml" in missing[1], missing[1][-4000:]
 

@@ -96,10 +96,6 @@ def mlp_linears(fam: Family, layer):
     return Lin(w[:n], None if b is None else b[:n]), Lin(w[n:], None if b is None else b[n:])
 
 
-def norm_weight(fam: Family, norm) -> torch.Tensor:
-    return norm.weight.detach().float() + fam.norm_offset
-
-
 def layer_types(config) -> list[str]:
     """Per layer 'sliding_attention' or 'full_attention' (Mistral's window applies to every layer)."""
     n = config.num_hidden_layers

@@ -151,8 +151,7 @@ def admit(lm: LoadedModel, prompt, params: SamplingParams, rid: str) -> RequestH
     except RequestTooLargeError as e:
         raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
     except SamplingError as e:
-        field = str(e).split(" ", 1)[0]
-        raise ApiError(400, str(e), param=field if field in SamplingParams.__dataclass_fields__ else None) from None
+        raise ApiError(400, str(e), param=e.field) from None
     except AdmissionError as e:
         raise ApiError(400, str(e), param="prompt") from None
 
@@ -328,8 +327,7 @@ def admit_choices(lm: LoadedModel, body, chat: bool, cache, choices: list[Choice
         try:
             base.validate()
         except SamplingError as e:
-            field = str(e).split(" ", 1)[0]
-            raise ApiError(400, str(e), param=field) from None
+            raise ApiError(400, str(e), param=e.field) from None
         for j in range(body.n):
             # n > 1 with a seed: sample j draws from seed + j (as vLLM), so the samples differ reproducibly
             params = base if j == 0 or base.seed is None else dataclasses.replace(base, seed=base.seed + j)

@@ -169,7 +169,7 @@ class Engine:
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise AdmissionError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
-            raise SamplingError(f"logit_bias token ids must be in [0, {vocab})")
+            raise SamplingError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(self, rid, prompt_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)

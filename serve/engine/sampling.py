@@ -21,7 +21,11 @@ import numpy as np
 
 
 class SamplingError(ValueError):
-    """Invalid sampling parameters, phrased for the API user (HTTP 400)."""
+    """Invalid sampling parameters, phrased for the API user (HTTP 400); ``field`` is the request field at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -59,39 +63,41 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
+            raise SamplingError("max_tokens", f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
         if not (0.0 <= float(self.temperature) <= 100.0):
-            raise SamplingError(f"temperature must be in [0, 100] (got {self.temperature!r})")
+            raise SamplingError("temperature", f"temperature must be in [0, 100] (got {self.temperature!r})")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingError(f"top_k must be an integer >= 0, 0 meaning off (got {self.top_k!r})")
+            raise SamplingError("top_k", f"top_k must be an integer >= 0, 0 meaning off (got {self.top_k!r})")
         if not (0.0 < float(self.top_p) <= 1.0):
-            raise SamplingError(f"top_p must be in (0, 1] (got {self.top_p!r})")
+            raise SamplingError("top_p", f"top_p must be in (0, 1] (got {self.top_p!r})")
         if not (0.0 < float(self.repetition_penalty) <= 10.0):
-            raise SamplingError(f"repetition_penalty must be in (0, 10] (got {self.repetition_penalty!r})")
+            raise SamplingError("repetition_penalty",
+                                f"repetition_penalty must be in (0, 10] (got {self.repetition_penalty!r})")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise SamplingError(f"seed must be a non-negative integer (got {self.seed!r})")
+            raise SamplingError("seed", f"seed must be a non-negative integer (got {self.seed!r})")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise SamplingError("stop strings must be non-empty strings")
+            raise SamplingError("stop", "stop strings must be non-empty strings")
         if len(self.stop) > 16:
-            raise SamplingError(f"at most 16 stop strings (got {len(self.stop)})")
+            raise SamplingError("stop", f"at most 16 stop strings (got {len(self.stop)})")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise SamplingError("stop_token_ids must be non-negative integers")
+            raise SamplingError("stop_token_ids", "stop_token_ids must be non-negative integers")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise SamplingError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}] "
+            raise SamplingError("min_tokens", f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}] "
                                 f"(got {self.min_tokens!r})")
         if not (0.0 <= float(self.min_p) <= 1.0):
-            raise SamplingError(f"min_p must be in [0, 1] (got {self.min_p!r})")
+            raise SamplingError("min_p", f"min_p must be in [0, 1] (got {self.min_p!r})")
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2.0 <= float(getattr(self, name)) <= 2.0):
-                raise SamplingError(f"{name} must be in [-2, 2] (got {getattr(self, name)!r})")
+                raise SamplingError(name, f"{name} must be in [-2, 2] (got {getattr(self, name)!r})")
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if any(t < 0 or not -100.0 <= v <= 100.0 for t, v in self.logit_bias.items()):
-            raise SamplingError("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
+            raise SamplingError("logit_bias", "logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise SamplingError(f"logprobs must be an integer in [0, 20] (got {self.logprobs!r})")
+            raise SamplingError("logprobs", f"logprobs must be an integer in [0, 20] (got {self.logprobs!r})")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or not 0 <= self.prompt_logprobs <= 20):
-            raise SamplingError(f"prompt_logprobs must be an integer in [0, 20] (got {self.prompt_logprobs!r})")
+            raise SamplingError("prompt_logprobs",
+                                f"prompt_logprobs must be an integer in [0, 20] (got {self.prompt_logprobs!r})")
         return self
 
     def make_generator(self) -> np.random.Generator:
