@@ -198,10 +198,14 @@ def main(argv=None) -> int:
         t_kill, victim = kill.pop("t"), kill["victim"]
         on_victim = [r for r in records if r["replica"] == victim and r["start"] < t_kill <= r["end"]]
         window = [r for r in records if t_kill <= r["end"] < t_kill + args.kill_every]
-        started = [r for r in on_victim if r["stream"] and r["first"] is not None and r["first"] < t_kill]
+        # Streams the victim was serving when it died. A stream reaches the client only once its first token has
+        # (serve/replicas/deploy.py), so each of these had started, though its first token may reach the client
+        # after the kill on a loaded machine; whole requests the ingress sent again show the survivor's id.
+        streams = [r for r in on_victim if r["stream"]]
         kill.update(
-            victim_streams_started=len(started),
-            victim_streams_ended=dict(Counter(r["outcome"] for r in started)),
+            victim_streams=len(streams),
+            victim_streams_ended=dict(Counter(r["outcome"] for r in streams)),
+            victim_whole_requests=dict(Counter(r["outcome"] for r in on_victim if not r["stream"])),
             requests_ended_in_window=len(window),
             outcomes_in_window=dict(Counter(r["outcome"] for r in window)),
             sent_again=kill["counters_after"]["replica_failed_retried"] - kill["counters_before"]["replica_failed_retried"])
@@ -216,17 +220,19 @@ def main(argv=None) -> int:
         streams_cut_after_start=tally[("stream", "cut_after_start")],
         kills=kills, load_average_after=os.getloadavg()[0],
         by_replica=dict(Counter(str(r["replica"]) for r in records)),
+        records=[[int(r["stream"]), round(r["start"] - t0, 2), r["first"] and round(r["first"] - t0, 2),
+                  round(r["end"] - t0, 2), r["replica"], r["outcome"]] for r in records],
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 
     print(f"\n{out['requests']} requests in {out['wall_s']} s, {out['tokens_per_s']} output tokens/s; "
           f"{len(kills)} kills")
-    print("| kill | at s | victim's started streams: how they ended | sent again | replacement ready s | "
-          "outcomes of requests ending in the next window |")
+    print("| kill | at s | streams on the victim: how they ended | sent again to the survivor | replacement ready s | "
+          "requests ending in the next window |")
     print("|---:|---:|---|---:|---:|---|")
     for k in kills:
-        print(f"| {k['n']} | {k['at_s']} | {k['victim_streams_started']}: {k['victim_streams_ended']} | "
+        print(f"| {k['n']} | {k['at_s']} | {k['victim_streams']}: {k['victim_streams_ended']} | "
               f"{k['sent_again']:.0f} | {k['replacement_ready_s']} | {k['outcomes_in_window']} |")
     print(f"failed whole requests {out['failed_whole']}, failed streams before their first token "
           f"{out['failed_streams_before_start']}, streams ended by an error event {out['streams_error_after_start']}, "

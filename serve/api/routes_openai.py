@@ -1,5 +1,6 @@
 """The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (JSON or SSE stream), /v1/models, and
-vLLM's /tokenize, /detokenize and /version.
+vLLM's /tokenize, /detokenize and /version. The two completion endpoints share one pipeline here; what differs
+between them (schema, prompts, choice and chunk shapes) is their form (serve/api/forms.py).
 
 Every request leases the model that is current when it arrives (serve/registry/source.py) and keeps
 it until its last byte is sent, so a live swap never cuts a response short. Deterministic requests
@@ -15,13 +16,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from serve.api.schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                               TokenizeRequest, error_body, parse, read_json, refuse_unsupported)
+from serve.api.forms import ChatForm, CompletionForm, Form, after, echo_logprobs
+from serve.api.schemas import (ApiError, DetokenizeRequest, TokenizeRequest, error_body, parse, read_json,
+                               refuse_unsupported)
 from serve.api.state import AppState, app_state
 from serve.api.chat_template import render_chat
 from serve.engine.engine import RequestHandle
@@ -40,12 +41,12 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    return await generate(request, chat=False)
+    return await generate(request, CompletionForm)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    return await generate(request, chat=True)
+    return await generate(request, ChatForm)
 
 
 def model_card(lm: LoadedModel) -> dict:
@@ -164,66 +165,6 @@ def context_room(lm: LoadedModel, prompt_len: int) -> int:
     return max(1, room - prompt_len)
 
 
-def check_combinations(body, chat: bool) -> None:
-    """What vLLM refuses as combinations of otherwise valid fields."""
-    if body.stream_options is not None and not body.stream:
-        raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
-    if chat and body.top_logprobs is not None and not body.logprobs:
-        raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-    if not chat and body.max_tokens == 0 and not body.echo:
-        raise ApiError(422, "max_tokens: must be >= 1 (0 only with echo: the prompt and its log-probs alone)",
-                       param="max_tokens")
-
-
-def token_str(tok, t: int) -> str:
-    return tok.decode([int(t)], skip_special_tokens=False)
-
-
-def completion_logprobs(tok, ids, lps, offset: int = 0, out: dict | None = None) -> dict:
-    """OpenAI's completions ``logprobs`` object; ``top_logprobs`` holds the top k and the chosen token (vLLM).
-    An entry of ``lps`` that is None (the first prompt token of an echo) gives null log-probs. ``out``: extend
-    that object (the prompt's, with echo) instead of a new one."""
-    out = out or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t, entry in zip(ids, lps):
-        s = token_str(tok, t)
-        out["tokens"].append(s)
-        out["text_offset"].append(offset)
-        offset += len(s)
-        if entry is None:
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            continue
-        lp, top = entry
-        out["token_logprobs"].append(lp)
-        tops = {token_str(tok, i): v for i, v in top}
-        tops.setdefault(s, lp)
-        out["top_logprobs"].append(tops)
-    return out
-
-
-def after(lp_obj: dict | None, echo_text: str) -> int:
-    """The text offset of the first generated token: after the prompt's tokens (echo with logprobs), else after
-    the echoed text."""
-    if lp_obj and lp_obj["tokens"]:
-        return lp_obj["text_offset"][-1] + len(lp_obj["tokens"][-1])
-    return len(echo_text)
-
-
-def echo_logprobs(tok, prompt_ids, prompt_lps) -> dict:
-    """The prompt's part of an echo's ``logprobs`` (vLLM): every prompt token, null for the first."""
-    return completion_logprobs(tok, prompt_ids, [None, *prompt_lps])
-
-
-def chat_logprobs(tok, ids, lps) -> dict:
-    """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    def entry(t, lp):
-        s = token_str(tok, t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
-                        for t, (lp, top) in zip(ids, lps)]}
-
-
 def fingerprint(lm: LoadedModel) -> str:
     return f"{lm.name}-v{lm.version}" if lm.version is not None else f"{lm.name}-g{lm.generation}"
 
@@ -263,11 +204,6 @@ async def wait_results(handles: list[RequestHandle], request: Request):
         watcher.cancel()
 
 
-def prompt_list(body: CompletionRequest) -> list:
-    p = body.prompt
-    return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
-
-
 def refuse_if_queue_full(state: AppState, lm: LoadedModel) -> None:
     """429 before any tokenizing when the waiting queue, counting the requests still being tokenized for it, is
     full (read without the engine's lock; the engine decides again, exactly, when a request is added)."""
@@ -280,50 +216,23 @@ def queue_full(e: QueueFullError) -> ApiError:
     return ApiError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": str(retry)})
 
 
-def admit_choices(lm: LoadedModel, body, chat: bool, cache, choices: list[Choice]) -> dict:
+def admit_choices(lm: LoadedModel, body, form: Form, cache, choices: list[Choice]) -> dict:
     """Render and tokenize the prompts, look each choice up in the result cache and admit the misses to the
     engine, appending to ``choices`` as it goes (so the caller can cancel what was admitted if a later choice
     fails). Returns the response's id fields. Blocking: runs in a worker thread."""
     tok = lm.engine.tokenizer
-    prompts: list[tuple[list[int], str]] = []  # (ids, echo text)
-    prompt_only = False
-    if chat:
-        text = render_chat(lm, body.messages, body.add_generation_prompt, body.continue_final_message,
-                           body.chat_template_kwargs)
-        # The template writes the special tokens itself; BOS only if the model takes one and it did not.
-        prompts.append((encode_chat(tok, lm.manifest, text), ""))
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    else:
-        for prompt in prompt_list(body):
-            # Text gets the model's BOS (manifest add_bos_token) unless add_special_tokens is false; token
-            # ids are taken as sent (as vLLM does).
-            if isinstance(prompt, str):
-                ids = (encode_prompt(tok, lm.manifest, prompt) if body.add_special_tokens
-                       else tok.encode(prompt, add_special_tokens=False).ids)
-            else:
-                ids = [int(t) for t in prompt]
-            prompts.append((ids, prompt))
-        max_tokens = body.max_tokens
-        logprobs = body.logprobs
-        # echo with logprobs: the prompt's log-probs too; max_tokens 0 runs one token and drops it
-        prompt_only = body.echo and max_tokens == 0
-        if prompt_only:
-            max_tokens = 1
-    if len(prompts) * body.n > MAX_CHOICES:
-        raise ApiError(400, f"n x prompts = {len(prompts) * body.n} choices exceeds {MAX_CHOICES}", param="n")
-    for p_idx, (ids, raw) in enumerate(prompts):
+    prompts = form.prompts(lm, body)
+    if len(prompts.items) * body.n > MAX_CHOICES:
+        raise ApiError(400, f"n x prompts = {len(prompts.items) * body.n} choices exceeds {MAX_CHOICES}", param="n")
+    for p_idx, (ids, raw) in enumerate(prompts.items):
         if body.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens (-1: the context)
             k = lm.engine.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
             ids = ids[-k:]
-        echo_text = ""
-        if not chat and body.echo:
-            echo_text = (raw if isinstance(raw, str) and body.truncate_prompt_tokens is None
-                         else tok.decode(ids, skip_special_tokens=body.skip_special_tokens))
+        echo_text = form.echo_text(body, raw, ids, tok)
         # chat's default, or null: as long as the context allows
-        base = body.sampling(max_tokens if max_tokens is not None else context_room(lm, len(ids)), logprobs)
-        if not chat and body.echo and logprobs is not None:
-            base.prompt_logprobs = logprobs
+        max_tokens = prompts.max_tokens if prompts.max_tokens is not None else context_room(lm, len(ids))
+        base = body.sampling(max_tokens, prompts.logprobs)
+        base.prompt_logprobs = form.prompt_logprobs(body, prompts.logprobs)
         try:
             base.validate()
         except SamplingError as e:
@@ -331,28 +240,28 @@ def admit_choices(lm: LoadedModel, body, chat: bool, cache, choices: list[Choice
         for j in range(body.n):
             # n > 1 with a seed: sample j draws from seed + j (as vLLM), so the samples differ reproducibly
             params = base if j == 0 or base.seed is None else dataclasses.replace(base, seed=base.seed + j)
-            choices.append(Choice(p_idx * body.n + j, ids, params, echo_text, prompt_only=prompt_only))
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            choices.append(Choice(p_idx * body.n + j, ids, params, echo_text, prompt_only=prompts.prompt_only))
+    rid = form.id_prefix + uuid.uuid4().hex
     meta = dict(id=rid, created=int(time.time()), model=lm.name, system_fingerprint=fingerprint(lm))
     for c in choices:
         # log-probs are not kept in the result cache: such requests always run
-        c.key = cache_key(lm.key, c.prompt_ids, c.params) if logprobs is None and not c.prompt_only else None
+        c.key = cache_key(lm.key, c.prompt_ids, c.params) if prompts.logprobs is None and not c.prompt_only else None
         c.hit = cache.get(c.key)
         if c.hit is None:
             c.handle = admit(lm, c.prompt_ids, c.params, rid if len(choices) == 1 else f"{rid}-{c.index}")
     return meta
 
 
-async def generate(request: Request, chat: bool):
+async def generate(request: Request, form: Form):
     """/v1/completions and /v1/chat/completions: lease the model, answer each choice (n per prompt, a list of
     prompts) from the result cache or the engine, as one JSON body or as a stream of events."""
     t0 = time.perf_counter()
     state = app_state(request)
     manager, cache = state.manager, state.cache
     data = await read_json(request, state.config.max_request_bytes)
-    refuse_unsupported(data, chat)
-    body = parse(ChatCompletionRequest if chat else CompletionRequest, data)
-    check_combinations(body, chat)
+    refuse_unsupported(data, form.chat)
+    body = parse(form.schema, data)
+    form.check(body)
     lm = state.lease()
     choices: list[Choice] = []
     try:
@@ -363,7 +272,7 @@ async def generate(request: Request, chat: bool):
         # their way to the engine count as waiting, so the ones behind them are refused now, not after the wait.
         state.admitting += 1
         try:
-            meta = await state.off_loop(admit_choices, lm, body, chat, cache, choices)
+            meta = await state.off_loop(admit_choices, lm, body, form, cache, choices)
         finally:
             state.admitting -= 1
     except BaseException:
@@ -380,7 +289,7 @@ async def generate(request: Request, chat: bool):
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = stream_events(chat, meta, choices, prompt_tokens, include_usage, tok)
+        gen = stream_events(form, meta, choices, prompt_tokens, include_usage, tok)
         # no-cache / no buffering: proxies must pass each event on as it comes
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return DisconnectAwareStream(call_at_end(gen, lambda ok: done(state, lm, choices, t0, ok)),
@@ -413,23 +322,9 @@ async def generate(request: Request, chat: bool):
         raise
     finally:
         manager.release(lm)
-    out_choices = []
-    for c, (result, out) in zip(choices, results):
-        if chat:
-            lps = out.logprobs if out is not None else None
-            out_choices.append({"index": c.index, "message": {"role": "assistant", "content": result.text},
-                                "logprobs": chat_logprobs(tok, result.output_ids, lps) if lps is not None else None,
-                                "finish_reason": result.finish_reason})
-        else:
-            lp_obj = None
-            if out is not None and out.prompt_logprobs is not None:  # echo with logprobs
-                lp_obj = echo_logprobs(tok, c.prompt_ids, out.prompt_logprobs)
-            if out is not None and out.logprobs is not None and not c.prompt_only:
-                lp_obj = completion_logprobs(tok, result.output_ids, out.logprobs, after(lp_obj, c.echo_text), lp_obj)
-            out_choices.append({"index": c.index, "text": c.echo_text + result.text, "logprobs": lp_obj,
-                                "finish_reason": result.finish_reason})
+    out_choices = [form.choice(tok, c, result, out) for c, (result, out) in zip(choices, results)]
     completion_tokens = sum(r.completion_tokens for r, _ in results)
-    return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": out_choices,
+    return JSONResponse({**meta, "object": form.object, "choices": out_choices,
                          "usage": usage(prompt_tokens, completion_tokens)}, headers=headers)
 
 
@@ -451,13 +346,13 @@ def done(state: AppState, lm: LoadedModel, choices: list[Choice], t0: float, ok:
         state.manager.release(lm)
 
 
-def stream_events(chat: bool, meta: dict, choices: list[Choice], prompt_tokens: int, include_usage: bool,
+def stream_events(form: Form, meta: dict, choices: list[Choice], prompt_tokens: int, include_usage: bool,
                   tok=None) -> AsyncIterator[str]:
     """The SSE events of one response, from the engine's token events or from cached results; with several
     choices their chunks interleave as tokens come, each naming its ``index``. A chat choice's first chunk
     (the one with ``role``) goes out with its first token, not before; a request the server cancelled ends
     with finish_reason ``abort`` (vLLM's name)."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
+    obj = form.chunk_object
     first = {c.index: True for c in choices}
     offset = {c.index: len(c.echo_text) for c in choices}
 
@@ -468,21 +363,11 @@ def stream_events(chat: bool, meta: dict, choices: list[Choice], prompt_tokens: 
               lp_obj: dict | None = None) -> dict:
         logprobs = lp_obj
         if lp is not None and token_id is not None:
-            if chat:
-                logprobs = chat_logprobs(tok, [token_id], [lp])
-            else:
-                logprobs = completion_logprobs(tok, [token_id], [lp], offset[index])
+            logprobs = form.token_logprobs(tok, token_id, lp, offset[index])
+            if "tokens" in logprobs:  # a completion's: the next token's text offset moves on
                 offset[index] += len(logprobs["tokens"][0])
-        if chat:
-            delta: dict[str, Any] = {}
-            if first[index]:
-                delta["role"] = "assistant"
-                first[index] = False
-            if text is not None:
-                delta["content"] = text
-            c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            c = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        c = form.chunk_choice(index, text, finish, logprobs, first[index])
+        first[index] = False
         out = {**meta, "object": obj, "choices": [c]}
         if include_usage:
             out["usage"] = None
