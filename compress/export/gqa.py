@@ -107,17 +107,6 @@ def check_supported(model) -> None:
         raise GqaBuildError("use_bidirectional_attention=True: GroupQueryAttention is causal")
 
 
-def _window(config) -> int:
-    """local_window_size for GQA: -1 unless a sliding window shorter than the context is configured."""
-    w = getattr(config, "sliding_window", None)
-    use = getattr(config, "use_sliding_window", True)
-    if not w or not use or w >= getattr(config, "max_position_embeddings", 0):
-        return -1
-    if getattr(config, "max_window_layers", None) not in (None, 0) and config.model_type == "qwen2":
-        raise GqaBuildError("qwen2 with max_window_layers (sliding window on some layers only) is not supported")
-    return int(w)
-
-
 @torch.no_grad()
 def choose_exporter(model, requested: str) -> tuple[str, str]:
     """export.exporter 'auto': the gqa graph where the model allows it, the dynamo export otherwise.

@@ -97,7 +97,8 @@ def mlp_linears(fam: Family, layer):
 
 
 def layer_types(config) -> list[str]:
-    """Per layer 'sliding_attention' or 'full_attention' (Mistral's window applies to every layer)."""
+    """Per layer 'sliding_attention' or 'full_attention' (Mistral's window applies to every layer): the one
+    sliding-window rule, for the gqa graph's window per layer and the standard export's position masks."""
     n = config.num_hidden_layers
     types = getattr(config, "layer_types", None)
     if types:

@@ -22,6 +22,7 @@ from torch import nn
 
 from compress.artifact import io_names, write_manifest
 from compress.models import model_info
+from compress.export.gqa_families import layer_types
 from compress.export.servable import MODEL_FILE, serving_fields, write_tokenizer_files
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,7 @@ def _position_masks(config, attention_mask, position_ids):
     those that apply one window to every layer (Mistral, Phi-3), None for models without a window.
     """
     window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or []
-    if not window or (types and "sliding_attention" not in types) or \
-            (not types and not getattr(config, "use_sliding_window", True)):
+    if not window or "sliding_attention" not in layer_types(config):  # the gqa graph's rule, one place
         return None
     kpos = torch.cumsum(attention_mask, dim=-1) - 1  # [b, total]
     q = position_ids[:, None, :, None]  # [b, 1, seq, 1]
