@@ -82,9 +82,10 @@ class ExportConfig(Section):
     # in-place KV, seconds instead of minutes to build, faster batched decode; see docs/gqa.md).
     # auto: gqa where the model allows it, dynamo otherwise (the choice is logged).
     exporter: Literal["auto", "dynamo", "torchscript", "gqa"] = "auto"
-    # ONNX opset of the torch.onnx exporters (dynamo, torchscript); the gqa builder writes its own and ignores it.
+    # ONNX opset of the torch.onnx exporters (dynamo, torchscript); the gqa builder writes its own and ignores it
+    # (with exporter: gqa it is not part of the export stage's cache key either).
     opset: int = Field(18, ge=14, le=23)
-    # Weights go to an external data file above this size (protobuf's 2 GB limit).
+    # Weights go to an external data file above this size (protobuf's 2 GB limit), whichever the exporter.
     external_data_threshold_mb: int = Field(1800, ge=1)
     # The KV cache's element type (gqa layout only): float16 halves the bytes per cached token, so the same
     # serve.kv_memory_mb holds twice the tokens; the K/V are rounded to fp16 (docs/gqa.md has the figures).
@@ -622,6 +623,8 @@ class PipelineConfig(Section):
         dump = self.model_dump(mode="json")
         # Where the search runs (threads, Dask) changes no result, and a config without a search hashes as it
         # did before the section existed: only the ratios searched count.
+        if dump["export"]["exporter"] == "gqa":  # the gqa builder writes its own opset: changing it changes nothing
+            del dump["export"]["opset"]
         search = dump.pop("search")
         if search["mlp_ratios"]:
             dump["search"] = {"mlp_ratios": search["mlp_ratios"]}

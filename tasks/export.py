@@ -47,7 +47,8 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         if exporter == "gqa":
             q = cfg.quantize
             result, manifest = build_gqa_artifact(model, tok, art, extra=extra, kv_dtype=cfg.export.kv_dtype,
-                                                  int8=(q.weight_block_size, q.accuracy_level) if int8 else None)
+                                                  int8=(q.weight_block_size, q.accuracy_level) if int8 else None,
+                                                  external_data_threshold_mb=cfg.export.external_data_threshold_mb)
         else:
             result, manifest = build_artifact(model, tok, art, exporter, cfg.export.opset,
                                               cfg.export.external_data_threshold_mb, extra=extra)

@@ -102,3 +102,13 @@ def test_the_top_level_seed_that_did_nothing_is_refused_with_the_seeds_that_act(
         load_config(None, ["seed=1"])
     with pytest.raises(ConfigError, match="docs/configuration.md lists every key"):
         load_config(None, ["export.exportr=dynamo"])
+
+
+def test_the_export_key_leaves_out_what_the_exporter_ignores():
+    """export.opset changes the dynamo/torchscript graph, not the gqa one: only the former's cache key moves."""
+    for exporter, moves in (("gqa", False), ("dynamo", True), ("auto", True)):
+        a = load_config(None, [f"export.exporter={exporter}", "export.opset=17"]).section_hash("export")
+        b = load_config(None, [f"export.exporter={exporter}", "export.opset=18"]).section_hash("export")
+        assert (a != b) == moves, exporter
+    a = load_config(None, ["export.exporter=gqa", "export.external_data_threshold_mb=1"]).section_hash("export")
+    assert a != load_config(None, ["export.exporter=gqa"]).section_hash("export")  # the gqa builder honours it

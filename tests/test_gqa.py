@@ -451,3 +451,23 @@ def test_no_split_session_for_a_graph_over_the_weight_limit(gqa_artifact, monkey
     monkeypatch.setattr(runner_gqa, "SPLIT_MAX_WEIGHT_BYTES", runner_gqa.graph_bytes(manifest) - 1)
     whole = GqaRunner(gqa_artifact, manifest, **kw)
     assert whole.decode_split_rows == 0 and whole._half_session is None
+
+
+def test_the_gqa_builder_honours_the_external_data_threshold(tmp_path):
+    """export.external_data_threshold_mb reaches the gqa builder: under it one model.onnx, over it the weights go
+    to model.onnx.data beside it; both hold the same weights."""
+    import onnx
+    from onnx import numpy_helper
+
+    from compress.tiny import build_tiny_llama
+
+    model, tok = build_tiny_llama(seed=0, intermediate_size=1024)  # ~1.3 MB of weights: over a 1 MB threshold
+    build_gqa_artifact(model, tok, tmp_path / "one")
+    build_gqa_artifact(model, tok, tmp_path / "two", external_data_threshold_mb=1)
+    assert not (tmp_path / "one" / "model.onnx.data").exists()
+    data = tmp_path / "two" / "model.onnx.data"
+    assert data.stat().st_size > 2**20 > (tmp_path / "two" / "model.onnx").stat().st_size
+    one, two = (onnx.load(str(tmp_path / d / "model.onnx")) for d in ("one", "two"))
+    w1 = {t.name: numpy_helper.to_array(t) for t in one.graph.initializer}
+    w2 = {t.name: numpy_helper.to_array(t) for t in two.graph.initializer}
+    assert w1.keys() == w2.keys() and all(np.array_equal(w1[k], w2[k]) for k in w1)

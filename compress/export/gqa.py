@@ -526,7 +526,8 @@ def _fp32_bytes(model) -> int:
 
 def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int | None = None,
                        extra: dict | None = None, kv_dtype: str = "float32",
-                       int8: tuple[int, int] | None = None) -> tuple[GqaBuildResult, dict]:
+                       int8: tuple[int, int] | None = None,
+                       external_data_threshold_mb: int = 1800) -> tuple[GqaBuildResult, dict]:
     """Graph + tokenizer + generation_config + manifest.json: a servable folder (attention layout ``gqa``).
 
     kv_dtype: the gqa layout's cache type, float32 or float16 (compress/export/kv_fp16.py).
@@ -547,7 +548,7 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
     if kv_dtype == "float16":
         kv_to_fp16(m)
     path = out_dir / MODEL_FILE
-    save_model(m, path)
+    save_model(m, path, external_data_threshold_mb)
     seconds = time.perf_counter() - t0
     write_tokenizer_files(out_dir, model, tokenizer)
     info = model_info(model)
