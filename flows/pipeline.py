@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -340,6 +341,86 @@ def local_server_url(cfg: PipelineConfig, model_name: str) -> str | None:
     return url if digest and digest == ours else None
 
 
+@dataclass
+class CandidateRegistration:
+    """What registering a compressed candidate did: its version, the verdict tag, how it compares with the
+    champion, why it was not promoted (None when it was, or was not to be), and the deploy flow's result."""
+
+    registration: dict
+    status: str  # accepted | rejected | unchecked
+    champion_vs: dict | None
+    blocked: str | None
+    deployed: dict | None
+
+
+def register_candidate(cfg: PipelineConfig, parent, tracking_uri: str, timer, candidate: str, verdict: dict | None,
+                       bench: dict | None, baseline_version) -> CandidateRegistration:
+    """Register the candidate with its verdict, figures and note; promote it (compare-and-set under the model's
+    promotion lock, flows/promotion.py) when decide_promotion says so."""
+    log = get_run_logger()
+    pid = parent.info.run_id
+    champion_vs, deployed = None, None
+    status = verdict_status(verdict)
+    figures = {**(model_figures(verdict) if verdict else {}),
+               **({f"bench_{k}": v for k, v in {**bench["candidate"], **bench["ratios"]}.items()} if bench else {})}
+    if verdict and verdict.get("candidate"):  # which is better on what, shown for every judged candidate
+        champion_vs = compare_with_champion(cfg, figures)
+    decision = decide_promotion(status, cfg.registry.promote, bench["promotion_blocked"] if bench else None,
+                                champion_vs, cfg.registry.promote_when_worse)
+    blocked, aliases = decision.blocked, list(decision.aliases)
+    if blocked:
+        log.warning("promotion blocked: %s", blocked)
+    tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash()}
+    # Only tags that say something: the UI shows an empty `promotion_blocked` as a badge.
+    if verdict and verdict["reasons"]:
+        tags["reasons"] = "; ".join(verdict["reasons"])
+    if blocked:
+        tags["promotion_blocked"] = blocked
+    ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)
+    exp = parent.info.experiment_id
+    shown = [f"{label} {figures[k]:.4g}" for k, label in VERSION_FIGURES if k in figures]
+    tags["note"] = (f"{status}: " + ("; ".join(verdict["reasons"]) if verdict and verdict["reasons"]
+                                     else "every check passed" if verdict else "not judged")
+                    + (f" ({', '.join(shown)})" if shown else "")
+                    + f". Run: {registry.run_link(ui, exp, pid)}"
+                    + (f"; verdict, checks and plots: {registry.run_link(ui, exp, verdict['run_id'])}"
+                       if verdict and verdict.get("run_id") else ""))
+    if verdict and verdict.get("run_id"):
+        tags["accept_run_id"] = verdict["run_id"]
+    reg = timer.run("register", lambda: register_task(cfg, pid, candidate, aliases, tags, metrics=figures,
+                                                      params=version_params(cfg, "candidate", status)))
+    if not reg["reused"]:
+        registry.describe(cfg.registry.model_name, reg["version"])
+        if verdict and verdict.get("run_id"):  # the verdict and its plot where the version's run shows them
+            registry.attach_from_run(cfg.registry.model_name, reg["version"], verdict["run_id"],
+                                     ["verdict.json", "chat_by_kind.png"])
+    if baseline_version is not None and (verdict or bench):
+        # The baseline's own figures under the same names, so the UI's Compare lines them up.
+        base = baseline_figures(verdict) if verdict else {}
+        base.update({f"bench_{k}": v for k, v in (bench["baseline"] if bench else {}).items()})
+        registry.log_figures(cfg.registry.model_name, baseline_version, base)
+    if decision.promote:
+        server_url = cfg.registry.server_url or local_server_url(cfg, reg["name"])
+        # compare-and-set: judged again under the model's promotion lock if another run moved the champion
+        deployed, blocked = promote_if_still_best(
+            tracking_uri, reg["name"], champion_vs, lambda: compare_with_champion(cfg, figures),
+            cfg.registry.promote_when_worse,
+            lambda: deploy_flow(model_name=reg["name"], version=reg["version"], server_url=server_url,
+                                tracking_uri=tracking_uri))
+        if blocked:
+            log.warning("promotion blocked: %s", blocked)
+            registry.set_tags(reg["name"], reg["version"], {"promotion_blocked": blocked})
+        else:
+            if server_url is None:
+                deployed["smoke"] = (f"skipped (no server at http://{cfg.serve.host}:{cfg.serve.port} serves "
+                                     f"{reg['name']} from this registry; set registry.server_url to smoke-test "
+                                     f"another)")
+            reg["aliases"] = reg["aliases"] + ["champion"]
+            log.info("deployed: %s", deployed)
+    mlflow.set_tags({"verdict": status, **({"promotion_blocked": blocked} if blocked else {})})
+    return CandidateRegistration(reg, status, champion_vs, blocked, deployed)
+
+
 def run_pipeline(cfg: PipelineConfig) -> dict:
     log = get_run_logger()
     tracking_uri = registry.configure(cfg.mlflow.tracking_uri, cfg.mlflow.experiment)
@@ -431,65 +512,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             bench = timer.run("benchmark", submit_stage, benchmark_task, cfg, "benchmark", k, parent_run_id=pid,
                               candidate=candidate, baseline=teacher["artifact"])
         if compressed:
-            status = verdict_status(verdict)
-            figures = {**(model_figures(verdict) if verdict else {}),
-                       **({f"bench_{k}": v for k, v in {**bench["candidate"], **bench["ratios"]}.items()} if bench else {})}
-            if verdict and verdict.get("candidate"):  # which is better on what, shown for every judged candidate
-                champion_vs = compare_with_champion(cfg, figures)
-            decision = decide_promotion(status, cfg.registry.promote, bench["promotion_blocked"] if bench else None,
-                                        champion_vs, cfg.registry.promote_when_worse)
-            blocked, aliases = decision.blocked, list(decision.aliases)
-            if blocked:
-                log.warning("promotion blocked: %s", blocked)
-            tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash()}
-            # Only tags that say something: the UI shows an empty `promotion_blocked` as a badge.
-            if verdict and verdict["reasons"]:
-                tags["reasons"] = "; ".join(verdict["reasons"])
-            if blocked:
-                tags["promotion_blocked"] = blocked
-            ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)
-            exp = parent.info.experiment_id
-            shown = [f"{label} {figures[k]:.4g}" for k, label in VERSION_FIGURES if k in figures]
-            tags["note"] = (f"{status}: " + ("; ".join(verdict["reasons"]) if verdict and verdict["reasons"]
-                                             else "every check passed" if verdict else "not judged")
-                            + (f" ({', '.join(shown)})" if shown else "")
-                            + f". Run: {registry.run_link(ui, exp, pid)}"
-                            + (f"; verdict, checks and plots: {registry.run_link(ui, exp, verdict['run_id'])}"
-                               if verdict and verdict.get("run_id") else ""))
-            if verdict and verdict.get("run_id"):
-                tags["accept_run_id"] = verdict["run_id"]
-            reg = timer.run("register", lambda: register_task(cfg, pid, candidate, aliases, tags, metrics=figures,
-                                                              params=version_params(cfg, "candidate", status)))
-            registered.append(reg)
-            if not reg["reused"]:
-                registry.describe(cfg.registry.model_name, reg["version"])
-                if verdict and verdict.get("run_id"):  # the verdict and its plot where the version's run shows them
-                    registry.attach_from_run(cfg.registry.model_name, reg["version"], verdict["run_id"],
-                                             ["verdict.json", "chat_by_kind.png"])
-            if baseline_version is not None and (verdict or bench):
-                # The baseline's own figures under the same names, so the UI's Compare lines them up.
-                base = baseline_figures(verdict) if verdict else {}
-                base.update({f"bench_{k}": v for k, v in (bench["baseline"] if bench else {}).items()})
-                registry.log_figures(cfg.registry.model_name, baseline_version, base)
-            if decision.promote:
-                server_url = cfg.registry.server_url or local_server_url(cfg, reg["name"])
-                # compare-and-set: judged again under the model's promotion lock if another run moved the champion
-                deployed, blocked = promote_if_still_best(
-                    tracking_uri, reg["name"], champion_vs, lambda: compare_with_champion(cfg, figures),
-                    cfg.registry.promote_when_worse,
-                    lambda: deploy_flow(model_name=reg["name"], version=reg["version"], server_url=server_url,
-                                        tracking_uri=tracking_uri))
-                if blocked:
-                    log.warning("promotion blocked: %s", blocked)
-                    registry.set_tags(reg["name"], reg["version"], {"promotion_blocked": blocked})
-                else:
-                    if server_url is None:
-                        deployed["smoke"] = (f"skipped (no server at http://{cfg.serve.host}:{cfg.serve.port} serves "
-                                             f"{reg['name']} from this registry; set registry.server_url to smoke-test "
-                                             f"another)")
-                    reg["aliases"] = reg["aliases"] + ["champion"]
-                    log.info("deployed: %s", deployed)
-            mlflow.set_tags({"verdict": status, **({"promotion_blocked": blocked} if blocked else {})})
+            out = register_candidate(cfg, parent, tracking_uri, timer, candidate, verdict, bench, baseline_version)
+            registered.append(out.registration)
+            champion_vs, blocked, deployed = out.champion_vs, out.blocked, out.deployed
 
         if champion_vs:
             log_json(champion_vs, "versus_champion.json")
