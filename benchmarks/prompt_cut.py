@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     import serve.runners.gqa as runner_gqa
     from serve.config import ServeConfig
     from serve.engine.engine import Engine
-    from serve.runners.onnx_session import CPU
     from serve.engine.sampling import SamplingParams
+    from serve.runners.onnx_session import CPU
 
     eng = Engine(a.artifact, ServeConfig(providers=[CPU], verify_artifact=False, max_batch_size=max(a.prompts, 16),
                                          enable_prefix_caching=False, result_cache_size=0,

@@ -135,8 +135,8 @@ def decode_step(artifact: Path, batch: int, threads: int, steps: int = 24, promp
     after a prompt of ``prompt_tokens``."""
     from serve.config import ServeConfig
     from serve.engine.engine import Engine
-    from serve.runners.onnx_session import CPU
     from serve.engine.sampling import SamplingParams
+    from serve.runners.onnx_session import CPU
 
     cfg = ServeConfig(providers=[CPU], max_batch_size=batch, max_num_batched_tokens=max(256, batch * prompt_tokens),
                       kv_memory_mb=1024, intra_op_threads=threads, enable_prefix_caching=False,

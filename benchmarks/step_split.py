@@ -78,8 +78,8 @@ def engine_split(artifact: Path, steps: int, overrides: dict, batch: int = 1, op
     import serve.engine.in_flight as in_flight_mod
     from serve.config import ServeConfig
     from serve.engine.engine import Engine
-    from serve.runners.onnx_session import CPU
     from serve.engine.sampling import SamplingParams
+    from serve.runners.onnx_session import CPU
 
     spent = {"sampling": 0.0, "detokenize": 0.0}
     sample_token, add_token = engine_mod.sample_token, in_flight_mod.InFlightRequest.add_token

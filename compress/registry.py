@@ -149,8 +149,8 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
     import tempfile
 
     from compress.artifact import read_manifest
-    from serve.artifact import CHECKPOINT_RECORD
     from serve.api.mlflow_model import write_mlmodel
+    from serve.artifact import CHECKPOINT_RECORD
 
     client = _client()
     _log_to_run(client, run_id, metrics or {}, params or {})

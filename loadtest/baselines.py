@@ -123,8 +123,8 @@ def ort_static(artifact_dir: str | Path, workload: list[dict], batch_size: int =
     """The artifact's ONNX graph in a plain left-padded static-batch loop (no block pool, no scheduler)."""
     from tokenizers import Tokenizer
 
-    from serve.runners.onnx_session import artifact_session
     from serve.engine.tokenizer import encode_prompt
+    from serve.runners.onnx_session import artifact_session
 
     artifact_dir = Path(artifact_dir)
     man = json.loads((artifact_dir / "manifest.json").read_text())

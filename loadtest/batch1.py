@@ -55,8 +55,8 @@ class EngineSystem:
     def __init__(self, artifact: str, threads: int, spinning: str):
         from serve.config import ServeConfig
         from serve.engine.engine import Engine
-        from serve.runners.onnx_session import CPU
         from serve.engine.sampling import SamplingParams
+        from serve.runners.onnx_session import CPU
 
         self._params = SamplingParams
         kw = {"ort_spinning": spinning} if "ort_spinning" in ServeConfig.model_fields else {}

@@ -158,9 +158,9 @@ def running_server(artifact_dir: Path, overrides: dict | None = None,
 
 def _in_process(artifact_dir, workload, concurrency, overrides, request_rate, label, seed, sample_interval_s,
                 ready_timeout_s, warmup, meta) -> BenchResult:
-    from serve.config import ServeConfig
-    from serve.api.background import BackgroundServer
     from serve.api.app import create_app
+    from serve.api.background import BackgroundServer
+    from serve.config import ServeConfig
 
     app = create_app(str(artifact_dir), ServeConfig(**overrides), admin_token=None)
     srv = BackgroundServer(app, ready_timeout_s=ready_timeout_s)

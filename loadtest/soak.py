@@ -374,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         report = finish(report, rss.samples, kv_check_http(args.url.rstrip("/")))
     else:
         from compress.config import load_config
-        from serve.api.background import BackgroundServer
         from serve.api.app import create_app
+        from serve.api.background import BackgroundServer
 
         base = ["serve.providers=[CPUExecutionProvider]", "serve.kv_memory_mb=16", "serve.max_batch_size=8",
                 "serve.max_waiting=32"]

@@ -13,12 +13,12 @@ import openai
 import pytest
 
 from serve.__main__ import main
-from serve.api.background import BackgroundServer
 from serve.api.app import create_app
+from serve.api.background import BackgroundServer
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
-from serve.runners.onnx_session import CPU
 from serve.engine.sampling import SamplingParams
+from serve.runners.onnx_session import CPU
 from step_gate import held_steps, seen_cancels
 
 pytestmark = pytest.mark.timeout(120)

@@ -181,8 +181,8 @@ def _requests() -> list[tuple[list[int], int]]:
 
 def _engine_outputs(folder, reqs, max_batch_size: int) -> list[list[int]]:
     from serve.engine.engine import Engine
-    from serve.runners.onnx_session import CPU
     from serve.engine.sampling import SamplingParams
+    from serve.runners.onnx_session import CPU
 
     eng = Engine(folder, ServeConfig(providers=[CPU], max_batch_size=max_batch_size, enable_prefix_caching=False,
                                      max_num_batched_tokens=64), start=False)
@@ -209,8 +209,8 @@ def test_a_wave_of_prompts_split_in_two_calls_equals_torch(family, models, artif
     """Eight first prompts of 4 to 70 tokens in one step, run as two calls at once on the split session (cut where
     their work is even, serve/runners/gqa.py balanced_cut), then decoded as two halves: torch's greedy tokens."""
     from serve.engine.engine import Engine
-    from serve.runners.onnx_session import CPU
     from serve.engine.sampling import SamplingParams
+    from serve.runners.onnx_session import CPU
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the split session needs 2 cores")

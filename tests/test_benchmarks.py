@@ -153,8 +153,8 @@ def _check_sane(res, workload):
 
 def test_loadgen_against_in_process_server(tiny_artifact):
     from loadtest.loadgen import run_workload
-    from serve.api.background import BackgroundServer
     from serve.api.app import create_app
+    from serve.api.background import BackgroundServer
     from serve.config import ServeConfig
 
     w = small_workload(tiny_artifact)

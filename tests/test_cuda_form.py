@@ -12,9 +12,9 @@ from compress.artifact import read_manifest
 from compress.config import ServeConfig
 from compress.quantize.cuda_fp16 import CudaFormError, to_fp16, write_fp16_artifact
 from serve.engine.engine import Engine
+from serve.engine.sampling import SamplingParams
 from serve.kv.device import HostKv, TorchKv, kv_store
 from serve.runners.onnx_session import CPU, CUDA
-from serve.engine.sampling import SamplingParams
 
 from tests.test_gqa import prompts
 

@@ -11,9 +11,9 @@ import pytest
 
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
-from serve.runners.onnx_session import CPU, choose_providers
 from serve.engine.sampling import SamplingError, SamplingParams
 from serve.engine.scheduler import AdmissionError, QueueFullError, RequestTooLargeError
+from serve.runners.onnx_session import CPU, choose_providers
 from step_gate import held_steps, seen_cancels
 
 SPECIAL = 3  # ids 0..2 are the tiny tokenizer's special tokens
@@ -140,9 +140,9 @@ def test_every_runner_implements_the_whole_runner_protocol(tiny_artifact):
     import inspect
     import typing
 
-    from serve.runners.standard import Runner
     from serve.runners.gqa import GqaRunner
     from serve.runners.protocol import ModelRunner
+    from serve.runners.standard import Runner
 
     methods = [n for n, v in vars(ModelRunner).items() if inspect.isfunction(v) and not n.startswith("_")]
     attrs = list(typing.get_type_hints(ModelRunner))

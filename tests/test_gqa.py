@@ -14,9 +14,9 @@ from compress.config import QuantizeConfig, ServeConfig
 from compress.export.gqa import GqaBuildError, build_gqa_artifact, build_gqa_model
 from compress.drivers.gqa import GqaCache, GqaLM
 from serve.engine.engine import Engine
-from serve.runners.onnx_session import CPU
-from serve.runners.gqa import GqaRunner, balanced_cut
 from serve.engine.sampling import SamplingParams
+from serve.runners.gqa import GqaRunner, balanced_cut
+from serve.runners.onnx_session import CPU
 
 SPECIAL = 3
 
@@ -440,8 +440,8 @@ def test_prompt_cut_times_a_wave_cut_both_ways(gqa_artifact, tiny_artifact, caps
 def test_no_split_session_for_a_graph_over_the_weight_limit(gqa_artifact, monkeypatch):
     """The split decode's second session is a second copy of the weights: a graph over SPLIT_MAX_WEIGHT_BYTES (a 7B's
     8.6 GB) gets none, so the server holds its weights once."""
-    from serve.runners import gqa as runner_gqa
     from serve.artifact import read_manifest
+    from serve.runners import gqa as runner_gqa
 
     manifest = read_manifest(gqa_artifact, verify=False)
     assert 0 < runner_gqa.graph_bytes(manifest) < runner_gqa.SPLIT_MAX_WEIGHT_BYTES

@@ -10,10 +10,10 @@ import pytest
 
 from serve.config import ConfigError, ServeConfig
 from serve.engine.engine import Engine
-from serve.runners.onnx_session import CPU
-from serve.runners.gqa import GqaRunner
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import RequestTooLargeError
+from serve.runners.gqa import GqaRunner
+from serve.runners.onnx_session import CPU
 
 
 def ids(n, seed):

@@ -14,8 +14,8 @@ from compress.export.gqa import build_gqa_artifact
 from compress.drivers.gqa import GqaLM
 from compress.export.kv_fp16 import KvDtypeError, kv_to_fp16
 from serve.engine.engine import Engine
-from serve.runners.onnx_session import CPU
 from serve.engine.sampling import SamplingParams
+from serve.runners.onnx_session import CPU
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,14 @@ import time
 import httpx
 import pytest
 
-from serve.api.background import BackgroundServer
 from serve.api.app import create_app
+from serve.api.background import BackgroundServer
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
+from serve.engine.sampling import SamplingParams
 from serve.registry.resolver import ModelSourceError, parse_model_uri
 from serve.registry.source import ModelManager
 from serve.runners.onnx_session import CPU
-from serve.engine.sampling import SamplingParams
 from step_gate import held_steps
 
 pytestmark = pytest.mark.timeout(180)

@@ -14,8 +14,8 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from serve.api.background import BackgroundServer  # noqa: E402
 from serve.api.app import create_app  # noqa: E402
+from serve.api.background import BackgroundServer  # noqa: E402
 from serve.config import ServeConfig  # noqa: E402
 from serve.runners.onnx_session import CPU
 

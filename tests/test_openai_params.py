@@ -12,8 +12,8 @@ import numpy as np
 import openai
 import pytest
 
-from serve.api.background import BackgroundServer
 from serve.api.app import create_app
+from serve.api.background import BackgroundServer
 from serve.config import ServeConfig
 from serve.runners.onnx_session import CPU
 from serve.engine.sampling import (SamplingError, SamplingParams, apply_frequency_presence_penalties, process_logits,

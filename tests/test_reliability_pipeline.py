@@ -200,8 +200,8 @@ def test_a_version_damaged_in_the_store_is_not_promoted_by_the_deploy_flow(prefe
     import mlflow
 
     from flows.deploy import deploy_flow
-    from serve.api.background import BackgroundServer
     from serve.api.app import create_app
+    from serve.api.background import BackgroundServer
 
     registry.configure(mlflow_store)
     name = unique("rel-deploy")

@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loadtest.soak import soak_server
-from serve.api.background import BackgroundServer
 from serve.api.app import create_app
+from serve.api.background import BackgroundServer
 from serve.config import ServeConfig
-from serve.runners.onnx_session import CPU
 from serve.engine.sampling import SamplingParams
+from serve.runners.onnx_session import CPU
 from step_gate import SAFETY_S, held_steps
 
 pytestmark = pytest.mark.timeout(180)

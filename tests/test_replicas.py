@@ -27,9 +27,9 @@ from serve.api.app import create_app
 from serve.api.background import BackgroundServer
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
+from serve.engine.sampling import SamplingParams
 from serve.replicas.forwarding import REPLICA_HEADER, metric_value
 from serve.runners.onnx_session import CPU
-from serve.engine.sampling import SamplingParams
 
 # Ray is imported by the fixture, not at collection: the rest of the suite runs without its import side effects.
 pytestmark = [pytest.mark.timeout(420),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve.kv.cache import BlockManager
 from serve.engine.sampling import SamplingParams
+from serve.kv.cache import BlockManager
 from serve.engine.scheduler import (
     AdmissionError,
     QueueFullError,

@@ -19,8 +19,8 @@ import pytest
 
 from compress.config import ModelConfig, PipelineConfig, ServeConfig, load_config, project_root
 from serve.__main__ import build_parser
-from serve.api.background import BackgroundServer
 from serve.api.app import create_app
+from serve.api.background import BackgroundServer
 from serve.runners.onnx_session import CPU
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from serve.api.background import BackgroundServer
 from serve.api.app import create_app
+from serve.api.background import BackgroundServer
 from serve.config import ServeConfig
-from serve.runners.onnx_session import CPU
 from serve.engine.tokenizer import bos_id, encode_chat, encode_prompt
+from serve.runners.onnx_session import CPU
 from test_special_tokens import bos_artifact, bos_tok  # noqa: F401  (module fixtures, reused)
 
 pytestmark = pytest.mark.timeout(300)

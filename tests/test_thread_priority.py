@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from serve.engine import thread_priority as tp
 from serve.config import ServeConfig
+from serve.engine import thread_priority as tp
 from serve.engine.engine import Engine
-from serve.runners.onnx_session import CPU
 from serve.engine.sampling import SamplingParams
+from serve.runners.onnx_session import CPU
 
 pytestmark = pytest.mark.skipif(not tp.supported(), reason="per-thread nice values are a Linux feature")
 

@@ -153,8 +153,8 @@ def engine_tokens_per_s(artifacts: dict[str, Path], batch: int, steps: int = 16,
     artifacts so load on a shared machine hits them alike. ``batch`` 1 is the single user's rate."""
     from serve.config import ServeConfig
     from serve.engine.engine import Engine
-    from serve.runners.onnx_session import CPU
     from serve.engine.sampling import SamplingParams
+    from serve.runners.onnx_session import CPU
 
     cfg = ServeConfig(providers=[CPU], max_batch_size=max(batch, 1), kv_memory_mb=max(256, 16 * batch),
                       intra_op_threads=threads or 0, enable_prefix_caching=False, verify_artifact=False)

@@ -29,13 +29,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.api import routes_admin
 from serve.api import routes_openai
 # Re-exported: the names callers and tests reach through serve.api.app.
+from serve.api.chat_template import render_chat
+from serve.api.metrics import ServerMetrics
+from serve.api.result_cache import ResultCache
 from serve.api.schemas import ApiError, ChatMessage, error_body
 from serve.api.state import AppState
-from serve.api.chat_template import render_chat
 from serve.config import ServeConfig
-from serve.api.metrics import ServerMetrics
 from serve.registry.source import ModelManager
-from serve.api.result_cache import ResultCache
 
 __all__ = ["AdminTokenFromEnv", "ApiError", "ChatMessage", "create_app", "render_chat"]
 

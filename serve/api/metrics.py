@@ -19,8 +19,8 @@ from collections import defaultdict
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from serve.registry.source import LoadedModel, ModelManager
 from serve.api.result_cache import ResultCache
+from serve.registry.source import LoadedModel, ModelManager
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -10,9 +10,9 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from serve.api.metrics import CONTENT_TYPE
 from serve.api.schemas import ApiError, ReloadRequest, error_body, parse, read_json
 from serve.api.state import app_state
-from serve.api.metrics import CONTENT_TYPE
 
 router = APIRouter()
 

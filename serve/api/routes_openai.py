@@ -23,15 +23,15 @@ from fastapi.responses import JSONResponse
 from serve.api.forms import ChatForm, CompletionForm, Form, after, echo_logprobs
 from serve.api.schemas import (ApiError, DetokenizeRequest, TokenizeRequest, error_body, parse, read_json,
                                refuse_unsupported)
-from serve.api.state import AppState, app_state
 from serve.api.chat_template import render_chat
-from serve.engine.engine import RequestHandle
-from serve.registry.source import LoadedModel
 from serve.api.result_cache import CachedResult, cache_key
+from serve.api.state import AppState, app_state
+from serve.api.streaming import DisconnectAwareStream, call_at_end, sse
+from serve.engine.engine import RequestHandle
 from serve.engine.sampling import SamplingError, SamplingParams
 from serve.engine.scheduler import AdmissionError, QueueFullError, RequestTooLargeError
-from serve.api.streaming import DisconnectAwareStream, call_at_end, sse
 from serve.engine.tokenizer import encode_chat, encode_prompt
+from serve.registry.source import LoadedModel
 
 OWNED_BY = "compressor"
 MAX_CHOICES = 64  # n x prompts in one request

@@ -14,11 +14,11 @@ from typing import Any
 import anyio
 from fastapi import Request
 
+from serve.api.metrics import ServerMetrics
+from serve.api.result_cache import ResultCache
 from serve.api.schemas import ApiError
 from serve.config import ServeConfig
-from serve.api.metrics import ServerMetrics
 from serve.registry.source import LoadedModel, ModelManager, NotReadyError
-from serve.api.result_cache import ResultCache
 
 
 @dataclass

@@ -44,18 +44,18 @@ import numpy as np
 
 from serve.artifact import read_manifest, refuse_record
 from serve.config import ServeConfig
-from serve.engine.stats import EngineCounters, EngineStats, FinishedRequestSample
 from serve.engine.heap import release_free_memory
 from serve.engine.in_flight import InFlightRequest
-from serve.kv.budget import KVCacheSpec, context_length, kv_layout
-from serve.kv.cache import BlockManager
 from serve.engine.request_handle import RequestHandle, RequestOutput, TokenEvent
-from serve.runners.protocol import ModelRunner, RunRow
-from serve.runners.standard import Runner
 from serve.engine.sampling import SamplingError, SamplingParams, sample_token, token_logprobs
 from serve.engine.scheduler import AdmissionError, Scheduler, SchedulerOutput, SeqStatus, SequenceState
+from serve.engine.stats import EngineCounters, EngineStats, FinishedRequestSample
 from serve.engine.thread_priority import call_in_lowered_thread, lower_this_thread
 from serve.engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
+from serve.kv.budget import KVCacheSpec, context_length, kv_layout
+from serve.kv.cache import BlockManager
+from serve.runners.protocol import ModelRunner, RunRow
+from serve.runners.standard import Runner
 
 log = logging.getLogger(__name__)
 

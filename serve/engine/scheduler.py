@@ -49,8 +49,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serve.kv.cache import BlockManager
 from serve.engine.sampling import SamplingParams
+from serve.kv.cache import BlockManager
 
 
 class AdmissionError(Exception):

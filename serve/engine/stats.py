@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from serve.kv.cache import BlockManager
 from serve.engine.scheduler import Scheduler
+from serve.kv.cache import BlockManager
 
 PENDING_SAMPLES = 65536  # latency samples kept for pop_latency_samples(); bounded in case nobody pops
 

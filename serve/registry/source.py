@@ -33,9 +33,9 @@ from pathlib import Path
 from serve.artifact import MANIFEST, sha256_file
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
+from serve.engine.sampling import SamplingParams
 from serve.engine.stats import EngineStats
 from serve.registry.resolver import ModelSource, ModelSourceError
-from serve.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -6,16 +6,17 @@
 Two Ray Serve deployments make one application:
 
 - ``Ingress`` (one replica, no CPU reserved) behind Ray Serve's HTTP proxy: reads each request's body, computes
-  its routing key (serve/replicas/forwarding.py) and forwards it to an engine replica through a deployment handle whose
-  request router is serve/replicas/router.py (prefix-aware by default). It streams the replica's answer back as it
-  comes (SSE included), answers 429 + Retry-After when Ray's queue in front of the replicas is full (the replicas'
-  own 429s pass through unchanged), sends a request whose replica died before answering to another (up to 4 calls;
-  503 + Retry-After once they are spent), and ends a stream with an error event when its replica died mid-stream.
-  A restarted ingress rebuilds the router's prefix table from the chains each replica says it served. Its own
-  routes: ``/health``, ``/ready`` (200 once a replica has a model), ``/replicas`` (each replica's id, pid, node, model version, requests routed to it, prefix-cache hits),
-  ``/replicas/{id}/...`` (any GET route of one replica: ``/replicas/{id}/metrics``, ``.../ready``), ``/metrics``
-  (the replicas' metrics merged, plus the router's), ``/v1/models`` (the version every replica serves; a list of
-  versions during a rollout), ``POST /admin/reload`` (sent to every replica).
+  its routing key (serve/replicas/forwarding.py) and forwards it to an engine replica through a deployment handle
+  whose request router is serve/replicas/router.py (prefix-aware by default). It streams the replica's answer back
+  as it comes (SSE included; a stream's headers leave with its first token), answers 429 + Retry-After when Ray's
+  queue in front of the replicas is full (the replicas' own 429s pass through unchanged), sends a request whose
+  replica died before its first token to another (up to 4 calls; 503 + Retry-After once they are spent), and ends
+  a stream with an error event when its replica died mid-stream. A restarted ingress rebuilds the router's prefix
+  table from the chains each replica says it served. Its own routes: ``/health``, ``/ready`` (200 once a replica
+  has a model), ``/replicas`` (each replica's id, pid, node, model version, requests routed to it, prefix-cache
+  hits), ``/replicas/{id}/...`` (any GET route of one replica: ``/replicas/{id}/metrics``, ``.../ready``),
+  ``/metrics`` (the replicas' metrics merged, plus the router's), ``/v1/models`` (the version every replica serves;
+  a list of versions during a rollout), ``POST /admin/reload`` (sent to every replica).
 - ``EngineReplica`` (N replicas, ``--replica-cpus`` each): the single-process server's own app (serve/api/app.py:
   create_app over a ModelManager) run in-process on each forwarded request; each replica has its own engine, KV
   budget, prefix cache, result cache, and alias poller, so a promotion or rollback reaches every replica within
@@ -48,11 +49,12 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from serve.api.schemas import error_body
-from serve.config import ServeConfig
-from serve.replicas.router import ReplicaRouter
-from serve.replicas.forwarding import (POLICIES, REPLICA_HEADER, ForwardedRequest, forwarded, live_replicas, merge_metrics,
-                                metric_value, offer_chains, response_headers, routing_stats, run_asgi)
 from serve.api.streaming import DisconnectAwareStream
+from serve.config import ServeConfig
+from serve.replicas.forwarding import (POLICIES, REPLICA_HEADER, ForwardedRequest, forwarded, live_replicas,
+                                       merge_metrics, metric_value, offer_chains, response_headers, routing_stats,
+                                       run_asgi)
+from serve.replicas.router import ReplicaRouter
 
 log = logging.getLogger(__name__)
 
