@@ -31,7 +31,7 @@ demo: setup
 	$(BIN)/compressor run --config $(CONFIG)
 
 # Two pytest workers (pytest-xdist), each test file on one of them (its module fixtures built once): much of the
-# suite waits on subprocesses and servers, so two workers on two cores take ~7 instead of ~10 minutes.
+# suite waits on subprocesses and servers, so two workers on two cores take about 30 % less time than one.
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: setup
