@@ -185,8 +185,12 @@ class Ingress:
         ctx = ray_serve.get_replica_context()
         self._key = (ctx.app_name, engine.deployment_name)
         # The router's prefix table starts empty in a new ingress process: the replicas say what they hold.
-        # Ray Serve runs this constructor on the replica's event loop, which the rebuild then runs on.
-        self._restoring = asyncio.get_running_loop().create_task(self._restore_routes())
+        # Ray Serve (2.60) runs this constructor on the replica's event loop, which the rebuild then runs on.
+        try:
+            self._restoring = asyncio.get_running_loop().create_task(self._restore_routes())
+        except RuntimeError:  # no loop here (another Ray Serve): conversations route as new prefixes instead
+            log.warning("no event loop in the ingress's constructor: the prefix table is not rebuilt")
+            self._restoring = None
 
     async def _restore_routes(self) -> int:
         """Ask every replica for the prefix chains it served and offer them to the router (serve/replicas/router.py);
