@@ -125,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-every", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--set", action="append", default=[], metavar="serve.KEY=VALUE")
+    ap.add_argument("--prefix-imbalance", type=int, default=None, metavar="K",
+                    help="the router's imbalance (default: the server's, serve.max_batch_size)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
 
@@ -135,9 +137,9 @@ def main(argv=None) -> int:
     kills: list[dict] = []
     lock = threading.Lock()
     out = {"artifact": str(artifact), "cores": os.cpu_count(), "clients": args.clients, "duration_s": args.duration,
-           "kill_every_s": args.kill_every, "max_tokens": args.max_tokens, "load_average_before": os.getloadavg()[0]}
+           "kill_every_s": args.kill_every, "max_tokens": args.max_tokens, "prefix_imbalance": args.prefix_imbalance, "load_average_before": os.getloadavg()[0]}
 
-    with server(artifact, 2, sets=tuple(args.set)) as (url, startup):
+    with server(artifact, 2, sets=tuple(args.set), imbalance=args.prefix_imbalance) as (url, startup):
         out["startup_s"] = round(startup, 1)
         model = model_id(url)
         t0 = time.monotonic()

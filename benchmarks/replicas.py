@@ -45,13 +45,16 @@ WORDS = ("library shelf atlas map history river mountain city index catalogue re
 
 
 @contextmanager
-def server(artifact: Path, replicas: int | None, routing: str = "prefix", sets: tuple[str, ...] = ()):
+def server(artifact: Path, replicas: int | None, routing: str = "prefix", sets: tuple[str, ...] = (),
+           imbalance: int | None = None):
     """The documented command in a subprocess; yields the base URL once every replica is ready."""
     port = free_port()
     cmd = [sys.executable, "-m", "serve", "--model", str(artifact), "--port", str(port), "--log-level", "warning",
            "--set", "serve.verify_artifact=false", *[x for s in sets for x in ("--set", s)]]
     if replicas:
         cmd += ["--replicas", str(replicas), "--routing", routing]
+        if imbalance is not None:
+            cmd += ["--prefix-imbalance", str(imbalance)]
     log = tempfile.NamedTemporaryFile("w+b", prefix="bench-replicas-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
