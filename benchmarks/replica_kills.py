@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     kills: list[dict] = []
     lock = threading.Lock()
     out = {"artifact": str(artifact), "cores": os.cpu_count(), "clients": args.clients, "duration_s": args.duration,
-           "kill_every_s": args.kill_every, "max_tokens": args.max_tokens, "prefix_imbalance": args.prefix_imbalance, "load_average_before": os.getloadavg()[0]}
+           "kill_every_s": args.kill_every, "max_tokens": args.max_tokens, "prefix_imbalance": args.prefix_imbalance,
+           "load_average_before": os.getloadavg()[0]}
 
     with server(artifact, 2, sets=tuple(args.set), imbalance=args.prefix_imbalance) as (url, startup):
         out["startup_s"] = round(startup, 1)
@@ -210,7 +211,8 @@ def main(argv=None) -> int:
             victim_whole_requests=dict(Counter(r["outcome"] for r in on_victim if not r["stream"])),
             requests_ended_in_window=len(window),
             outcomes_in_window=dict(Counter(r["outcome"] for r in window)),
-            sent_again=kill["counters_after"]["replica_failed_retried"] - kill["counters_before"]["replica_failed_retried"])
+            sent_again=(kill["counters_after"]["replica_failed_retried"]
+                        - kill["counters_before"]["replica_failed_retried"]))
     tally = Counter((("stream" if r["stream"] else "whole"), r["outcome"]) for r in records)
     out.update(
         requests=len(records), tokens_per_s=round(sum(r["tokens"] if r["stream"] else args.max_tokens
