@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--set", action="append", default=[], metavar="serve.KEY=VALUE")
     ap.add_argument("--prefix-imbalance", type=int, default=None, metavar="K",
-                    help="the router's imbalance (default: the server's, serve.max_batch_size)")
+                    help="the router's imbalance (default: the server's, a quarter of serve.max_batch_size, at least 8)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
 

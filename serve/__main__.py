@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser, config_args: bool = True) -> None:
                    help="GPUs Ray reserves for each replica (default 0; Ray hides the GPUs from a replica without)")
     g.add_argument("--prefix-imbalance", type=int, default=None, metavar="K",
                    help="prefix routing gives way to the least loaded replica when the prefix's replica has K more "
-                        "requests in flight (default: serve.max_batch_size)")
+                        "requests in flight (default: a quarter of serve.max_batch_size, at least 8)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -450,6 +450,12 @@ def test_merged_metrics_sum_counters_average_ratios_and_keep_the_lowest_version(
     assert metric_value(merged, "vllm:e2e_bucket", le="+Inf") == 15 and metric_value(merged, "vllm:e2e_sum") == 5.0
 
 
+def test_the_prefix_imbalance_defaults_to_a_quarter_of_a_batch():
+    from serve.replicas.deploy import default_imbalance
+
+    assert [default_imbalance(cfg(max_batch_size=b)) for b in (8, 32, 64, 256)] == [8, 8, 16, 64]
+
+
 def test_ray_is_imported_only_by_the_replica_entry_point():
     import subprocess
     import sys
