@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     lock = threading.Lock()
     where = artifact.resolve()
     out = {"artifact": str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else str(where),
-           "cores": os.cpu_count(), "clients": args.clients, "duration_s": args.duration, "kill_every_s": args.kill_every, "max_tokens": args.max_tokens, "prefix_imbalance": args.prefix_imbalance,
+           "cores": os.cpu_count(), "clients": args.clients, "duration_s": args.duration,
+           "kill_every_s": args.kill_every, "max_tokens": args.max_tokens, "prefix_imbalance": args.prefix_imbalance,
            "load_average_before": os.getloadavg()[0]}
 
     with server(artifact, 2, sets=tuple(args.set), imbalance=args.prefix_imbalance) as (url, startup):
