@@ -107,6 +107,13 @@ def one_request(url: str, model: str, messages: list[dict], max_tokens: int, str
     return rec
 
 
+def results_json(out: dict) -> str:
+    """Indented JSON with each request record on one line (a few hundred of them)."""
+    text = json.dumps({k: v for k, v in out.items() if k != "records"}, indent=1)
+    rows = ",\n  ".join(json.dumps(r) for r in out.get("records", []))
+    return text[:-2] + f',\n "records": [\n  {rows}\n ]\n}}\n'
+
+
 def ingress_counters(url: str) -> dict:
     text = httpx.get(url + "/metrics", timeout=60).text
     return {k: metric_value(text, "compressor:ingress_errors_total", code=k)
@@ -230,7 +237,7 @@ def main(argv=None) -> int:
                   round(r["end"] - t0, 2), r["replica"], r["outcome"]] for r in records],
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    args.out.write_text(results_json(out))
 
     print(f"\n{out['requests']} requests in {out['wall_s']} s, {out['tokens_per_s']} output tokens/s; "
           f"{len(kills)} kills")
