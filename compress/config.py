@@ -296,6 +296,10 @@ class QuantizeConfig(Section):
     # auto = build weight_only and dynamic per-token, gate each on the selection split, keep the fastest that
     # passes (compress/quantize/choice.py; the quantize stage only).
     method: Literal["static", "dynamic", "weight_only", "auto"] = "weight_only"
+    # auto: the forms it weighs: weight_only (8-bit), dynamic_token (W8A8 per token) and weight_only_int4 (4-bit AWQ,
+    # mixed precision); a subset narrows the choice (compress/quantize/choice.py AUTO_FORMS).
+    auto_forms: list[Literal["weight_only", "dynamic_token", "weight_only_int4"]] = Field(
+        default_factory=lambda: ["weight_only", "dynamic_token", "weight_only_int4"], min_length=1)
     # Where the artifact will be served: "cpu" builds the INT8 forms above for the CPU EP; "cuda" builds the CUDA
     # form instead, fp16 weights, activations and K/V with GroupQueryAttention in fp16, what ONNX Runtime's CUDA
     # kernels run (compress/quantize/cuda_fp16.py; method and the cache keys then do not apply). The accept stage
@@ -357,6 +361,19 @@ class QuantizeConfig(Section):
     sensitivity_blocks: int = Field(4, ge=1)
     # weight_only: weights per scale along K (a power of two >= 16); formerly quantize.block_size.
     weight_block_size: int = Field(32, ge=16)
+    # weight_only: bits per weight. 4 halves the bytes a decode step reads against 8 (MatMulNBits 4-bit; the tied
+    # embedding / lm_head and the groups weight_algorithm and int4_keep_int8 pick stay at 8 bits); docs/quantization.md.
+    weight_bits: Literal[4, 8] = 8
+    # 4-bit weights: how they are rounded. awq = activation-aware scaling first (each input channel scaled by
+    # mean|x|^alpha, alpha searched per activation on the calib split's rows, folded into the norm or up_proj that
+    # produces it: compress/quantize/int4.py), then rounding; rtn = plain round-to-nearest.
+    weight_algorithm: Literal["awq", "rtn"] = "awq"
+    # 4-bit weights: a zero point per block (asymmetric, the finer grid) or none (symmetric, range [-8, 7]).
+    weight_symmetric: bool = False
+    # 4-bit weights: the share of linear groups (a layer's qkv, o, gate_up or down) kept at 8 bits, those whose
+    # measured 4-bit output error on the calib rows is largest (mixed precision); the accuracy-aware loop keeps more
+    # at 8 bits when the gate asks (accept.relax_trials).
+    int4_keep_int8: float = Field(0.1, ge=0, le=1)
     # weight_only: MatMulNBits accuracy_level, 4 = int8 compute (lower levels are ~25x slower on this CPU).
     accuracy_level: int = Field(4, ge=0, le=4)
     # Quantize the tied embedding / lm_head too (8-bit block-wise, weight-only; activations stay float).

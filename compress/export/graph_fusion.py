@@ -97,10 +97,16 @@ def _packed_name(names: list[str]) -> str:
 
 def _nbits_key(n: onnx.NodeProto, inits) -> tuple | None:
     """Attributes that must match for MatMulNBits nodes to be concatenated along N (None: not packable)."""
-    if len([i for i in n.input if i]) != 3 or any(i not in inits for i in n.input[1:3]):
-        return None  # zero points, g_idx or bias: not handled
+    inputs = [i for i in n.input if i]
+    if len(inputs) not in (3, 4) or len(inputs) != len(n.input) or any(i not in inits for i in inputs[1:]):
+        return None  # g_idx or bias: not handled
     a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
-    return (a.get("K"), a.get("bits"), a.get("block_size"), a.get("accuracy_level", 0))
+    return (a.get("K"), a.get("bits"), a.get("block_size"), a.get("accuracy_level", 0), len(inputs))
+
+
+def _nbits_suffix(name: str) -> str:
+    """'_Q8' / '_Q4': the tag compress.quantize.graph.weight_only gives a MatMulNBits' name, or ''."""
+    return next((t for t in ("_Q8", "_Q4") if name.endswith(t)), "")
 
 
 def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
@@ -139,8 +145,9 @@ def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
         if qkv_only and gqa is None:
             continue
         names = [n.name for n in group]
-        new_name = _packed_name([nm.removesuffix("_Q8") for nm in names]) + ("_Q8" if op == "MatMulNBits" else "")
-        out = new_name.removesuffix("_Q8").rsplit("/", 1)[0] + "/MatMul_output_0"
+        tag = _nbits_suffix(names[0]) or ("_Q8" if op == "MatMulNBits" else "")
+        new_name = _packed_name([nm.removesuffix(_nbits_suffix(nm)) for nm in names]) + tag
+        out = new_name.removesuffix(tag).rsplit("/", 1)[0] + "/MatMul_output_0"
         if op == "MatMul":
             ws = [tensor_array(inits[n.input[1]]) for n in group]
             sizes = [w.shape[1] for w in ws]
@@ -165,16 +172,22 @@ def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
             # scales are [N, k_blocks] or flat [N * k_blocks]: per-N rows either way
             s_cat = np.concatenate([s.reshape(-1, kb) for s in ss], axis=0)
             new_inits.append(numpy_helper.from_array(s_cat.reshape((-1,) if ss[0].ndim == 1 else s_cat.shape), s_name))
+            inputs = [x, b_name, s_name]
+            if len(group[0].input) == 4:  # zero points: per-N rows too
+                zs = [tensor_array(inits[n.input[3]]) for n in group]
+                z_cat = np.concatenate([z.reshape(b.shape[0], -1) for z, b in zip(zs, bs)], axis=0)
+                inputs.append(new_name + "_zero_points")
+                new_inits.append(numpy_helper.from_array(z_cat.reshape((-1,) if zs[0].ndim == 1 else z_cat.shape),
+                                                         inputs[3]))
             attrs = {a.name: helper.get_attribute_value(a) for a in group[0].attribute}
             attrs["N"] = int(sum(sizes))
-            packed = helper.make_node("MatMulNBits", [x, b_name, s_name], [out], name=new_name, domain=MS_DOMAIN,
-                                      **attrs)
-            drop_inits.update(i for n in group for i in n.input[1:3])
+            packed = helper.make_node("MatMulNBits", inputs, [out], name=new_name, domain=MS_DOMAIN, **attrs)
+            drop_inits.update(i for n in group for i in n.input[1:])
         new = [packed]
         if gqa is not None:
             gqa_rewire[gqa.name] = out
         else:
-            split_name = new_name.removesuffix("_Q8").rsplit("/", 1)[0] + "/Split"
+            split_name = new_name.removesuffix(tag).rsplit("/", 1)[0] + "/Split"
             sz = f"{split_name}_sizes"
             new_inits.append(numpy_helper.from_array(np.array(sizes, np.int64), sz))
             new.append(helper.make_node("Split", [out, sz], outs, name=split_name, axis=-1))

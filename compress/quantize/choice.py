@@ -47,8 +47,10 @@ from compress.evaluate.onnx_eval import ReferencePass
 from compress.quantize.relax import AcceptanceResult, quantize_with_acceptance
 
 AUTO_FORMS: dict[str, dict] = {
-    "weight_only": {"method": "weight_only", "smoothquant_alpha": None},
+    "weight_only": {"method": "weight_only", "smoothquant_alpha": None, "weight_bits": 8},
     "dynamic_token": {"method": "dynamic", "activation_granularity": "token"},
+    # 4-bit MatMulNBits, AWQ-scaled, the groups 4 bits hurt most at 8 (compress/quantize/int4.py)
+    "weight_only_int4": {"method": "weight_only", "smoothquant_alpha": None, "weight_bits": 4},
 }
 
 
@@ -225,8 +227,9 @@ def pick_form(ms_per_step: dict[str, float], perplexity: dict[str, float], toler
 def weight_forms(qcfg: QuantizeConfig) -> dict[str, dict]:
     """AUTO_FORMS for method auto, else the configured method alone (its cache form may still be auto)."""
     if qcfg.method == "auto":
-        return AUTO_FORMS
-    name = "dynamic_token" if qcfg.method == "dynamic" and qcfg.activation_granularity == "token" else qcfg.method
+        return {n: AUTO_FORMS[n] for n in qcfg.auto_forms}
+    name = ("dynamic_token" if qcfg.method == "dynamic" and qcfg.activation_granularity == "token" else
+            "weight_only_int4" if qcfg.method == "weight_only" and qcfg.weight_bits == 4 else qcfg.method)
     return {name: {}}
 
 

@@ -9,7 +9,7 @@ which linears, and with which activation ranges, is the caller's choice (compres
   OpTypesToExcludeOutputQuantization=['MatMul']; ORT fuses DQ->MatMul into integer kernels.
 - `insert_dynamic_per_token`: W8A8 with per-token activation ranges computed at run time.
 - `dynamic_per_tensor`: ORT's dynamic quantization (one activation range per call).
-- `weight_only`: 8-bit block-wise weights in MatMulNBits, float activations.
+- `weight_only`: 8- or 4-bit block-wise weights in MatMulNBits, float activations.
 - `quantize_tied_embedding`: one 8-bit table shared by the token Gather and a tied lm_head.
 """
 
@@ -271,22 +271,27 @@ def _ensure_ms_opset(model: onnx.ModelProto) -> None:
         model.opset_import.append(helper.make_opsetid(_MS_DOMAIN, 1))
 
 
-def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, accuracy_level: int) -> onnx.ModelProto:
-    """In place (and returned): `linears` as 8-bit block-wise symmetric MatMulNBits, float activations.
+def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, accuracy_level: int, bits: int = 8,
+                symmetric: bool = True) -> onnx.ModelProto:
+    """In place (and returned): `linears` as `bits`-bit (8 or 4) block-wise MatMulNBits, float activations.
 
     The same tensors and node ORT's MatMulNBitsQuantizer writes (its C++ block quantizer does the arithmetic),
     but one weight at a time: each float weight is read (from the proto or, for a lazily loaded graph, from its
     file), quantized and dropped before the next, so a model never has an fp32 copy and an int8 copy of all its
     linears at once. ORT's quantizer holds the whole model in memory; on a 1B model that was most of the
-    quantize stage's memory.
+    quantize stage's memory. symmetric False: a zero point per block (the 4-bit form's default, compress/quantize/int4.py).
     """
     from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                  DefaultWeightOnlyQuantizer)
 
     if block_size & (block_size - 1) or block_size < 16:
         raise QuantizeError(f"quantize.weight_block_size must be a power of two >= 16 for weight_only, got {block_size}")
+    if bits not in (4, 8):
+        raise QuantizeError(f"quantize.weight_bits must be 4 or 8, got {bits}")
+    # bits= given to the config itself: ORT 1.31 wrote 8-bit nodes when only an algo_config asked for 4 (FACTS.md)
     quantizer = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
-        block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level, bits=8))
+        block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits))
+    tag = f"Q{bits}"
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     todo = {l.node for l in linears}
@@ -298,15 +303,18 @@ def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, 
             continue
         arr = tensor_array(w).astype(np.float32, copy=False)
         K, N = arr.shape
-        packed, scales, _ = quantizer.qbits_block_quant(arr)
+        packed, scales, zero_points = quantizer.qbits_block_quant(np.ascontiguousarray(arr))
         del arr
-        g.initializer.append(numpy_helper.from_array(packed, f"{w.name}_Q8"))
-        g.initializer.append(numpy_helper.from_array(scales, f"{w.name}_scales"))
-        del packed, scales
+        inputs = [n.input[0], f"{w.name}_{tag}", f"{w.name}_scales"]
+        g.initializer.append(numpy_helper.from_array(packed, inputs[1]))
+        g.initializer.append(numpy_helper.from_array(scales, inputs[2]))
+        if not symmetric:
+            inputs.append(f"{w.name}_zero_points")
+            g.initializer.append(numpy_helper.from_array(zero_points, inputs[3]))
+        del packed, scales, zero_points
         kw = {"accuracy_level": accuracy_level} if accuracy_level else {}
-        new_nodes.append(helper.make_node("MatMulNBits", [n.input[0], f"{w.name}_Q8", f"{w.name}_scales"],
-                                          list(n.output), name=f"{n.name}_Q8" if n.name else "", domain=_MS_DOMAIN,
-                                          K=K, N=N, bits=8, block_size=block_size, **kw))
+        new_nodes.append(helper.make_node("MatMulNBits", inputs, list(n.output), name=f"{n.name}_{tag}" if n.name else "",
+                                          domain=_MS_DOMAIN, K=K, N=N, bits=bits, block_size=block_size, **kw))
         drop.add(w.name)
     _replace_nodes(g, new_nodes, drop)
     _ensure_ms_opset(model)

@@ -20,6 +20,7 @@ import onnx
 from compress.quantize.calibration import (ActStats, Linear, collect_stats, entropy_range, load_first_pass, percentile_range,
                                   save_first_pass)
 from compress.config import QuantizeConfig
+from compress.quantize.int4 import choose_awq
 from compress.quantize.smoothquant import SmoothedTensor, apply_smoothquant, refresh_linears
 
 
@@ -39,22 +40,26 @@ def calibrate_and_smooth(model: onnx.ModelProto, linears: list[Linear], calib: n
                          alpha: float | str | None, reduce_range: bool, num_kv_heads: int, head_dim: int,
                          threads: int | None = None, calibration_cache: Path | None = None,
                          on_event: Callable[[str, dict], None] = lambda name, data: None,
-                         extra_tensors: tuple[str, ...] = ()) -> Calibrated:
+                         extra_tensors: tuple[str, ...] = (), awq: tuple[int, bool] | None = None) -> Calibrated:
     """Calibrate `linears` of `model` on `calib` and smooth `model` in place with `alpha` (None = no smoothing).
 
     calibration_cache: an .npz of the first pass, keyed by the calib blocks' sha256; reused when it
     matches, written when it does not.
     extra_tensors: more activations to take statistics of (the tied lm_head's input, which is not a linear here).
+    awq: (block size, symmetric) of 4-bit weights: AWQ's activation-aware scales instead of SmoothQuant's
+    (compress/quantize/int4.py), folded the same way.
     """
     tensors = list(dict.fromkeys([*(l.input for l in linears), *extra_tensors]))
     hist = cfg.method == "static" and cfg.calibration in ("entropy", "percentile")
     smooth_report: list[SmoothedTensor] = []
 
     def smooth(stats: dict[str, ActStats]) -> dict[str, np.ndarray]:
-        if alpha is None:
+        if alpha is None and awq is None:
             return {}
-        inv, rep = apply_smoothquant(model, linears, stats, alpha, reduce_range=reduce_range,
-                                     per_token=cfg.method == "dynamic" and cfg.activation_granularity == "token")
+        chooser = (lambda st, ws: choose_awq(st, ws, awq[0], awq[1])) if awq else None
+        inv, rep = apply_smoothquant(model, linears, stats, "auto" if awq else alpha, reduce_range=reduce_range,
+                                     per_token=cfg.method == "dynamic" and cfg.activation_granularity == "token",
+                                     chooser=chooser)
         smooth_report[:] = rep
         on_event("smoothquant", {"tensors": len(rep), "max_before": max((r.max_before for r in rep), default=0.0),
                                  "max_after": max((r.max_after for r in rep), default=0.0)})

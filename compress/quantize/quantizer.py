@@ -1,4 +1,4 @@
-"""INT8 quantization of an exported decoder artifact: static W8A8 (QDQ), dynamic INT8, weight-only INT8.
+"""Quantization of an exported decoder artifact: static W8A8 (QDQ), dynamic INT8, weight-only INT8 or 4-bit.
 
 Entry point: `quantize_artifact(src_artifact, out_dir, calib_blocks, cfg) -> QuantReport`.
 `Quantizer` loads the fp32 artifact and calibrates once, then writes as many quantized variants as the
@@ -178,6 +178,16 @@ class Quantizer:
         self.scan_seconds = 0.0
         # "auto" scores W8A8 error; weight-only keeps float activations, so it smooths only when asked for a number
         self.alpha = None if (cfg.method == "weight_only" and cfg.smoothquant_alpha == "auto") else cfg.smoothquant_alpha
+        # 4-bit weights: AWQ's scaling replaces SmoothQuant's, and the groups kept at 8 bits are measured on the
+        # calib rows (compress/quantize/int4.py)
+        self.int4 = cfg.method == "weight_only" and cfg.weight_bits == 4
+        if self.int4:
+            self.alpha = None
+        self.awq = self.int4 and cfg.weight_algorithm == "awq"
+        self.int8_groups: list[str] | None = None  # the 4-bit form's groups kept at 8 bits (int4_keep_int8)
+        if self.int4 and (self.calib is None or len(self.calib) == 0):
+            raise QuantizeError("quantize.weight_bits 4 measures which groups keep 8 bits (and AWQ's scales) on the "
+                                "calib split: pass calib_blocks (the pipeline does), or set quantize.weight_bits: 8")
         needs_calib = cfg.method == "static" or self.alpha is not None
         if needs_calib and (self.calib is None or len(self.calib) == 0):
             raise QuantizeError(
@@ -191,13 +201,14 @@ class Quantizer:
             return
         t_prepare = time.perf_counter()
         cfg = self.cfg
-        if self.calib is not None and (cfg.method == "static" or self.alpha is not None):
+        if self.calib is not None and (cfg.method == "static" or self.alpha is not None or self.int4):
             head = (tied_lm_head(self.model) if self.per_token_lm_head and cfg.quantize_embedding
                     and self.alpha is not None else None)
             c = calibrate_and_smooth(self.model, self.linears, self.calib, cfg, self.alpha, self.reduce_range,
                                      int(self.manifest["num_kv_heads"]), int(self.manifest["head_dim"]),
                                      threads=self.threads, calibration_cache=self.calibration_cache,
-                                     on_event=self.on_event, extra_tensors=(head.tensor,) if head else ())
+                                     on_event=self.on_event, extra_tensors=(head.tensor,) if head else (),
+                                     awq=(cfg.weight_block_size, cfg.weight_symmetric) if self.awq else None)
             self.stats, self.inv_scales, self.ranges, self.linears = c.stats, c.inv_scales, c.ranges, c.linears
             self.smooth_report = list(c.smooth_report)
             if head is not None:
@@ -218,11 +229,23 @@ class Quantizer:
         return list(dict.fromkeys(l.group for l in self.linears))
 
     def selected(self, extra_float_groups: list[str] | tuple[str, ...] = ()) -> tuple[list[Linear], list[Linear]]:
-        """(linears to quantize, linears kept in float) under keep_float + the given groups."""
+        """(linears to quantize, linears kept in float) under keep_float + the given groups. With 4-bit weights an
+        untied lm_head is always kept (at 8 bits): a 4-bit lm_head has caused repetition loops."""
         q, f = [], []
         for l in self.linears:
-            (f if _matches(l, self.cfg.keep_float) or l.group in extra_float_groups else q).append(l)
+            kept = _matches(l, self.cfg.keep_float) or l.group in extra_float_groups or (self.int4 and l.role == "lm_head")
+            (f if kept else q).append(l)
         return q, f
+
+    def int4_int8_groups(self) -> list[str]:
+        """The 4-bit form's groups kept at 8 bits: the int4_keep_int8 share of them with the largest measured 4-bit
+        output error on the calib rows (compress/quantize/sensitivity.py candidate_ranking), worst first."""
+        if self.int8_groups is None:
+            from compress.quantize.sensitivity import candidate_ranking
+
+            ranked = candidate_ranking(self) if self.int4 else []
+            self.int8_groups = ranked[: int(np.ceil(self.cfg.int4_keep_int8 * len(ranked)))]
+        return self.int8_groups
 
     def build(self, linears: list[Linear], embedding: bool | None = None, fallback: bool = True) -> onnx.ModelProto:
         """A quantized copy of the (smoothed) model with exactly `linears` quantized by cfg.method.
@@ -241,8 +264,9 @@ class Quantizer:
         elif cfg.method == "dynamic":
             model = dynamic_per_tensor(model, linears, cfg.per_channel, self.reduce_range)
         else:
-            model = weight_only(model, linears, cfg.weight_block_size, cfg.accuracy_level)
-        if fallback and rest and cfg.keep_float_as == "weight_only" and cfg.method != "weight_only":
+            model = weight_only(model, linears, cfg.weight_block_size, cfg.accuracy_level, bits=cfg.weight_bits,
+                                symmetric=cfg.weight_symmetric if self.int4 else True)
+        if fallback and rest and cfg.keep_float_as == "weight_only" and (cfg.method != "weight_only" or self.int4):
             model = weight_only(model, rest, pow2_block(cfg.weight_block_size), cfg.accuracy_level)
         if cfg.quantize_embedding if embedding is None else embedding:
             head, scales = (self.lm_head_smooth if self.per_token_lm_head and self.lm_head_smooth else (None, None))
@@ -269,6 +293,7 @@ class Quantizer:
             self.scan_seconds = time.perf_counter() - t_scan
         t0 = time.perf_counter()
         extra = list(extra_float_groups) + [g for g, _ in self.sensitivity[: cfg.sensitivity_keep]]
+        extra += [g for g in self.int4_int8_groups() if g not in extra]
         q, f = self.selected(extra)
         model = self.build(q)
         out_dir = Path(out_dir)
@@ -317,13 +342,18 @@ class Quantizer:
         s = {
             "method": cfg.method,
             "weights": "int8 symmetric " + ("per-channel" if cfg.per_channel else "per-tensor") if cfg.method != "weight_only"
-            else f"int8 block-wise (block {cfg.weight_block_size}, MatMulNBits accuracy_level {cfg.accuracy_level})",
+            else (f"int4 block-wise ({'symmetric' if cfg.weight_symmetric else 'asymmetric'}, {cfg.weight_algorithm}, "
+                  f"block {cfg.weight_block_size}, MatMulNBits accuracy_level {cfg.accuracy_level}); "
+                  f"{len(self.int8_groups or [])} groups at 8 bits")
+            if self.int4 else f"int8 block-wise (block {cfg.weight_block_size}, MatMulNBits accuracy_level {cfg.accuracy_level})",
+            "weight_bits": cfg.weight_bits,
+            **({"int8_groups": list(self.int8_groups or [])} if self.int4 else {}),
             "reduce_range": self.reduce_range,
             "cpu_vnni": has_vnni(),
             "smoothquant_alpha": self.alpha,
             "smoothquant_alphas": sorted({r.alpha for r in self.smooth_report}),
             "keep_float": list(cfg.keep_float),
-            "keep_float_as": cfg.keep_float_as if cfg.method != "weight_only" else "float",
+            "keep_float_as": cfg.keep_float_as if cfg.method != "weight_only" or self.int4 else "float",
             "float_groups": list(extra_float_groups),
             "embedding": ("float" if not cfg.quantize_embedding else
                           "int8 block-wise for Gather; lm_head int8 per channel, per-token activations"

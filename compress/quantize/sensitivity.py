@@ -60,10 +60,12 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def candidate_ranking(q: QuantizerView) -> list[str]:
     """Quantizable groups, worst first, by a cheap local measure computed on calib data only.
 
+    4-bit weights: the group's 4-bit output error on the calib rows (compress/quantize/int4.py, after AWQ's scaling).
     With calibration samples: the W8A8 output error of the group's linears (smoothed weights,
     per-tensor or per-token activations as configured, activation range fitted on half the rows and
     scored on the other half). Without: how badly one 8-bit range fits the input, max/median channel range.
     """
+    from compress.quantize.int4 import w4_output_error
     from compress.quantize.smoothquant import heldout_w8a8_error
 
     q.prepare()
@@ -76,6 +78,10 @@ def candidate_ranking(q: QuantizerView) -> list[str]:
         inv = q.inv_scales.get(ls[0].input)
         if st is None:
             score[g] = 0.0
+        elif st.sample is not None and cfg.method == "weight_only" and cfg.weight_bits == 4:
+            x = st.sample * inv if inv is not None else st.sample
+            score[g] = w4_output_error(x, [tensor_array(inits[l.weight]) for l in ls], cfg.weight_block_size,
+                                       cfg.weight_symmetric)
         elif st.sample is not None and cfg.method != "weight_only":
             x = st.sample * inv if inv is not None else st.sample
             ws = [tensor_array(inits[l.weight]) for l in ls]

@@ -17,6 +17,7 @@ initializers (e.g. all-ones norms of a fresh model share one tensor).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,12 +142,16 @@ def _graph_maps(model: onnx.ModelProto) -> tuple[dict, dict[str, onnx.NodeProto]
 
 
 def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict[str, ActStats], alpha: float | str,
-                      reduce_range: bool = False, grid: tuple[float, ...] = ALPHA_GRID, per_token: bool = False) -> tuple[dict[str, np.ndarray], list[SmoothedTensor]]:
+                      reduce_range: bool = False, grid: tuple[float, ...] = ALPHA_GRID, per_token: bool = False,
+                      chooser: Callable[[ActStats, list[np.ndarray]], tuple[np.ndarray, float, float] | None] | None = None,
+                      ) -> tuple[dict[str, np.ndarray], list[SmoothedTensor]]:
     """Smooth every linear input that has a foldable producer, in place.
 
     alpha "auto": per tensor, the alpha of `grid` (or no smoothing) whose W8A8 output error on the
     calibration sample (ActStats.sample) is smallest, the way INC's SmoothQuant auto-tunes alpha;
     per_token: score with per-token activation quantization (method dynamic, granularity token).
+    chooser(stats, weights) -> (s, alpha, error) or None: another rule for s (AWQ's for 4-bit weights,
+    compress/quantize/int4.py choose_awq), folded the same way.
     Returns {activation tensor: 1/s} (what calibration statistics must be multiplied by) and a report.
     """
     if alpha != "auto" and not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
@@ -190,11 +195,17 @@ def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict
         if fold is None:
             continue
         ws = [tensor_array(inits[by_node[l.node].input[1]]) for l in group]
-        chosen = _alpha_for(st, ws, alpha, reduce_range, per_token, grid)
-        if chosen is None:
-            continue  # smoothing does not help this tensor
-        a_used, err = chosen
-        s = smoothing_scales(st.absmax, ws, a_used)
+        if chooser is not None:
+            picked = chooser(st, ws)
+            if picked is None:
+                continue  # scaling does not help this tensor
+            s, a_used, err = picked
+        else:
+            chosen = _alpha_for(st, ws, alpha, reduce_range, per_token, grid)
+            if chosen is None:
+                continue  # smoothing does not help this tensor
+            a_used, err = chosen
+            s = smoothing_scales(st.absmax, ws, a_used)
         kind = fold[0]
         if kind == "norm":
             gamma = tensor_array(inits[fold[2]])

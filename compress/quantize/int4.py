@@ -1,0 +1,144 @@
+"""4-bit weights: the arithmetic the 4-bit weight-only form needs that ONNX Runtime's quantizer lacks.
+
+ORT writes the 4-bit `MatMulNBits` tensors (its C++ block quantizer, `DefaultWeightOnlyQuantizer.qbits_block_quant`,
+called by compress/quantize/graph.py `weight_only`); what it does not do is decide *which* weights may lose that much
+and *how to scale them first*. Both are measured here on the calibration sample (the calib split's token rows that
+calibration already keeps per linear input, `ActStats.sample`), never on the eval split:
+
+- ``awq_scales`` / ``choose_awq``: activation-aware scaling as in AWQ (Lin et al., 2023). A weight's input channel j
+  that sees large activations is multiplied by s_j = mean|x_j|^alpha before rounding, and x_j divided by it (folded
+  into the norm or up_proj that produces x, as SmoothQuant's fold does: compress/quantize/smoothquant.py), so the
+  channels that matter most get a finer 4-bit grid. alpha is searched per activation on the grid, scored by the
+  4-bit output error on the calibration rows; no scaling when none beats it.
+- ``w4_output_error``: the relative output error of one group of linears with 4-bit weights (float activations, as
+  the kernel sees them up to its int8 blocks), the measure by which the mixed-precision choice keeps the worst groups
+  at 8 bits (compress/quantize/sensitivity.py `candidate_ranking`).
+
+``fake_quant_w4`` is the round trip of ORT's block quantizer (asymmetric: scale (max - min) / 15 over a block with 0
+in range, zero point round(-min / scale); symmetric: scale = the block's signed extreme / -8), so the search scores
+the grid the kernel will use; tests compare it with the written tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compress.quantize.calibration import ActStats
+
+AWQ_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def fake_quant_w4(w: np.ndarray, block: int, symmetric: bool = False) -> np.ndarray:
+    """w [K, N] rounded to 4 bits in blocks of ``block`` rows per column and back (float32)."""
+    K, N = w.shape
+    pad = (-K) % block
+    wb = np.pad(w.astype(np.float32), ((0, pad), (0, 0))).reshape(-1, block, N)
+    if symmetric:
+        hi = wb.max(axis=1, keepdims=True)
+        lo = wb.min(axis=1, keepdims=True)
+        extreme = np.where(np.abs(lo) >= np.abs(hi), lo, hi)
+        scale = extreme / -8.0
+        scale = np.where(scale == 0, 1.0, scale)
+        q = np.clip(np.round(wb / scale), -8, 7)
+        out = q * scale
+    else:
+        lo = np.minimum(wb.min(axis=1, keepdims=True), 0.0)
+        hi = np.maximum(wb.max(axis=1, keepdims=True), 0.0)
+        scale = (hi - lo) / 15.0
+        scale = np.where(scale == 0, 1.0, scale)
+        zp = np.clip(np.round(-lo / scale), 0, 15)
+        q = np.clip(np.round(wb / scale) + zp, 0, 15)
+        out = (q - zp) * scale
+    return out.reshape(-1, N)[:K].astype(np.float32)
+
+
+def w4_output_error(x: np.ndarray, weights: list[np.ndarray], block: int, symmetric: bool = False,
+                    s: np.ndarray | None = None, _y: list[np.ndarray] | None = None) -> float:
+    """Relative squared error of y = x W with W rounded to 4 bits (after scaling its rows by ``s``, x divided by it)."""
+    x = x.astype(np.float32)
+    xs = x / s if s is not None else x
+    num = den = 0.0
+    for i, w in enumerate(weights):
+        y = _y[i] if _y is not None else x @ w
+        wq = fake_quant_w4(w * s[:, None] if s is not None else w, block, symmetric)
+        num += float(((xs @ wq - y) ** 2).sum())
+        den += float((y**2).sum())
+    return num / max(den, 1e-30)
+
+
+def awq_scales(mean_abs: np.ndarray, alpha: float) -> np.ndarray:
+    """s_j = mean|x_j|^alpha, normalised so that the largest and smallest s multiply to 1 (AWQ's form)."""
+    a = np.maximum(mean_abs.astype(np.float64), 1e-6) ** alpha
+    s = a / np.sqrt(a.max() * a.min())
+    return np.clip(s, 1e-4, 1e4).astype(np.float32)
+
+
+def choose_awq(st: ActStats, weights: list[np.ndarray], block: int, symmetric: bool = False,
+               grid: tuple[float, ...] = AWQ_GRID) -> tuple[np.ndarray, float, float] | None:
+    """(s, alpha, its 4-bit output error) for one activation read by ``weights``, or None when no alpha of the grid
+    beats plain rounding. Scored on the calibration rows the statistics kept (st.sample)."""
+    if st.sample is None:
+        raise ValueError("AWQ scaling needs calibration samples (collect_stats(sample_rows=...))")
+    x = st.sample.astype(np.float32)
+    mean_abs = np.abs(x).mean(axis=0)
+    ys = [x @ w for w in weights]
+    best_err = w4_output_error(x, weights, block, symmetric, None, ys)
+    best = None
+    for a in grid:
+        s = awq_scales(mean_abs, a)
+        e = w4_output_error(x, weights, block, symmetric, s, ys)
+        if e < best_err:
+            best_err, best = e, (s, a)
+    return None if best is None else (best[0], best[1], best_err)
+
+
+def unpack_nbits(node, inits: dict) -> np.ndarray:
+    """The float weight [K, N] of a MatMulNBits node (4 or 8 bits, with or without zero points)."""
+    from onnx import helper
+
+    from serve.runners.onnx_external import tensor_array
+
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    K, N, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
+    kb = (K + block - 1) // block
+    raw = tensor_array(inits[node.input[1]]).astype(np.uint8).reshape(N, kb, -1)
+    scales = tensor_array(inits[node.input[2]]).astype(np.float32).reshape(N, kb)
+    zp_raw = tensor_array(inits[node.input[3]]).astype(np.uint8) if len(node.input) > 3 and node.input[3] else None
+    if bits == 4:
+        q = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(N, kb, block).astype(np.float32)
+        zp = (np.full((N, kb), 8.0, np.float32) if zp_raw is None else
+              np.stack([zp_raw.reshape(N, -1) & 0x0F, zp_raw.reshape(N, -1) >> 4], axis=-1).reshape(N, -1)[:, :kb])
+    else:
+        q = raw.astype(np.float32)
+        zp = np.full((N, kb), 128.0, np.float32) if zp_raw is None else zp_raw.reshape(N, kb).astype(np.float32)
+    w = ((q - np.asarray(zp, np.float32)[..., None]) * scales[..., None]).reshape(N, kb * block)[:, :K]
+    return np.ascontiguousarray(w.T)
+
+
+def dequantized_model(model):
+    """A copy of ``model`` whose MatMulNBits nodes are float MatMuls on the weights they hold: the reference a
+    quantized graph's logits are compared with (the kernel's own error, apart from the rounding of the weights)."""
+    import copy
+
+    from onnx import helper, numpy_helper
+
+    m = copy.deepcopy(model)
+    g = m.graph
+    inits = {i.name: i for i in g.initializer}
+    nodes = []
+    for n in g.node:
+        if n.op_type != "MatMulNBits":
+            nodes.append(n)
+            continue
+        w_name = f"{n.name or n.output[0]}_dequantized"
+        g.initializer.append(numpy_helper.from_array(unpack_nbits(n, inits), w_name))
+        nodes.append(helper.make_node("MatMul", [n.input[0], w_name], list(n.output), name=n.name))
+        if len(n.input) > 5 and n.input[5]:  # bias
+            raise ValueError(f"{n.name}: MatMulNBits with a bias is not handled")
+    g.ClearField("node")
+    g.node.extend(nodes)
+    used = {i for n in nodes for i in n.input}
+    for i in reversed(range(len(g.initializer))):
+        if g.initializer[i].name not in used:
+            del g.initializer[i]
+    return m

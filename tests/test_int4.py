@@ -1,0 +1,204 @@
+"""4-bit weights (quantize.weight_bits 4): the kernel's grid, AWQ's scaling, mixed precision, the gate and auto.
+
+The tiny models are random or barely trained, so these assert what the 4-bit form is (the kernel computes the
+weights it holds, AWQ lowers the measured error, the groups kept at 8 bits are the measured worst), what the gate does
+with a broken one, and that ``auto`` falls back to INT8 with the reason; accuracy on trained weights is measured in
+benchmarks and docs/quantization.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from compress.artifact import read_manifest
+from compress.config import AcceptConfig, QuantizeConfig
+from compress.drivers import lm_for_model
+from compress.evaluate.gate import accept
+from compress.evaluate.onnx_eval import evaluate_onnx
+from compress.quantize.calibration import Linear
+from compress.quantize.graph import weight_only
+from compress.quantize.int4 import choose_awq, dequantized_model, fake_quant_w4, w4_output_error
+from compress.quantize.quantizer import QuantizeError, Quantizer, quantize_artifact
+
+W4 = dict(method="weight_only", weight_bits=4, smoothquant_alpha=None)
+
+
+def _nbits(folder) -> dict[int, int]:
+    """MatMulNBits nodes of an artifact by their bits attribute."""
+    m = onnx.load(str(folder / "model.onnx"))
+    out: dict[int, int] = {}
+    for n in m.graph.node:
+        if n.op_type == "MatMulNBits":
+            b = next(a.i for a in n.attribute if a.name == "bits")
+            out[b] = out.get(b, 0) + 1
+    return out
+
+
+def _one_matmul(w: np.ndarray) -> onnx.ModelProto:
+    K, N = w.shape
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, N])],
+                          initializer=[numpy_helper.from_array(w, "W")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_the_search_scores_the_grid_the_kernel_uses(symmetric):
+    """fake_quant_w4 (what AWQ and the mixed-precision ranking score) is the weight ORT's quantizer writes, and the
+    kernel at accuracy_level 0 computes exactly that weight's product."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 40)).astype(np.float32)
+    w[:, 3] += 2.0  # a column all of one sign: the asymmetric grid's zero point moves
+    m = weight_only(_one_matmul(w), [Linear("mm", "mm", "linear", None, "x", "W")], 32, 0, bits=4, symmetric=symmetric)
+    node = next(n for n in m.graph.node if n.op_type == "MatMulNBits")
+    assert next(a.i for a in node.attribute if a.name == "bits") == 4
+    assert len(node.input) == (3 if symmetric else 4)  # zero points only when asymmetric
+    d = dequantized_model(m)
+    held = numpy_helper.to_array(next(i for i in d.graph.initializer if i.name.endswith("_dequantized")))
+    np.testing.assert_array_equal(held, fake_quant_w4(w, 32, symmetric))
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    y = ort.InferenceSession(m.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x @ held, rtol=1e-5, atol=1e-4)
+    # 4 bits lose what they lose: the error against the float product is far above the kernel's own
+    assert np.abs(y - x @ w).max() > 100 * np.abs(y - x @ held).max()
+
+
+def test_awq_scales_lower_the_measured_error_where_channels_are_loud():
+    """One input channel 30x louder than the rest: AWQ's scale (found by the grid search) lowers the 4-bit output
+    error against plain rounding, and the scaled product is the float one (x / s)(s W) = x W."""
+    from compress.quantize.calibration import ActStats
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    x[:, 5] *= 30.0
+    w = rng.standard_normal((64, 48)).astype(np.float32) * 0.05
+    st = ActStats(cmin=x.min(0), cmax=x.max(0), sample=x)
+    s, alpha, err = choose_awq(st, [w], 32)
+    plain = w4_output_error(x, [w], 32)
+    assert 0 < alpha <= 1 and err < 0.8 * plain
+    np.testing.assert_allclose((x / s) @ (w * s[:, None]), x @ w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def int4_tiny(tiny_gqa, tiny_splits, tmp_path_factory):
+    """The tiny gqa artifact in the 4-bit form (AWQ, asymmetric), at accuracy_level 0 and 4."""
+    root = tmp_path_factory.mktemp("int4")
+    out = {}
+    for level in (0, 4):
+        rep = quantize_artifact(tiny_gqa, root / f"l{level}", tiny_splits.calib, QuantizeConfig(**W4, accuracy_level=level))
+        out[level] = (root / f"l{level}", rep)
+    return out
+
+
+def _kernel_error(folder, blocks) -> tuple[float, float]:
+    """(mean |graph - dequantized graph| / mean |logit|, top-1 agreement between them) over ``blocks``."""
+    m = onnx.load(str(folder / "model.onnx"))
+    man = read_manifest(folder)
+    got = np.concatenate(list(lm_for_model(m, man).prefill_batches(blocks)))
+    want = np.concatenate(list(lm_for_model(dequantized_model(m), man).prefill_batches(blocks)))
+    return float(np.abs(got - want).mean() / np.abs(want).mean()), float((got.argmax(-1) == want.argmax(-1)).mean())
+
+
+def test_the_4bit_graph_computes_its_dequantized_weights(int4_tiny, tiny_gqa, tiny_splits, tmp_path):
+    """The artifact's logits against the same graph with every MatMulNBits a float MatMul on the weights it holds.
+    accuracy_level 0 (float compute): equal. Level 4 (the default: the kernel rounds each input to int8 per block of
+    32): the error is that rounding's alone, so it is the 8-bit form's at level 4 on the same inputs, within a
+    factor of 2 (4-bit weights make the products the rounding errors pass through a little different)."""
+    blocks = tiny_splits.eval[:4]
+    rel0, agree0 = _kernel_error(int4_tiny[0][0], blocks)
+    rel4, agree4 = _kernel_error(int4_tiny[4][0], blocks)
+    quantize_artifact(tiny_gqa, tmp_path / "w8", tiny_splits.calib, QuantizeConfig(method="weight_only", smoothquant_alpha=None))
+    rel8, _ = _kernel_error(tmp_path / "w8", blocks)
+    print(f"kernel vs dequantized weights: 4-bit level 0 {rel0:.1e}, 4-bit level 4 {rel4:.2e}, 8-bit level 4 {rel8:.2e}")
+    assert rel0 < 1e-5 and agree0 == 1.0
+    assert 0 < rel4 < 2 * rel8 and agree4 > 0.95
+
+
+def test_mixed_precision_keeps_the_measured_worst_groups_at_8_bits(int4_tiny, tiny_gqa, tiny_splits):
+    folder, rep = int4_tiny[4]
+    q = Quantizer(tiny_gqa, tiny_splits.calib, QuantizeConfig(**W4))
+    from compress.quantize.sensitivity import candidate_ranking
+
+    ranking = candidate_ranking(q)
+    groups = rep.settings["int8_groups"]
+    # int4_keep_int8 0.1 of the 8 groups (2 layers x qkv, o, gate_up, down) -> 1, the worst by measured error
+    assert groups == ranking[:1] and len(ranking) == 8
+    bits = _nbits(folder)
+    # gate/up and q/k/v come packed: 2 layers x (qkv, o, gate_up, down) = 8 products, one group of them at 8 bits,
+    # plus the tied lm_head's 8-bit table
+    assert bits[4] == 7 and bits[8] == 2, bits
+    assert rep.settings["weight_bits"] == 4 and "awq" in rep.settings["weights"]
+    assert rep.settings["smoothquant_alphas"], "AWQ scaled no activation of the tiny model"
+    # 4 bits: smaller than the 8-bit form of the same graph
+    w8 = quantize_artifact(tiny_gqa, folder.parent / "w8", tiny_splits.calib,
+                           QuantizeConfig(method="weight_only", smoothquant_alpha=None))
+    assert rep.bytes_after < w8.bytes_after
+
+
+def test_4bit_needs_the_calib_split(tiny_gqa):
+    with pytest.raises(QuantizeError, match="weight_bits 4.*calib split.*weight_bits: 8"):
+        Quantizer(tiny_gqa, None, QuantizeConfig(**W4))
+
+
+def _destroy_layer(folder, layer: int) -> None:
+    """Every 4-bit block of one decoder layer's products rounded to its lowest level (all nibbles 0)."""
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=True)
+    inits = {i.name: i for i in m.graph.initializer}
+    hit = 0
+    for n in m.graph.node:
+        if n.op_type == "MatMulNBits" and f"layers/{layer}/" in n.name and next(
+                a.i for a in n.attribute if a.name == "bits") == 4:
+            b = inits[n.input[1]]
+            b.CopyFrom(numpy_helper.from_array(np.zeros(numpy_helper.to_array(b).shape, np.uint8), b.name))
+            hit += 1
+    assert hit
+    onnx.save(m, str(folder / "model.onnx"))
+
+
+def test_the_gate_rejects_a_4bit_form_with_one_destroyed_layer(trained_tiny4, tiny_splits, tmp_path):
+    """On a trained tiny model the 4-bit form passes a gate its figures meet; the same form with one decoder layer's
+    4-bit blocks destroyed fails it, on perplexity and agreement."""
+    from compress.export.gqa import build_gqa_artifact
+    from compress.tiny import build_tiny_llama
+
+    tok = build_tiny_llama(seed=1, num_hidden_layers=4)[1]
+    src = tmp_path / "fp32"
+    build_gqa_artifact(trained_tiny4, tok, src)
+    quantize_artifact(src, tmp_path / "w4", tiny_splits.calib, QuantizeConfig(**W4, int4_keep_int8=0.0))
+    base = evaluate_onnx(src, tiny_splits.eval, latency=False)
+    cfg = AcceptConfig(max_perplexity_ratio=1.10, min_top1_agreement=0.80)
+
+    def verdict(label):
+        m = evaluate_onnx(tmp_path / "w4", tiny_splits.eval, reference_artifact=src, latency=False)
+        v = accept(m, base, cfg, criteria="fidelity")
+        print(f"{label}: perplexity ratio {m['perplexity'] / base['perplexity']:.3f}, top-1 {m['top1_agreement']:.3f}",
+              v.reasons)
+        return v
+
+    v = verdict("intact 4-bit")
+    assert v.accepted, v.reasons
+    _destroy_layer(tmp_path / "w4", 2)
+    v = verdict("layer 2 destroyed")
+    assert not v.accepted
+    assert any(c["name"].startswith("perplexity") and not c["passed"] for c in v.checks)
+
+
+def test_auto_keeps_int8_when_4bit_fails_and_says_why(tiny_gqa, tiny_splits, tmp_path):
+    """Random tiny weights: 4 bits move the argmax on about a third of the positions, 8 bits on a few; with the
+    agreement limit between them auto keeps weight-only INT8 and the 4-bit form's record names the failed check."""
+    from compress.quantize.choice import choose_quant_form
+
+    qcfg = QuantizeConfig(method="auto", auto_forms=["weight_only", "weight_only_int4"])
+    acfg = AcceptConfig(min_top1_agreement=0.9, max_perplexity_ratio=1.5, relax_trials=0)
+    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, acfg)
+    f4 = choice.forms["weight_only_int4"]
+    print({n: (f["accepted"], round(f["metrics"]["top1_agreement"], 3)) for n, f in choice.forms.items()})
+    assert choice.chosen == "weight_only"
+    assert not f4["accepted"] and any("top1_agreement" in r for r in f4["reasons"])
+    assert f4["metrics"]["top1_agreement"] < 0.9 <= choice.forms["weight_only"]["metrics"]["top1_agreement"]
+    assert _nbits(tmp_path / "q") == {8: max(_nbits(tmp_path / "q").values())}  # the kept artifact is 8-bit only
