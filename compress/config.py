@@ -96,13 +96,16 @@ class ExportConfig(Section):
     # the candidate (the quantize stage has nothing left to do), golden and acceptance judge it against the checkpoint
     # as stored, and the baseline version records the checkpoint by digest. gqa layout only; not with pruning or
     # distillation. auto: int8 from 1B parameters when neither is on, float32 otherwise (docs/models.md#large-models).
-    weights: Literal["auto", "float32", "int8"] = "auto"
+    # int4: as int8, with the decoder's linears at 4 bits (round-to-nearest, quantize.weight_symmetric) but for the
+    # quantize.int4_keep_int8 share of groups with the largest measured 4-bit weight error, which stay at 8 bits, as do
+    # the lm_head and the embedding (docs/quantization.md#4-bit-weights).
+    weights: Literal["auto", "float32", "int8", "int4"] = "auto"
 
     @model_validator(mode="after")
     def _fp16_kv_needs_gqa(self) -> "ExportConfig":
-        if self.weights == "int8" and self.exporter in ("dynamo", "torchscript"):
-            raise ValueError(f"export.weights int8 is written by the gqa builder; set export.exporter to gqa or auto, "
-                             f"or export.weights to float32")
+        if self.weights in ("int8", "int4") and self.exporter in ("dynamo", "torchscript"):
+            raise ValueError(f"export.weights {self.weights} is written by the gqa builder; set export.exporter to gqa or "
+                             f"auto, or export.weights to float32")
         if self.kv_dtype == "float16" and self.exporter in ("dynamo", "torchscript"):
             raise ValueError(f"export.kv_dtype float16 needs the gqa layout (GroupQueryAttention takes fp16 caches); "
                              f"set export.exporter to gqa or auto, or export.kv_dtype to float32")

@@ -448,10 +448,12 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         log.info("export: %s", why)
         q = cfg.quantize
         k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}",
-                          f"int8b{q.weight_block_size}a{q.accuracy_level}" if weights == "int8" else "")
+                          f"int8b{q.weight_block_size}a{q.accuracy_level}" if weights == "int8" else
+                          f"int4b{q.weight_block_size}a{q.accuracy_level}s{int(q.weight_symmetric)}k{q.int4_keep_int8}"
+                          if weights == "int4" else "")
         teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
                             model_dir=loaded["model_dir"], weights=weights)
-        int8_export = teacher.get("weights") == "int8"
+        int8_export = teacher.get("weights") in ("int8", "int4")  # written from the checkpoint
         k_gold = stage_key(cfg, "golden", ["golden"], k_exp)
         gold = timer.run("golden", submit_stage, golden_task, cfg, "golden", k_gold, parent_run_id=pid,
                          model_dir=loaded["model_dir"], artifact=teacher["artifact"])

@@ -16,8 +16,8 @@ from tasks.tracking import child_run, log_metrics, log_params
 @task(name="export", cache_key_fn=cache_key_fn, persist_result=True)
 def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str,
                 weights: str = "float32") -> dict:
-    """weights (export.weights, resolved): float32, the fp32 graph; int8, the weight-only INT8 graph written from the
-    checkpoint, and beside it a record of the checkpoint by digest (the run's baseline version)."""
+    """weights (export.weights, resolved): float32, the fp32 graph; int8 (or int4), the weight-only INT8 (4-bit) graph
+    written from the checkpoint, and beside it a record of the checkpoint by digest (the run's baseline version)."""
     folder, done = open_stage(cfg, stage, key)
     if done is not None:
         return done
@@ -26,7 +26,7 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
     shape = shape_of_folder(model_dir, cfg.model.trust_remote_code)
     check_fits("export", stage_bytes(shape)["export"], "the checkpoint as stored plus one fp32 tensor at a time: "
                "run it on a machine with that much free")
-    int8 = weights == "int8"
+    int8 = weights in ("int8", "int4")
     check_room("export", folder, int8_bytes(shape) if int8 else export_bytes(shape),
                f"the {'INT8' if int8 else 'fp32'} graph: free the room, or set workdir to a larger disk")
     with child_run(parent_run_id, stage) as run:
@@ -37,7 +37,7 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         exporter, why = choose_exporter(model, cfg.export.exporter)
         stage_logger().info("export: %s", why)
         if int8 and exporter != "gqa":
-            raise ValueError(f"export.weights int8: this model is exported with {exporter} ({why}), and only the gqa "
+            raise ValueError(f"export.weights {weights}: this model is exported with {exporter} ({why}), and only the gqa "
                              f"builder writes INT8 from the checkpoint; set export.weights to float32")
         if exporter != "gqa" and cfg.export.kv_dtype != "float32":
             raise ValueError(f"export.kv_dtype {cfg.export.kv_dtype}: this model is exported with {exporter} ({why}), "
@@ -46,8 +46,17 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
             model = model.float()  # the traced exporters write the graph in the model's dtype
         if exporter == "gqa":
             q = cfg.quantize
+            plan = None
+            if weights == "int4":
+                from compress.export.weights import int4_plan
+
+                plan = int4_plan(model, q.weight_block_size, q.weight_symmetric, q.int4_keep_int8)
+                stage_logger().info("export: 4-bit weights, %d of %d groups at 8 bits by measured 4-bit weight error "
+                                    "(largest %s %.4f)", len(plan.int8_groups), len(plan.errors),
+                                    *max(plan.errors.items(), key=lambda kv: kv[1]))
             result, manifest = build_gqa_artifact(model, tok, art, extra=extra, kv_dtype=cfg.export.kv_dtype,
                                                   int8=(q.weight_block_size, q.accuracy_level) if int8 else None,
+                                                  int4=plan,
                                                   external_data_threshold_mb=cfg.export.external_data_threshold_mb)
         else:
             result, manifest = build_artifact(model, tok, art, exporter, cfg.export.opset,

@@ -8,7 +8,7 @@ from prefect import task
 
 from compress.artifact import read_manifest
 from compress.config import PipelineConfig
-from compress.export.weights import written_int8
+from compress.export.weights import Int4Plan, written_int8
 from compress.memory import check_stage_memory, shape_of_folder
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.load import load_model
@@ -40,7 +40,10 @@ def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         thresholds, expected = None, {}
         if int8:
             q = manifest["quantization"]
-            thresholds, expected = int8_thresholds(model, golden, q["block_size"], q["accuracy_level"], g.int8_margin)
+            plan = (Int4Plan(frozenset(q.get("int8_groups", [])), bool(q.get("weight_symmetric")))
+                    if q.get("weight_bits") == 4 else None)
+            thresholds, expected = int8_thresholds(model, golden, q["block_size"], q["accuracy_level"], g.int8_margin,
+                                                   int4=plan)
         # The torch model and the ONNX session are each the size of the weights: never both at once
         del model
         gc.collect()

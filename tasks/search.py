@@ -69,11 +69,11 @@ def candidate_chain(cfg: PipelineConfig, pid: str | None, loaded: dict, teacher:
             model_dir=student_dir, artifact=student["artifact"], reference_golden=gold["golden"])
         candidate = student["artifact"]
     quant = None
-    if teacher.get("weights") == "int8":
-        # the export wrote the weight-only INT8 graph from the checkpoint: it is the candidate, nothing is left to
-        # quantize (W8A8 would calibrate the fp32 graph, which was never written)
-        stage_logger().info("quantize: skipped, the export wrote the INT8 candidate from the checkpoint "
-                            "(export.weights int8)")
+    if teacher.get("weights") in ("int8", "int4"):
+        # the export wrote the weight-only INT8 (4-bit) graph from the checkpoint: it is the candidate, nothing is
+        # left to quantize (W8A8 would calibrate the fp32 graph, which was never written)
+        stage_logger().info("quantize: skipped, the export wrote the %s candidate from the checkpoint "
+                            "(export.weights %s)", teacher["weights"].upper(), teacher["weights"])
     elif cfg.quantize.enabled:
         cand_key = stage_key(cfg, "quantize", ["quantize", "accept"], cand_key, f"format{QUANT_FORMAT}")
         quant = run("quantize", submit_stage, quantize_task, cfg, "quantize", cand_key, parent_run_id=pid,

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from compress.artifact import read_manifest
+from compress.artifact import read_manifest, write_manifest
 from compress.config import AcceptConfig, QuantizeConfig
 from compress.drivers import lm_for_model
 from compress.evaluate.gate import accept
@@ -202,3 +202,42 @@ def test_auto_keeps_int8_when_4bit_fails_and_says_why(tiny_gqa, tiny_splits, tmp
     assert not f4["accepted"] and any("top1_agreement" in r for r in f4["reasons"])
     assert f4["metrics"]["top1_agreement"] < 0.9 <= choice.forms["weight_only"]["metrics"]["top1_agreement"]
     assert _nbits(tmp_path / "q") == {8: max(_nbits(tmp_path / "q").values())}  # the kept artifact is 8-bit only
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "phi3", "gpt_neox"])
+def test_4bit_written_from_the_checkpoint_passes_its_golden_and_a_wrong_one_does_not(family, tmp_path):
+    """export.weights int4: the gqa builder writes 4-bit MatMulNBits straight from the checkpoint (the plan's worst
+    group, the lm_head and the embedding at 8 bits); golden derives its tolerances from the checkpoint rounded the same
+    way (golden_int8.py) and passes; the same graph with its 4-bit codes drawn at random fails it."""
+    import copy
+
+    from compress.config import GoldenConfig
+    from compress.evaluate.golden import compare_from_config, record_golden
+    from compress.evaluate.golden_int8 import int8_thresholds
+    from compress.export.gqa import build_gqa_artifact
+    from compress.export.weights import Int4Plan, int4_plan
+    from compress.tiny import build_tiny
+
+    model, tok = build_tiny(family, seed=0)
+    plan = int4_plan(model, 32, False, 0.1)
+    assert len(plan.int8_groups) == 1 and len(plan.errors) == 8  # 2 layers x qkv, o, gate_up, down
+    assert max(plan.errors, key=plan.errors.get) in plan.int8_groups
+    _, man = build_gqa_artifact(model, tok, tmp_path / "a", int8=(32, 4), int4=plan)
+    q = man["quantization"]
+    assert q["weight_bits"] == 4 and q["int8_groups"] == sorted(plan.int8_groups)
+    bits = _nbits(tmp_path / "a")
+    assert bits[4] >= 6 and bits[8] >= 1, bits
+    golden = record_golden(model, tok, ["The cat sat on the mat", "a b c"], 8, 6)
+    # what the golden task rebuilds from the manifest
+    again = Int4Plan(frozenset(q["int8_groups"]), q["weight_symmetric"])
+    thr, _ = int8_thresholds(copy.deepcopy(model), golden, 32, 4, GoldenConfig().int8_margin, int4=again)
+    assert not compare_from_config(tmp_path / "a", golden, GoldenConfig(), thresholds=thr, decode_against="self").failures
+    m = onnx.load(str(tmp_path / "a" / "model.onnx"))
+    inits = {i.name: i for i in m.graph.initializer}
+    rng = np.random.default_rng(0)
+    for victim in [n for n in m.graph.node if n.op_type == "MatMulNBits" and n.name.endswith("_Q4")]:
+        b = inits[victim.input[1]]  # the 4-bit codes replaced by others drawn at random: a wrong graph
+        b.CopyFrom(numpy_helper.from_array(rng.integers(0, 256, numpy_helper.to_array(b).shape, np.uint8), b.name))
+    onnx.save(m, str(tmp_path / "a" / "model.onnx"))
+    write_manifest(tmp_path / "a", {k: v for k, v in man.items() if k not in ("files", "manifest_version")})
+    assert compare_from_config(tmp_path / "a", golden, GoldenConfig(), thresholds=thr, decode_against="self").failures

@@ -50,18 +50,32 @@ def _round_rows_(w: torch.Tensor, block: int, signed_max: bool = True) -> None:
         w[i:i + ROUND_ROWS] = _round_blocks(w[i:i + ROUND_ROWS], block, signed_max)
 
 
-def fake_quantize_(model, block_size: int, accuracy_level: int) -> list:
+def _round_rows_4bit_(w: torch.Tensor, block: int, symmetric: bool) -> None:
+    """w [N, K] (torch's Linear layout) rounded in place to 4-bit blocks along K, ROUND_ROWS rows at a time, on the
+    grid of ONNX Runtime's quantizer (compress/nbits.py fake_quant_w4, which takes [K, N])."""
+    from compress.nbits import fake_quant_w4
+
+    for i in range(0, w.shape[0], ROUND_ROWS):
+        rows = w[i:i + ROUND_ROWS].float().numpy().T
+        w[i:i + ROUND_ROWS] = torch.from_numpy(fake_quant_w4(rows, block, symmetric).T.copy()).to(w.dtype)
+
+
+def fake_quantize_(model, block_size: int, accuracy_level: int, int4=None) -> list:
     """Round ``model``'s linear weights (and a tied embedding) in place as the INT8 graph stores them; at
     accuracy_level 4 also round each linear's input as MatMulNBits does (forward pre-hooks, returned to remove).
+    int4: the Int4Plan of a 4-bit graph (compress/export/weights.py): its 4-bit linears rounded to 4 bits instead.
     A few rows of one tensor at a time in fp32: the model stays in its dtype."""
     hooks = []
+    names = {id(m): n for n, m in model.named_modules()}
     emb = model.get_input_embeddings().weight
     tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
     if tied:  # one 8-bit table read by the Gather and the lm_head (gqa._embedding_q8's arithmetic)
         _round_rows_(emb.data, block_size, signed_max=False)
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
-            if not (tied and mod.weight.data_ptr() == emb.data_ptr()):
+            if int4 is not None and int4.at_4_bits(names.get(id(mod))):
+                _round_rows_4bit_(mod.weight.data, block_size, int4.symmetric)
+            elif not (tied and mod.weight.data_ptr() == emb.data_ptr()):
                 _round_rows_(mod.weight.data, block_size)
             if accuracy_level == 4:
                 hooks.append(mod.register_forward_pre_hook(
@@ -71,14 +85,14 @@ def fake_quantize_(model, block_size: int, accuracy_level: int) -> list:
 
 @torch.no_grad()
 def int8_thresholds(model, golden: GoldenSet, block_size: int, accuracy_level: int, margin: float,
-                    floor: float = 1e-2) -> tuple[dict, dict]:
+                    floor: float = 1e-2, int4=None) -> tuple[dict, dict]:
     """(compare_onnx's thresholds, the figures they came from) for the INT8 graph of ``model``'s weights against
     ``golden`` (recorded from ``model`` as it is). Rounds ``model`` in place: record golden first, drop it after.
 
     max_abs_error (and off_threshold): margin x the rounded checkpoint's largest top-k logit distance to the
     reference, at least ``floor``; min_top1_agreement: the rounded checkpoint's worst prompt's disagreement, margin
-    times, less one position (a near tie the fp32 arithmetic may also flip)."""
-    hooks = fake_quantize_(model, block_size, accuracy_level)
+    times, less one position (a near tie the fp32 arithmetic may also flip). int4: the 4-bit graph's Int4Plan."""
+    hooks = fake_quantize_(model, block_size, accuracy_level, int4)
     try:
         errors, agreements, positions = [], [], []
         for i in range(len(golden.prompts)):

@@ -48,7 +48,7 @@ from compress.export.gqa_families import GqaBuildError
 from compress.export.graph_fusion import fuse_decoder
 from compress.export.kv_fp16 import kv_to_fp16
 from compress.export.servable import MODEL_FILE, serving_fields, write_tokenizer_files
-from compress.export.weights import FROM_CHECKPOINT
+from compress.export.weights import FROM_CHECKPOINT, Int4Plan
 from compress.models import model_info
 from serve.runners.onnx_external import ALIGN, BASE_KEY, save_external
 
@@ -144,7 +144,7 @@ class _Graph:
     """
 
     def __init__(self, float_dtype=np.float32, data_path: Path | None = None, pack_qkv: bool = False,
-                 int8: tuple[int, int] | None = None):
+                 int8: tuple[int, int] | None = None, int4: Int4Plan | None = None):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.float_dtype = float_dtype  # weights and activations
@@ -154,13 +154,19 @@ class _Graph:
         # (block_size, accuracy_level): every linear written as 8-bit MatMulNBits straight from the checkpoint's
         # tensor, the arithmetic of the quantize stage's weight_only form (ORT's block quantizer), no fp32 graph
         self.int8 = int8
-        self._q8 = None
+        # int4 (with int8's block size and accuracy level): the linears written as 4-bit MatMulNBits, but for the
+        # plan's groups kept at 8 bits and the lm_head (compress/export/weights.py int4_plan)
+        self.int4 = int4
+        self._q8 = self._q4 = None
         if int8 is not None:
             from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                          DefaultWeightOnlyQuantizer)
 
             self._q8 = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
                 block_size=int8[0], is_symmetric=True, accuracy_level=int8[1], bits=8))
+            if int4 is not None:
+                self._q4 = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
+                    block_size=int8[0], is_symmetric=int4.symmetric, accuracy_level=int8[1], bits=4))
 
     def embedding(self, E: np.ndarray, tied: bool) -> tuple[str, str | None]:
         """The token Gather over the table ``E`` [V, h]: (its output, the fp32 table's name, None when written in
@@ -181,11 +187,15 @@ class _Graph:
             (y,) = self.node("MatMul", [x, w], [out], f"{path}/MatMul", module=module)
             return y
         K, N = wt.shape
-        packed, scales, _ = self._q8.qbits_block_quant(np.ascontiguousarray(wt, np.float32))
-        b, sc = self.init(f"{w_name}_Q8", packed), self.init(f"{w_name}_scales", scales)
+        bits = 4 if self.int4 is not None and self.int4.at_4_bits(module) else 8
+        packed, scales, zero_points = (self._q4 if bits == 4 else self._q8).qbits_block_quant(
+            np.ascontiguousarray(wt, np.float32))
+        inputs = [x, self.init(f"{w_name}_Q{bits}", packed), self.init(f"{w_name}_scales", scales)]
+        if bits == 4 and not self.int4.symmetric:
+            inputs.append(self.init(f"{w_name}_zero_points", zero_points))
         kw = {"accuracy_level": self.int8[1]} if self.int8[1] else {}
-        (y,) = self.node("MatMulNBits", [x, b, sc], [out], f"{path}/MatMul_Q8", module=module,
-                         domain=MS_DOMAIN, K=K, N=N, bits=8, block_size=self.int8[0], **kw)
+        (y,) = self.node("MatMulNBits", inputs, [out], f"{path}/MatMul_Q{bits}", module=module,
+                         domain=MS_DOMAIN, K=K, N=N, bits=bits, block_size=self.int8[0], **kw)
         return y
 
     def init(self, name: str, arr: np.ndarray) -> str:
@@ -439,7 +449,8 @@ def _layer_attention(model, g: _Graph, max_positions: int, head_dim: int) -> lis
 
 
 def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True,
-                    data_path: Path | None = None, int8: tuple[int, int] | None = None) -> onnx.ModelProto:
+                    data_path: Path | None = None, int8: tuple[int, int] | None = None,
+                    int4: Int4Plan | None = None) -> onnx.ModelProto:
     """The decoder as an ONNX model with fp32 weights (the torch model may be bf16: converted tensor by tensor).
 
     fuse: residual Add + RMSNorm as SkipSimplifiedLayerNormalization and q/k/v as one packed MatMul into
@@ -449,6 +460,7 @@ def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True,
     int8: (block_size, accuracy_level): the weight-only INT8 graph written straight from the checkpoint's tensors,
     one at a time (every linear as MatMulNBits, gate/up packed, a tied table as 8-bit blocks for the Gather and the
     lm_head): what the quantize stage's weight_only form makes of the fp32 graph, with no fp32 graph in between.
+    int4 (with int8): the linears in 4 bits but for the plan's 8-bit groups and the lm_head (export.weights int4).
     """
     check_supported(model)
     model.eval()
@@ -456,7 +468,7 @@ def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True,
     L, H, KV, D = info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]
     vocab = info["vocab_size"]
     max_positions = int(max_positions or info["max_positions"])
-    g = _Graph(data_path=data_path, pack_qkv=fuse, int8=int8)
+    g = _Graph(data_path=data_path, pack_qkv=fuse, int8=int8, int4=int4)
     names = gqa_io_names(L)
     attrs = _layer_attention(model, g, max_positions, D)
 
@@ -526,12 +538,13 @@ def _fp32_bytes(model) -> int:
 
 def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int | None = None,
                        extra: dict | None = None, kv_dtype: str = "float32",
-                       int8: tuple[int, int] | None = None,
+                       int8: tuple[int, int] | None = None, int4: Int4Plan | None = None,
                        external_data_threshold_mb: int = 1800) -> tuple[GqaBuildResult, dict]:
     """Graph + tokenizer + generation_config + manifest.json: a servable folder (attention layout ``gqa``).
 
     kv_dtype: the gqa layout's cache type, float32 or float16 (compress/export/kv_fp16.py).
     int8: (block_size, accuracy_level): weight-only INT8 written straight from the checkpoint (build_gqa_model).
+    int4: with int8, the 4-bit form instead (export.weights int4; compress/export/weights.py int4_plan).
     """
     if kv_dtype not in ("float32", "float16"):
         raise GqaBuildError(f"export.kv_dtype {kv_dtype!r}: the gqa layout keeps float32 or float16 caches")
@@ -544,7 +557,7 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
     stream = _fp32_bytes(model) > STREAM_BYTES
     with torch.no_grad():
         m = build_gqa_model(model, max_positions, data_path=out_dir / (MODEL_FILE + ".data") if stream else None,
-                            int8=int8)
+                            int8=int8, int4=int4)
     if kv_dtype == "float16":
         kv_to_fp16(m)
     path = out_dir / MODEL_FILE
@@ -566,7 +579,8 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
         **({"quantization": {"method": "weight_only", "written_from": FROM_CHECKPOINT, "block_size": int8[0],
                              "accuracy_level": int8[1],
                              "weights": f"int8 block-wise (block {int8[0]}, MatMulNBits accuracy_level {int8[1]})",
-                             "embedding": "int8 block-wise, shared by Gather and lm_head" if _tied(model) else "float"}}
+                             "embedding": "int8 block-wise, shared by Gather and lm_head" if _tied(model) else "float",
+                             **(int4.manifest(int8[0], int8[1]) if int4 else {"weight_bits": 8})}}
            if int8 else {}),
         **(extra or {}),
     }

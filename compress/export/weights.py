@@ -1,4 +1,4 @@
-"""export.weights: whether the export writes the fp32 graph or the weight-only INT8 one straight from the checkpoint.
+"""export.weights: whether the export writes the fp32 graph, or the weight-only INT8 or 4-bit one straight from the checkpoint.
 
 From 1B parameters (compress.memory.CHECKPOINT_FROM_PARAMS, where the accept stage's reference becomes the checkpoint
 too) an fp32 graph is 4 bytes a parameter in memory, on disk and in the registry that nothing needs: the INT8 graph is
@@ -8,7 +8,13 @@ the checkpoint as stored, and the baseline version records the checkpoint by dig
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
 from compress.memory import CHECKPOINT_FROM_PARAMS
+from compress.nbits import w4_weight_error
 
 # manifest["quantization"]["written_from"] of an INT8 graph the export wrote (not the quantize stage)
 FROM_CHECKPOINT = "checkpoint"
@@ -30,7 +36,7 @@ def fp32_needed_by(cfg) -> str | None:
 
 
 def resolve_weights(setting: str, params: int, fp32_needed: str | None) -> tuple[str, str]:
-    """(float32 | int8, why) for export.weights ``setting``; ``fp32_needed``: fp32_needed_by's reason, if any."""
+    """(float32 | int8 | int4, why) for export.weights ``setting``; ``fp32_needed``: fp32_needed_by's reason, if any."""
     if setting != "auto":
         return setting, f"export.weights: {setting}"
     if fp32_needed:
@@ -42,5 +48,74 @@ def resolve_weights(setting: str, params: int, fp32_needed: str | None) -> tuple
 
 
 def written_int8(manifest: dict) -> bool:
-    """Whether an artifact is the INT8 graph the export wrote from the checkpoint (export.weights int8)."""
+    """Whether an artifact is the INT8 (or 4-bit) graph the export wrote from the checkpoint (export.weights int8,
+    int4)."""
     return (manifest.get("quantization") or {}).get("written_from") == FROM_CHECKPOINT
+
+
+def written_from_checkpoint_bits(manifest: dict) -> int | None:
+    """8 or 4: the weight bits of a graph the export wrote from the checkpoint; None for any other artifact."""
+    if not written_int8(manifest):
+        return None
+    return int((manifest.get("quantization") or {}).get("weight_bits", 8))
+
+
+_GROUPS = (("self_attn.q_proj", "qkv"), ("self_attn.k_proj", "qkv"), ("self_attn.v_proj", "qkv"),
+           ("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", "o"), ("mlp.gate_proj", "gate_up"),
+           ("mlp.up_proj", "gate_up"), ("mlp.gate_up_proj", "gate_up"), ("mlp.down_proj", "down"),
+           # GPT-NeoX's own names (its graph is written with the names above: compress/export/gqa_neox.py)
+           ("attention.query_key_value", "qkv"), ("attention.dense", "o"), ("mlp.dense_h_to_4h", "gate_up"),
+           ("mlp.dense_4h_to_h", "down"))
+
+
+def group_of(module: str) -> str | None:
+    """'model.layers.3.mlp.up_proj' -> 'layers.3.gate_up' (the unit the quantize stage keeps at 8 bits too); None
+    for what is no decoder-layer linear (the lm_head)."""
+    m = re.search(r"layers\.(\d+)\.(.+)$", module)
+    if not m:
+        return None
+    return next((f"layers.{m.group(1)}.{g}" for suffix, g in _GROUPS if m.group(2) == suffix), None)
+
+
+@dataclass(frozen=True)
+class Int4Plan:
+    """export.weights int4: every decoder-layer linear at 4 bits except ``int8_groups``; the lm_head and the tied
+    table stay 8-bit (a 4-bit lm_head has caused repetition loops)."""
+
+    int8_groups: frozenset[str] = frozenset()
+    symmetric: bool = False
+    errors: dict[str, float] = field(default_factory=dict, compare=False)  # group -> measured 4-bit weight error
+
+    def at_4_bits(self, module: str | None) -> bool:
+        g = group_of(module or "")
+        return g is not None and g not in self.int8_groups
+
+    def manifest(self, block: int, accuracy_level: int) -> dict:
+        return {"weight_bits": 4, "weight_symmetric": self.symmetric, "int8_groups": sorted(self.int8_groups),
+                "weights": (f"int4 block-wise ({'symmetric' if self.symmetric else 'asymmetric'}, rtn, block {block}, "
+                            f"MatMulNBits accuracy_level {accuracy_level}); {len(self.int8_groups)} groups, the "
+                            f"lm_head and the embedding at 8 bits")}
+
+
+def int4_plan(model, block: int, symmetric: bool, keep_int8: float) -> Int4Plan:
+    """Which decoder-layer groups stay at 8 bits in the 4-bit graph written from the checkpoint: the ``keep_int8``
+    share with the largest measured 4-bit weight error (||W - Q4(W)|| / ||W||, the weights of a group together;
+    read one tensor at a time in fp32). No activations are at hand at export time, so this is the weights' own
+    measure; the quantize stage's 4-bit form (fp32 graph) ranks by the output error on the calib rows instead."""
+    import torch
+
+    lost: dict[str, float] = {}
+    energy: dict[str, float] = {}
+    for name, mod in model.named_modules():
+        g = group_of(name)
+        if g is None or not isinstance(mod, torch.nn.Linear):
+            continue
+        w = mod.weight.detach().float().numpy().T  # [K, N], blocks along K as MatMulNBits stores them
+        e = float((w**2).sum())
+        lost[g] = lost.get(g, 0.0) + w4_weight_error(w, block, symmetric) * e  # a group's tensors weighed together
+        energy[g] = energy.get(g, 0.0) + e
+        del w
+    rel = {g: lost[g] / max(energy[g], 1e-30) for g in lost}
+    ranked = sorted(rel, key=lambda g: -rel[g])
+    keep = frozenset(ranked[: int(np.ceil(keep_int8 * len(ranked)))])
+    return Int4Plan(keep, symmetric, rel)

@@ -14,7 +14,7 @@ calibration already keeps per linear input, `ActStats.sample`), never on the eva
   the kernel sees them up to its int8 blocks), the measure by which the mixed-precision choice keeps the worst groups
   at 8 bits (compress/quantize/sensitivity.py `candidate_ranking`).
 
-``fake_quant_w4`` is the round trip of ORT's block quantizer (asymmetric: scale (max - min) / 15 over a block with 0
+``fake_quant_w4`` (compress/nbits.py) is the round trip of ORT's block quantizer (asymmetric: scale (max - min) / 15 over a block with 0
 in range, zero point round(-min / scale); symmetric: scale = the block's signed extreme / -8), so the search scores
 the grid the kernel will use; tests compare it with the written tensors.
 """
@@ -23,33 +23,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from compress.nbits import fake_quant_w4
 from compress.quantize.calibration import ActStats
 
 AWQ_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-
-
-def fake_quant_w4(w: np.ndarray, block: int, symmetric: bool = False) -> np.ndarray:
-    """w [K, N] rounded to 4 bits in blocks of ``block`` rows per column and back (float32)."""
-    K, N = w.shape
-    pad = (-K) % block
-    wb = np.pad(w.astype(np.float32), ((0, pad), (0, 0))).reshape(-1, block, N)
-    if symmetric:
-        hi = wb.max(axis=1, keepdims=True)
-        lo = wb.min(axis=1, keepdims=True)
-        extreme = np.where(np.abs(lo) >= np.abs(hi), lo, hi)
-        scale = extreme / -8.0
-        scale = np.where(scale == 0, 1.0, scale)
-        q = np.clip(np.round(wb / scale), -8, 7)
-        out = q * scale
-    else:
-        lo = np.minimum(wb.min(axis=1, keepdims=True), 0.0)
-        hi = np.maximum(wb.max(axis=1, keepdims=True), 0.0)
-        scale = (hi - lo) / 15.0
-        scale = np.where(scale == 0, 1.0, scale)
-        zp = np.clip(np.round(-lo / scale), 0, 15)
-        q = np.clip(np.round(wb / scale) + zp, 0, 15)
-        out = (q - zp) * scale
-    return out.reshape(-1, N)[:K].astype(np.float32)
 
 
 def w4_output_error(x: np.ndarray, weights: list[np.ndarray], block: int, symmetric: bool = False,
