@@ -296,8 +296,9 @@ class QuantizeConfig(Section):
     # weight_only = MatMulNBits 8-bit block-wise weights, float activations: the most accurate form and the fastest
     # for one user (SmolLM2-135M: +1.0% perplexity, 0.956 agreement, 0.29x the bytes); per-token W8A8 is the faster
     # one at many users. docs/quantization.md.
-    # auto = build weight_only and dynamic per-token, gate each on the selection split, keep the fastest that
-    # passes (compress/quantize/choice.py; the quantize stage only).
+    # weight_only with weight_bits 4: 4-bit MatMulNBits, AWQ-scaled, the groups 4 bits hurt most at 8 bits.
+    # auto = build the auto_forms (weight_only, dynamic per-token, weight_only 4-bit), gate each on the selection
+    # split, keep the fastest that passes (compress/quantize/choice.py; the quantize stage only).
     method: Literal["static", "dynamic", "weight_only", "auto"] = "weight_only"
     # auto: the forms it weighs: weight_only (8-bit), dynamic_token (W8A8 per token) and weight_only_int4 (4-bit AWQ,
     # mixed precision); a subset narrows the choice (compress/quantize/choice.py AUTO_FORMS).

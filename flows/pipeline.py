@@ -297,15 +297,16 @@ def quantize_rejection(choice: dict) -> dict:
 
 def forms_markdown(choice: dict) -> str:
     """The quantize stage's forms: every attempt (weight form x K/V cache) with its selection-split figures."""
-    lines = ["### INT8 forms judged on the selection split", "",
-             "| form | K/V cache | passed | perplexity ratio | top-1 agreement | decode tokens/s at users | failed |",
-             "|---|---|---|---:|---:|---:|---|"]
+    lines = ["### Forms judged on the selection split", "",
+             "| form | K/V cache | passed | size (x source) | perplexity ratio | top-1 agreement | decode tokens/s at users | failed |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
     for a in choice["attempts"]:
         levels = sorted((int(k[len("tokens_per_s_b"):]), v) for k, v in a.items() if k.startswith("tokens_per_s_b"))
         tps = f"{levels[-1][1]:.0f} at {levels[-1][0]}" if levels else ""
         kept = a["form"] == choice["chosen"] and a["kv"] == choice["kv"]
         lines.append(f"| {a['form']}{' (kept)' if kept else ''} | {a['kv_label']} | "
-                     f"{'yes' if a['accepted'] else '**no**'} | {a['perplexity_ratio']:.4f} | {a['top1_agreement']:.4f} | "
+                     f"{'yes' if a['accepted'] else '**no**'} | {a.get('size_ratio', float('nan')):.3f} | "
+                     f"{a['perplexity_ratio']:.4f} | {a['top1_agreement']:.4f} | "
                      f"{tps} | {a['failed']} |")
     if choice.get("hints"):
         lines += ["", "What the cache cost:"] + [f"- {h}" for h in choice["hints"]]

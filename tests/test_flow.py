@@ -225,4 +225,4 @@ def test_no_int8_form_passing_stops_the_run_before_acceptance(tiny_flow_run, mlf
     assert registry.version_for_alias("tiny-llama", "champion").version == champ_before
     summary = MlflowClient(mlflow_store).download_artifacts(out["run_id"], "summary.md")
     text = open(summary).read()
-    assert "INT8 forms judged on the selection split" in text and text.count("| weight_only") == 3
+    assert "Forms judged on the selection split" in text and text.count("| weight_only") == 3

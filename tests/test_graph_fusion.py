@@ -93,7 +93,8 @@ def test_quantize_auto_keeps_the_fastest_accepted_form(tiny_gqa, tiny_splits, tm
         Quantizer(tiny_gqa, tiny_splits.calib, QuantizeConfig(method="auto"))
     acfg = AcceptConfig(enabled=True, max_perplexity_ratio=1.5, min_top1_agreement=0.5, relax_trials=0)
     choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval,
-                               QuantizeConfig(method="auto", quantize_embedding=False, smoothquant_alpha=None), acfg)
+                               QuantizeConfig(method="auto", auto_forms=["weight_only", "dynamic_token"],
+                                              quantize_embedding=False, smoothquant_alpha=None), acfg)
     print({n: (f["accepted"], f.get("decode_ms_per_step")) for n, f in choice.forms.items()})
     assert set(choice.forms) == {"weight_only", "dynamic_token"}
     assert all(f["accepted"] for f in choice.forms.values())
@@ -116,8 +117,8 @@ def test_quantize_auto_for_many_users_keeps_the_form_with_the_most_tokens_per_s_
     from compress.quantize.choice import choose_quant_form, profile_figure
 
     acfg = AcceptConfig(enabled=True, max_perplexity_ratio=1.5, min_top1_agreement=0.5, relax_trials=0)
-    qcfg = QuantizeConfig(method="auto", quantize_embedding=True, smoothquant_alpha=None, auto_concurrency=8,
-                          auto_profile=[4])
+    qcfg = QuantizeConfig(method="auto", auto_forms=["weight_only", "dynamic_token"], quantize_embedding=True,
+                          smoothquant_alpha=None, auto_concurrency=8, auto_profile=[4])
     choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, acfg)
     forms = choice.forms
     assert all(f["accepted"] and f["tokens_per_s_b1"] > 0 and f["tokens_per_s_b8"] > 0 for f in forms.values())

@@ -116,6 +116,8 @@ class FormChoice:
         out = {}
         for name, f in self.forms.items():
             out[f"auto_{name}_accepted"] = float(f["accepted"])
+            if f.get("kv_attempts"):
+                out[f"auto_{name}_size_ratio"] = f["kv_attempts"][-1]["size_ratio"]
             if self.kv_auto:
                 for a in f.get("kv_attempts", []):
                     out[f"auto_{name}_kv_{a['kv']}_accepted"] = float(a["accepted"])
@@ -209,7 +211,7 @@ def profile_figure(forms: dict[str, dict], chosen: str | None):
     ax.minorticks_off()
     ax.set_xlabel("requests decoding together")
     ax.set_ylabel("decode tokens/s (serving engine)")
-    ax.set_title("quantize.method auto: the INT8 forms by concurrency")
+    ax.set_title("quantize.method auto: the forms by concurrency")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -240,7 +242,7 @@ def _attempt_record(kv: str, res: AcceptanceResult) -> dict:
             "failed": "" if res.verdict.accepted else failed_checks(res.verdict),
             "top1_agreement": float(m.get("top1_agreement", float("nan"))),
             "perplexity_ratio": float(m["perplexity"] / base), "perplexity": float(m["perplexity"]),
-            "trials": len(res.trials)}
+            "size_ratio": float(res.report.size_ratio), "trials": len(res.trials)}
 
 
 def _judge_weight_form(src: Path, out_dir: Path, calib_blocks, eval_blocks, cfg: QuantizeConfig, acfg: AcceptConfig,

@@ -6,4 +6,5 @@ importing onnx or onnxruntime."""
 # 3: one QuantizeLinear per shared input, one MatMulIntegerToFloat per packed group. 4: one per linear, no Split.
 # 5: a per-tensor int8 K/V cache evens out K's channels first (kv_equalize.py).
 # 6: the per-token form's tied lm_head is smoothed too (smoothquant.py smooth_tied_lm_head).
-QUANT_FORMAT = 6
+# 7: weight_only takes weight_bits 4 (AWQ, mixed precision), and method auto weighs that form too.
+QUANT_FORMAT = 7
