@@ -150,11 +150,13 @@ def test_quantize_auto_judges_every_form_against_one_reference_pass(tiny_gqa, ti
         real(self, artifact, *a, **k)
 
     acfg = AcceptConfig(enabled=True, max_perplexity_ratio=1.5, min_top1_agreement=0.5, relax_trials=0)
-    qcfg = QuantizeConfig(method="auto", quantize_embedding=False, smoothquant_alpha=None)
+    qcfg = QuantizeConfig(method="auto", auto_forms=["weight_only", "dynamic_token"], quantize_embedding=False,
+                          smoothquant_alpha=None)
     monkeypatch.setattr(ev.ReferencePass, "__init__", counted)
     choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, acfg)
     assert passes == [str(tiny_gqa)]  # one pass for both forms
-    for name, update in AUTO_FORMS.items():
+    for name in qcfg.auto_forms:
+        update = AUTO_FORMS[name]
         alone = quantize_with_acceptance(tiny_gqa, tmp_path / f"alone_{name}", tiny_splits.calib, tiny_splits.eval,
                                          qcfg.model_copy(update=update), acfg)
         shared = choice.forms[name]
