@@ -3,7 +3,7 @@ and peak RSS, one fresh server per (artifact, level), artifacts interleaved at e
 
     python -m benchmarks.sweep --artifact wo8=<weight-only> --artifact w8a8=<W8A8> [--concurrency 1 8 32 64]
         [--requests-per-user 3] [--max-tokens 64] [--set max_batch_size=64]
-        [--llama-server <llama.cpp>/build/bin/llama-server --gguf smollm2-q8_0.gguf]   # the anchor beside ours
+        [--llama-server <llama.cpp>/build/bin/llama-server --gguf [q8_0=]smollm2-q8_0.gguf [--gguf q4_k_m=...]]  # anchors
         [--source w8a8_then=<git worktree of an older commit>]   # that artifact served by that tree's server
 
 Workload: chat completions (``client.chat.completions.create``, the model's own template), seeded short user turns
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                         "a server setting in one run)")
     p.add_argument("--llama-server", type=Path, default=None, metavar="BIN",
                    help="also llama.cpp's llama-server on --gguf, one slot per user (benchmarks/history.md: the build)")
-    p.add_argument("--gguf", type=Path, default=None, help="the same model for --llama-server (e.g. Q8_0)")
+    p.add_argument("--gguf", action="append", default=[], metavar="[NAME=]FILE",
+                   help="the same model for --llama-server (e.g. Q8_0); repeat for several (q4_k_m=..., q8_0=...)")
     p.add_argument("--source", action="append", default=[], metavar="NAME=DIR",
                    help="serve the artifact NAME with the server of the source tree DIR (e.g. a git worktree of the "
                         "commit an issue was filed against: the server as it was, in the same run)")
@@ -191,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         own.setdefault(name, {})[key] = json.loads(value)
     systems = {n: (p, None) for n, p in arts.items()}
     if a.llama_server:
-        if not (a.gguf and a.gguf.is_file() and a.llama_server.is_file()):
-            p.error("--llama-server needs the binary and --gguf, the model file it serves")
-        systems["llama-server"] = (a.gguf, a.llama_server)
+        ggufs = {name or "": Path(f) for name, _, f in (g.rpartition("=") for g in a.gguf)}
+        if not (ggufs and all(f.is_file() for f in ggufs.values()) and a.llama_server.is_file()):
+            p.error("--llama-server needs the binary and --gguf, the model file(s) it serves")
+        for name, f in ggufs.items():
+            systems[f"llama-server-{name}" if name else "llama-server"] = (f, a.llama_server)
     rounds: list[dict[str, list[dict]]] = []
     for k in range(a.repeats):
         names = list(systems)
