@@ -25,7 +25,7 @@ from compress.config import ConfigError, PipelineConfig, load_config, project_ro
 from compress.data import DATA_FORMAT
 from compress.evaluate import chat as chat_eval
 from compress.evaluate.gate import Verdict
-from compress.export import EXPORT_FORMAT, fp32_needed_by, resolve_weights
+from compress.export import EXPORT_FORMAT, FROM_CHECKPOINT_WEIGHTS, fp32_needed_by, resolve_weights
 from compress.memory import shape_of_folder
 from compress.search import describe
 from flows.deploy import deploy_flow, served_model
@@ -454,7 +454,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                           if weights == "int4" else "")
         teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
                             model_dir=loaded["model_dir"], weights=weights)
-        int8_export = teacher.get("weights") in ("int8", "int4")  # written from the checkpoint
+        int8_export = teacher.get("weights") in FROM_CHECKPOINT_WEIGHTS
         k_gold = stage_key(cfg, "golden", ["golden"], k_exp)
         gold = timer.run("golden", submit_stage, golden_task, cfg, "golden", k_gold, parent_run_id=pid,
                          model_dir=loaded["model_dir"], artifact=teacher["artifact"])

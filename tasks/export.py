@@ -7,6 +7,7 @@ from prefect import task
 from compress.config import PipelineConfig
 from compress.memory import check_fits, shape_of_folder, stage_bytes
 from compress.artifact import write_checkpoint_record
+from compress.export import FROM_CHECKPOINT_WEIGHTS
 from compress.room import check_room, export_bytes, int8_bytes
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_logger
 from tasks.load import load_model
@@ -26,7 +27,7 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
     shape = shape_of_folder(model_dir, cfg.model.trust_remote_code)
     check_fits("export", stage_bytes(shape)["export"], "the checkpoint as stored plus one fp32 tensor at a time: "
                "run it on a machine with that much free")
-    int8 = weights in ("int8", "int4")
+    int8 = weights in FROM_CHECKPOINT_WEIGHTS
     check_room("export", folder, int8_bytes(shape) if int8 else export_bytes(shape),
                f"the {'INT8' if int8 else 'fp32'} graph: free the room, or set workdir to a larger disk")
     with child_run(parent_run_id, stage) as run:

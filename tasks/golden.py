@@ -40,10 +40,8 @@ def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         thresholds, expected = None, {}
         if int8:
             q = manifest["quantization"]
-            plan = (Int4Plan(frozenset(q.get("int8_groups", [])), bool(q.get("weight_symmetric")))
-                    if q.get("weight_bits") == 4 else None)
             thresholds, expected = int8_thresholds(model, golden, q["block_size"], q["accuracy_level"], g.int8_margin,
-                                                   int4=plan)
+                                                   int4=Int4Plan.from_quantization(q))
         # The torch model and the ONNX session are each the size of the weights: never both at once
         del model
         gc.collect()

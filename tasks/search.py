@@ -21,7 +21,7 @@ from prefect.cache_policies import NONE
 
 from compress.config import PipelineConfig
 from compress.evaluate import accept, downstream_scores, evaluate_onnx, resolve_criteria
-from compress.export import EXPORT_FORMAT
+from compress.export import EXPORT_FORMAT, FROM_CHECKPOINT_WEIGHTS
 from compress.quantize import QUANT_FORMAT
 from compress.search import (Candidate, best_rejected, describe, pareto_figure, pareto_front,
                              pick_fastest_accepted, search_table)
@@ -69,7 +69,7 @@ def candidate_chain(cfg: PipelineConfig, pid: str | None, loaded: dict, teacher:
             model_dir=student_dir, artifact=student["artifact"], reference_golden=gold["golden"])
         candidate = student["artifact"]
     quant = None
-    if teacher.get("weights") in ("int8", "int4"):
+    if teacher.get("weights") in FROM_CHECKPOINT_WEIGHTS:
         # the export wrote the weight-only INT8 (4-bit) graph from the checkpoint: it is the candidate, nothing is
         # left to quantize (W8A8 would calibrate the fp32 graph, which was never written)
         stage_logger().info("quantize: skipped, the export wrote the %s candidate from the checkpoint "

@@ -229,7 +229,8 @@ def test_4bit_written_from_the_checkpoint_passes_its_golden_and_a_wrong_one_does
     assert bits[4] >= 6 and bits[8] >= 1, bits
     golden = record_golden(model, tok, ["The cat sat on the mat", "a b c"], 8, 6)
     # what the golden task rebuilds from the manifest
-    again = Int4Plan(frozenset(q["int8_groups"]), q["weight_symmetric"])
+    again = Int4Plan.from_quantization(q)
+    assert again == plan
     thr, _ = int8_thresholds(copy.deepcopy(model), golden, 32, 4, GoldenConfig().int8_margin, int4=again)
     assert not compare_from_config(tmp_path / "a", golden, GoldenConfig(), thresholds=thr, decode_against="self").failures
     m = onnx.load(str(tmp_path / "a" / "model.onnx"))

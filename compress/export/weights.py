@@ -18,6 +18,8 @@ from compress.nbits import w4_weight_error
 
 # manifest["quantization"]["written_from"] of an INT8 graph the export wrote (not the quantize stage)
 FROM_CHECKPOINT = "checkpoint"
+# the export.weights values whose graph is written from the checkpoint (the candidate; no quantize stage after it)
+FROM_CHECKPOINT_WEIGHTS = ("int8", "int4")
 
 
 def fp32_needed_by(cfg) -> str | None:
@@ -51,13 +53,6 @@ def written_int8(manifest: dict) -> bool:
     """Whether an artifact is the INT8 (or 4-bit) graph the export wrote from the checkpoint (export.weights int8,
     int4)."""
     return (manifest.get("quantization") or {}).get("written_from") == FROM_CHECKPOINT
-
-
-def written_from_checkpoint_bits(manifest: dict) -> int | None:
-    """8 or 4: the weight bits of a graph the export wrote from the checkpoint; None for any other artifact."""
-    if not written_int8(manifest):
-        return None
-    return int((manifest.get("quantization") or {}).get("weight_bits", 8))
 
 
 _GROUPS = (("self_attn.q_proj", "qkv"), ("self_attn.k_proj", "qkv"), ("self_attn.v_proj", "qkv"),
@@ -95,6 +90,13 @@ class Int4Plan:
                 "weights": (f"int4 block-wise ({'symmetric' if self.symmetric else 'asymmetric'}, rtn, block {block}, "
                             f"MatMulNBits accuracy_level {accuracy_level}); {len(self.int8_groups)} groups, the "
                             f"lm_head and the embedding at 8 bits")}
+
+    @classmethod
+    def from_quantization(cls, q: dict) -> Int4Plan | None:
+        """The plan a manifest's "quantization" (written by ``manifest``) records; None for an 8-bit graph."""
+        if q.get("weight_bits") != 4:
+            return None
+        return cls(frozenset(q.get("int8_groups", [])), bool(q.get("weight_symmetric")))
 
 
 def int4_plan(model, block: int, symmetric: bool, keep_int8: float) -> Int4Plan:

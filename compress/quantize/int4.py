@@ -14,9 +14,9 @@ calibration already keeps per linear input, `ActStats.sample`), never on the eva
   the kernel sees them up to its int8 blocks), the measure by which the mixed-precision choice keeps the worst groups
   at 8 bits (compress/quantize/sensitivity.py `candidate_ranking`).
 
-``fake_quant_w4`` (compress/nbits.py) is the round trip of ORT's block quantizer (asymmetric: scale (max - min) / 15 over a block with 0
-in range, zero point round(-min / scale); symmetric: scale = the block's signed extreme / -8), so the search scores
-the grid the kernel will use; tests compare it with the written tensors.
+``fake_quant_w4`` (compress/nbits.py) is the round trip of ORT's block quantizer (asymmetric: scale (max - min) / 15
+over a block with 0 in range, zero point round(-min / scale); symmetric: scale = the block's signed extreme / -8), so
+the search scores the grid the kernel will use; tests compare it with the written tensors.
 """
 
 from __future__ import annotations
@@ -107,11 +107,11 @@ def dequantized_model(model):
         if n.op_type != "MatMulNBits":
             nodes.append(n)
             continue
+        if len(n.input) > 5 and n.input[5]:  # bias
+            raise ValueError(f"{n.name}: MatMulNBits with a bias is not handled")
         w_name = f"{n.name or n.output[0]}_dequantized"
         g.initializer.append(numpy_helper.from_array(unpack_nbits(n, inits), w_name))
         nodes.append(helper.make_node("MatMul", [n.input[0], w_name], list(n.output), name=n.name))
-        if len(n.input) > 5 and n.input[5]:  # bias
-            raise ValueError(f"{n.name}: MatMulNBits with a bias is not handled")
     g.ClearField("node")
     g.node.extend(nodes)
     used = {i for n in nodes for i in n.input}
