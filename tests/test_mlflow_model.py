@@ -32,32 +32,75 @@ def version(tiny_artifact, mlflow_store):
     return name, reg["version"]
 
 
-def _engine_text(artifact, prompt: str, n: int) -> str:
+def _engine_text(artifact, prompt: str | list[dict], n: int) -> str:
+    """Greedy text of the engine itself, for a prompt or (rendered in the model's chat template) a conversation."""
+    from serve.api.chat_template import render_template, template_specials
+    from serve.engine.tokenizer import encode_chat
+
     engine = Engine(artifact, ServeConfig(result_cache_size=0))
     try:
-        h = engine.add_request(engine.encode(prompt), SamplingParams.greedy(n))
+        m = engine.manifest
+        ids = engine.encode(prompt) if isinstance(prompt, str) else encode_chat(
+            engine.tokenizer, m, render_template(m["chat_template"], prompt, True,
+                                                 **template_specials(engine.tokenizer, m)))
+        h = engine.add_request(ids, SamplingParams.greedy(n))
         h.result()
         return h.text
     finally:
         engine.shutdown()
 
 
-def test_pyfunc_load_model_by_alias_generates_what_the_engine_does(version, tiny_artifact):
-    name, v = version
+CONVERSATIONS = [[{"role": "user", "content": "What is a module?"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a builtin."}]]
+
+
+@pytest.fixture(scope="module")
+def champion(version):
+    name, _ = version
+    return mlflow.pyfunc.load_model(f"models:/{name}@champion")
+
+
+def test_signature_names_the_params_and_the_chat_task(version):
+    name, _ = version
     info = mlflow.models.get_model_info(f"models:/{name}@champion")
-    assert [c["name"] for c in info.signature.inputs.to_dict()] == ["prompt"]
     assert {p.name for p in info.signature.params.params} >= {"max_tokens", "temperature", "chat"}
-    model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
+    assert info.metadata["task"] == "llm/v1/chat"
+    assert any("messages" in f for f in info.metadata["input_forms"])
+
+
+def test_pyfunc_prompts_as_dataframe_list_and_string_generate_what_the_engine_does(champion, tiny_artifact):
     prompts = ["The function returns", "A module is"]
-    got = model.predict(pd.DataFrame({"prompt": prompts}), params={"max_tokens": 6, "chat": False})
+    want = [_engine_text(tiny_artifact, p, 6) for p in prompts]
+    params = {"max_tokens": 6, "chat": False}
     # greedy: the server's own text (random tiny weights: any bytes, the same ones)
-    assert got == [_engine_text(tiny_artifact, p, 6) for p in prompts]
-    assert any(got)
-    chat = model.predict({"prompt": ["hello"]}, params={"max_tokens": 4})  # in the model's chat template
-    assert len(chat) == 1
+    assert champion.predict(pd.DataFrame({"prompt": prompts}), params=params) == want
+    assert champion.predict(prompts, params=params) == want
+    assert champion.predict({"prompt": prompts}, params=params) == want
+    assert champion.predict(prompts[1], params=params) == want[1:]
+    assert any(want)
 
 
-def test_mlflow_models_serve_answers_a_request(version, mlflow_store):
+def test_pyfunc_chat_form_one_conversation_and_many(champion, tiny_artifact):
+    one = champion.predict({"messages": CONVERSATIONS[1]}, params={"max_tokens": 5})
+    assert one["object"] == "chat.completion" and one["choices"][0]["message"]["role"] == "assistant"
+    assert one["choices"][0]["message"]["content"] == _engine_text(tiny_artifact, CONVERSATIONS[1], 5)
+    assert one["usage"]["completion_tokens"] <= 5 and one["usage"]["prompt_tokens"] > 0
+    many = champion.predict(pd.DataFrame({"messages": CONVERSATIONS}), params={"max_tokens": 5})
+    assert [c["choices"][0]["message"]["content"] for c in many] == [
+        _engine_text(tiny_artifact, c, 5) for c in CONVERSATIONS]
+    # the user's turn in the template: a prompt with chat on is the one-message conversation
+    assert champion.predict(["What is a module?"], params={"max_tokens": 5}) == [
+        many[0]["choices"][0]["message"]["content"]]
+
+
+def test_pyfunc_names_the_forms_on_bad_input(champion):
+    with pytest.raises(Exception, match="'messages' or a 'prompt' column"):
+        champion.predict(pd.DataFrame({"question": ["x"]}))
+    with pytest.raises(Exception, match="role"):
+        champion.predict({"messages": [[{"role": "user"}]]})
+
+
+def test_mlflow_models_serve_answers_the_chat_form(version, mlflow_store, tiny_artifact):
     name, _ = version
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -83,6 +126,18 @@ def test_mlflow_models_serve_answers_a_request(version, mlflow_store):
         assert r.status_code == 200, r.text
         preds = r.json()["predictions"]
         assert len(preds) == 1 and isinstance(preds[0], str)
+        # the llm/v1/chat request MLflow's LLM tools send: messages and sampling keys at the top level
+        r = httpx.post(f"http://127.0.0.1:{port}/invocations", timeout=60,
+                       json={"messages": CONVERSATIONS[1], "max_tokens": 5, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["object"] == "chat.completion"
+        assert answer["choices"][0]["message"]["content"] == _engine_text(tiny_artifact, CONVERSATIONS[1], 5)
+        r = httpx.post(f"http://127.0.0.1:{port}/invocations", timeout=60,
+                       json={"inputs": ["A module is"], "params": {"max_tokens": 4, "chat": False}})
+        assert r.status_code == 200 and r.json()["predictions"] == [preds[0]], r.text
+        r = httpx.post(f"http://127.0.0.1:{port}/invocations", timeout=60, json={"messages": [{"role": "user"}]})
+        assert r.status_code == 400 and "role" in r.text
     finally:
         proc.terminate()
         proc.wait(timeout=30)
