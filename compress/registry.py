@@ -15,20 +15,18 @@ what the servers serve (moved only by deploy, rollback or a person in the UI).
 from __future__ import annotations
 
 import os
-import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 # The lookups the server needs live with the server (serve/registry/client.py); this module adds the
 # pipeline's side (register, promote, roll back) and re-exports them, so callers need one module.
+from serve.registry import champion as _champion
 from serve.registry.client import (RegistryError, Version, check_reachable, connect, default_tracking_uri, download,
-                                   get_version, resolve_tracking_uri, sqlite_path, version_for_alias)
+                                   get_version, resolve_tracking_uri, store_lock, version_for_alias)
 from serve.registry.client import client as _client
 
 __all__ = ["RegistryError", "Version", "check_reachable", "configure", "default_tracking_uri", "download",
-           "get_version", "resolve_tracking_uri", "version_for_alias"]
+           "get_version", "resolve_tracking_uri", "store_lock", "version_for_alias"]
 
 ARTIFACT_PATH = "artifact"
 
@@ -118,23 +116,6 @@ def _by_digest(folder: Path, staging: Path, source: dict) -> Path:
     (staging / WEIGHTS_BY_DIGEST).write_text(json.dumps(
         {"weights": {f: files[f] for f in sorted(weights)}, "source": source}, indent=1))
     return staging
-
-
-@contextmanager
-def store_lock(name: str, tracking_uri: str | None = None) -> Iterator[bool]:
-    """Hold an exclusive file lock beside a local sqlite store (``<store>.<name>.lock``) for the block, which every
-    process on this machine honours; yields True, or False (no lock taken) for a remote tracking server."""
-    uri = tracking_uri or resolve_tracking_uri(None)
-    if not uri.startswith("sqlite:///"):
-        yield False
-        return
-    import fcntl
-
-    db = sqlite_path(uri)
-    path = db.with_name(f"{db.name}.{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.lock")
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also if the process dies
-        yield True
 
 
 def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict | None = None,
@@ -239,58 +220,35 @@ def find_by_content(model_name: str, content_sha256: str) -> Version | None:
     return next((v for v in versions if v.tags.get("content_sha256") == content_sha256), None)
 
 
-CHAMPION = "champion"
+CHAMPION = _champion.CHAMPION
 
 
-def set_alias(model_name: str, alias: str, version: str | int) -> None:
-    """Point ``alias`` at ``version``. Moving ``champion`` also names it where the UI shows versions side by side
-    (``_name_champion``)."""
-    before = version_for_alias(model_name, alias) if alias == CHAMPION else None
-    _client().set_registered_model_alias(model_name, alias, str(version))
-    if alias == CHAMPION and (before is None or before.version != str(version)):
-        _name_champion(model_name, str(version), before)
+def set_alias(model_name: str, alias: str, version: str | int, by: str = "compressor") -> None:
+    """Point ``alias`` at ``version``. Moving ``champion`` records the move (``by``) in the champion history and
+    rewrites every label that names the champion (serve/registry/champion.py)."""
+    if alias == CHAMPION:
+        _champion.move(model_name, str(version), by)
+    else:
+        _client().set_registered_model_alias(model_name, alias, str(version))
 
 
-def _name_champion(model_name: str, version: str, before: Version | None) -> None:
-    """The champion named on the version and on its source run, and the previous one's term closed.
-
-    MLflow's model-version Compare page lines up the versions' source runs (their metrics, params and tags), not
-    aliases: the run tag ``champion`` is what names the serving version there; the version's tag and description
-    say the same on its own page. Written by every move through this module (promote, rollback, deploy, the
-    pipeline); an alias moved by hand in the UI shows in the UI's alias column instead.
-    """
+def sync_champion(model_name: str, noticed_by: str) -> bool:
+    """Record a hand move of ``champion`` (made in the UI) and relabel; True when there was one. Never raises: the
+    labels are a view of the alias, and failing to write them must not stop a run or a rollback."""
     import logging
 
-    now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    client = _client()
     try:
-        if before is not None:
-            term = f"champion until {now} (then version {version})"
-            set_tags(model_name, before.version, {CHAMPION: term})
-            describe(model_name, before.version, f"Was {term}.")
-            if before.run_id:
-                client.set_tag(before.run_id, CHAMPION, f"version {before.version}: {term}")
-        since = f"since {now}" + (f" (after version {before.version})" if before is not None else "")
-        set_tags(model_name, version, {CHAMPION: since})
-        describe(model_name, version, f"Champion {since}: what the servers serve.")
-        run_id = get_version(model_name, version).run_id
-        if run_id:
-            client.set_tag(run_id, CHAMPION, f"version {version}: champion {since}")
-        client.update_registered_model(model_name, description=(
-            f"Champion: version {version}, {since}; the servers follow the `champion` alias. Roll back with "
-            f"`prefect deployment run 'rollback/on-demand' -p model_name={model_name}` (the previous champion) or by "
-            f"giving another version the `champion` alias here. Each version holds an MLflow Model "
-            f"(`mlflow.pyfunc.load_model('models:/{model_name}@champion')`); its figures are its source run's."))
-    except Exception as e:  # noqa: BLE001 - the alias has moved; a label that failed to write must not undo that
-        logging.getLogger(__name__).warning("champion moved to %s v%s but naming it failed: %s", model_name, version, e)
+        return _champion.sync(model_name, noticed_by)
+    except Exception as e:  # noqa: BLE001
+        if "RESOURCE_DOES_NOT_EXIST" not in str(e):
+            logging.getLogger(__name__).warning("could not check the champion of %s: %s", model_name, e)
+        return False
 
 
-def describe(model_name: str, version: str | int, lead: str = "") -> None:
-    """The version's description: ``lead`` (what it is now: champion since / was champion until) and its ``note``
+def describe(model_name: str, version: str | int) -> None:
+    """The version's description: what it is now (champion since / was champion, from the history) and its ``note``
     tag (the verdict, its reasons and links to the runs), so its page tells its story."""
-    client = _client()
-    note = client.get_model_version(model_name, str(version)).tags.get("note", "")
-    client.update_model_version(model_name, str(version), description=" ".join(x for x in (lead, note) if x))
+    _champion.relabel(model_name, _champion.history(model_name))
 
 
 def attach_from_run(model_name: str, version: str | int, run_id: str, paths: list[str],
@@ -318,7 +276,8 @@ def set_tags(model_name: str, version: str | int, tags: dict) -> None:
         client.set_model_version_tag(model_name, str(version), k, str(v))
 
 
-def promote(model_name: str, version: str | int, alias: str = "champion", verify: bool = True) -> str | None:
+def promote(model_name: str, version: str | int, alias: str = "champion", verify: bool = True,
+            by: str = "promote") -> str | None:
     """Point alias at version; returns the version it pointed at before (for rollback).
 
     ``verify``: first download the version and check every file against its manifest sha256, so a
@@ -330,7 +289,7 @@ def promote(model_name: str, version: str | int, alias: str = "champion", verify
         raise RegistryError(f"version {version} of {model_name} was rejected by the acceptance gate; it cannot become {alias}")
     if verify:
         verify_version(model_name, version)
-    set_alias(model_name, alias, version)
+    set_alias(model_name, alias, version, by=by)
     if before is not None:
         set_tags(model_name, version, {"previous_" + alias: before.version})
     return before.version if before else None
@@ -354,12 +313,16 @@ def verify_version(model_name: str, version: str | int) -> None:
 
 
 def rollback(model_name: str, to_version: str | int | None = None, alias: str = "champion") -> str:
-    """Move alias to a named version, or to the one it pointed at before the last promotion."""
+    """Move alias to a named version, or to the previous champion (the champion history's term before the current
+    one, so a move made by hand in the UI is rolled back too)."""
+    if alias == CHAMPION:
+        sync_champion(model_name, "rollback")
     current = version_for_alias(model_name, alias)
     if to_version is None:
         if current is None:
             raise RegistryError(f"{model_name} has no {alias!r} alias to roll back")
-        to_version = current.tags.get("previous_" + alias) or ""
+        to_version = (_champion.previous_champion(model_name) if alias == CHAMPION else None) \
+            or current.tags.get("previous_" + alias) or ""
         if not to_version:
             older = [v for v in list_versions(model_name) if int(v.version) < int(current.version)
                      and v.tags.get("verdict") != "rejected"]
@@ -367,9 +330,17 @@ def rollback(model_name: str, to_version: str | int | None = None, alias: str = 
                 raise RegistryError(f"{model_name}@{alias} is version {current.version}; there is no earlier version to roll back to")
             to_version = older[-1].version
     get_version(model_name, to_version)  # raises when it does not exist
-    set_alias(model_name, alias, to_version)
+    set_alias(model_name, alias, to_version, by="rollback")
     return str(to_version)
 
 
-def delete_alias(model_name: str, alias: str) -> None:
-    _client().delete_registered_model_alias(model_name, alias)
+def delete_alias(model_name: str, alias: str, by: str = "compressor") -> None:
+    if alias == CHAMPION:
+        _champion.remove(model_name, by)
+    else:
+        _client().delete_registered_model_alias(model_name, alias)
+def delete_alias(model_name: str, alias: str, by: str = "compressor") -> None:
+    if alias == CHAMPION:
+        _champion.remove(model_name, by)
+    else:
+        _client().delete_registered_model_alias(model_name, alias)

@@ -59,7 +59,7 @@ def cmd_registry(args) -> int:
                     and v.tags[k]}
             print(f"{name} v{v.version:>3}  aliases={','.join(v.aliases) or '-':<24} {json.dumps(tags)}")
     elif args.action == "promote":
-        before = registry.promote(name, args.version, args.alias)
+        before = registry.promote(name, args.version, args.alias, by="compressor registry promote")
         print(f"{name}@{args.alias}: {before} -> {args.version}")
     elif args.action == "rollback":
         to = registry.rollback(name, args.version, args.alias)

@@ -113,7 +113,7 @@ def deploy(model_name: str, version: str | int | None, server_url: str | None, a
             raise registry.RegistryError(f"{model_name} has no 'candidate' alias; pass version=")
         version = cand.version
     version = str(version)  # `-p version=3` arrives as a JSON int
-    previous = registry.promote(model_name, version, alias)
+    previous = registry.promote(model_name, version, alias, by="deploy")
     log.info("%s@%s: %s -> %s", model_name, alias, previous, version)
     if server_url is None:
         return {"version": version, "previous": previous, "smoke": "skipped (no server_url)"}
@@ -123,9 +123,9 @@ def deploy(model_name: str, version: str | int | None, server_url: str | None, a
         texts = smoke_test(server_url, model_name, prompts or GoldenConfig().prompts)
     except Exception as e:
         if previous is not None:
-            registry.set_alias(model_name, alias, previous)
+            registry.set_alias(model_name, alias, previous, by="deploy reverted (smoke test failed)")
         else:
-            registry.delete_alias(model_name, alias)
+            registry.delete_alias(model_name, alias, by="deploy reverted (smoke test failed)")
         raise Reverted(f"smoke test of {model_name} v{version} on {server_url} failed ({e}); "
                        f"{model_name}@{alias} moved back to {previous}") from e
     log.info("smoke test passed: %s", texts)

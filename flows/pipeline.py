@@ -438,6 +438,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     with mlflow.start_run(run_name=run_name) as parent:
         pid = parent.info.run_id
         log.info("MLflow parent run %s (%s)", pid, tracking_uri)
+        if registry.sync_champion(cfg.registry.model_name, f"pipeline run {pid}"):
+            log.info("%s: the champion alias was moved by hand; recorded in its champion history",
+                     cfg.registry.model_name)
         mlflow.set_tags({"config_hash": cfg.section_hash(), "pipeline": cfg.name})
         log_params(cfg.model_dump(mode="json"))
         log_json(cfg.model_dump(mode="json"), "config.json")

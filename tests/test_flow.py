@@ -4,6 +4,8 @@ configs/tiny.yaml switches every stage on: load, export, golden, prune, distill,
 student export + golden, static INT8, acceptance, registration and promotion.
 """
 
+import json
+
 import mlflow
 import onnx
 import pytest
@@ -95,8 +97,15 @@ def test_rejected_candidate_never_becomes_champion(tiny_flow_run, mlflow_store):
     cand_before = registry.version_for_alias("tiny-llama", "candidate").version
     base_before = registry.version_for_alias("tiny-llama", "baseline").version
     overrides = tiny_flow_run["overrides"] + ["accept.min_top1_agreement=1.0", "accept.relax_trials=0"]
+    # A person moves champion in the UI first: the run records the move, and every label names the new champion.
+    MlflowClient().set_registered_model_alias("tiny-llama", "champion", base_before)
     state = compress_flow(config="configs/tiny.yaml", overrides=overrides, return_state=True)
     assert state.is_failed() and state.name == "Rejected"
+    model = MlflowClient().get_registered_model("tiny-llama")
+    last = json.loads(model.tags["champion_history"])[-1]
+    assert last["version"] == base_before and last["by"].startswith("by hand, noticed by pipeline run ")
+    assert model.tags["champion"] == base_before and model.description.startswith(f"Champion: version {base_before},")
+    registry.set_alias("tiny-llama", "champion", champ_before, by="test")
     assert "min_top1_agreement" in state.message and "/#/experiments/" in state.message
     with pytest.raises(RunNotAccepted) as e:  # a direct call raises, with the run's summary
         compress_flow(config="configs/tiny.yaml", overrides=overrides)

@@ -253,6 +253,28 @@ def test_rollback_follows_the_alias_back(server, http, refs, versions):
     assert metric(http.get("/metrics").text, "vllm:generation_tokens_total") >= gen_before + 12
 
 
+def test_a_hand_move_the_server_follows_is_recorded_as_champion(server, http, versions):
+    """A person gives v2 the alias in MLflow's UI (MlflowClient, what the UI calls): the server follows it and its
+    poll records the move, so the registered model names the version it serves, and says it was moved by hand."""
+    import mlflow
+
+    from compress import registry
+
+    client = mlflow.MlflowClient()
+    client.set_registered_model_alias(NAME, "champion", versions["v2"])
+    wait_for(lambda: served(http) == "2", what="the hand move to version 2")
+    wait_for(lambda: client.get_registered_model(NAME).tags.get("champion") == "2",
+             what="the champion tag naming version 2")
+    model = client.get_registered_model(NAME)
+    last = json.loads(model.tags["champion_history"])[-1]
+    assert last["version"] == "2" and last["until"] is None and last["by"] == "by hand, noticed by server poll"
+    assert model.description.startswith("Champion: version 2,")
+    assert client.get_model_version(NAME, versions["v2"]).tags["champion"].startswith("since ")
+    assert "champion" not in client.get_model_version(NAME, versions["v1"]).tags
+    registry.rollback(NAME)  # the previous champion: the hand move undone
+    wait_for(lambda: served(http) == "1", what="rollback to version 1")
+
+
 def test_the_deploy_flows_view_of_the_server(server, versions, tiny_artifact):
     """flows/deploy.py's plain helpers (no Prefect run) against this server: the contract it relies on."""
     from compress import registry

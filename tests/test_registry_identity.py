@@ -62,37 +62,58 @@ def test_one_teacher_is_one_baseline_version_across_configs(tiny_artifact, tmp_p
     assert cand["version"] == "3" and not cand["reused"]
 
 
-def test_the_champion_is_named_on_its_version_and_run_and_moves_with_the_alias(tiny_artifact, mlflow_store):
+def test_the_champion_is_named_from_the_alias_and_its_history(tiny_artifact, mlflow_store):
+    """Every label naming the champion follows the alias: moves through this project say who made them, a move made
+    by hand (MlflowClient, as the UI does) is recorded by the next rollback or pipeline run, and nothing keeps
+    naming a former champion as the current one."""
+    import json
+
     registry.configure(mlflow_store)
     name = unique("champ")
     versions = []
-    for i in range(2):
+    for i in range(3):
         with mlflow.start_run() as run:
             versions.append(registry.register_folder(tiny_artifact, name, run.info.run_id, {"n": i}))
-    v1, v2 = (v.version for v in versions)
+    v1, v2, v3 = (v.version for v in versions)
     client = mlflow.MlflowClient()
 
     def label(v):
         mv = client.get_model_version(name, v)
         return mv.tags.get("champion", ""), mv.description or "", client.get_run(mv.run_id).data.tags.get("champion", "")
 
+    def model():
+        m = client.get_registered_model(name)
+        return m.tags.get("champion"), m.description, [(t["version"], t["by"], t["until"] is None)
+                                                        for t in json.loads(m.tags["champion_history"])]
+
     registry.promote(name, v1, verify=False)
     tag, desc, run_tag = label(v1)
     assert tag.startswith("since ") and desc.startswith("Champion since") and run_tag.startswith(f"version {v1}: champion since")
     assert label(v2) == ("", "", "")
     assert registry.promote(name, v2, verify=False) == v1
-    assert label(v2)[0].startswith("since ") and f"after version {v1}" in label(v2)[0]
-    tag, desc, run_tag = label(v1)
-    assert tag.startswith("champion until ") and f"then version {v2}" in tag and desc.startswith("Was champion until")
-    assert run_tag.startswith(f"version {v1}: champion until")
-    assert registry.rollback(name) == v1
-    assert label(v1)[0].startswith("since ") and label(v2)[0].startswith("champion until ")
-    assert registry.version_for_alias(name, "champion").version == v1
-    # the registered model's own page names the champion and how to roll back
-    desc = registry._client().get_registered_model(name).description
-    assert desc.startswith(f"Champion: version {v1}, since") and "rollback/on-demand" in desc
+    assert label(v2)[0].startswith("since ")
+    assert label(v1) == ("", label(v1)[1], "") and label(v1)[1].startswith("Was champion from")
+    assert client.get_model_version(name, v1).tags["was_champion"].count(" to ") == 1
+    champ, desc, terms = model()
+    assert champ == v2 and desc.startswith(f"Champion: version {v2},") and "rollback/on-demand" in desc
+    assert terms == [(v1, "promote", False), (v2, "promote", True)]
+
+    client.set_registered_model_alias(name, "champion", v3)  # by hand, as the UI does
+    assert registry.rollback(name) == v2  # undoes the hand move: v3's term is recorded first
+    champ, desc, terms = model()
+    assert champ == v2 and terms[-2:] == [(v3, "by hand, noticed by rollback", False), (v2, "rollback", True)]
+    assert label(v3)[1].startswith("Was champion from") and label(v3)[0] == ""
+
+    client.set_registered_model_alias(name, "champion", v1)  # by hand again; a pipeline run notices it
+    assert registry.sync_champion(name, "pipeline run abc") and not registry.sync_champion(name, "pipeline run abc")
+    champ, desc, terms = model()
+    assert champ == v1 and desc.startswith(f"Champion: version {v1},") and f"version {v2}" in desc
+    assert terms[-1] == (v1, "by hand, noticed by pipeline run abc", True)
+    assert [v for v in (v1, v2, v3) if label(v)[0]] == [v1]  # one version tagged champion
+    assert [v for v in (v1, v2, v3) if label(v)[2]] == [v1]  # one source run tagged champion
+    assert label(v1)[1].startswith("Champion since") and label(v2)[1].startswith("Was champion")
     registry.set_alias(name, "candidate", v2)  # other aliases carry no label
-    assert label(v2)[0].startswith("champion until ")
+    assert label(v2)[0] == "" and model()[0] == v1
 
 
 def test_a_large_baseline_is_recorded_by_digest_not_copied(tiny_artifact, tiny_model_dir, tmp_path, mlflow_store,

@@ -1,14 +1,18 @@
-"""The server's read-only view of the MLflow model registry: which version an alias names, and its files.
+"""The server's view of the MLflow model registry: which version an alias names, and its files.
 
 Only what serving a ``models:/`` URI needs: resolve the tracking store, check it is reachable,
-look up a version or alias, download a version's artifact folder. MLflow is imported lazily, inside
-the functions, so serving a local folder needs no MLflow at all. The pipeline's registry
-(compress/registry.py: register, promote, roll back) builds on these same functions.
+look up a version or alias, download a version's artifact folder, and the file lock that serialises writes to a
+local store (``store_lock``). MLflow is imported lazily, inside the functions, so serving a local folder needs no
+MLflow at all. The one write a server makes is the champion's labels (serve/registry/champion.py). The pipeline's
+registry (compress/registry.py: register, promote, roll back) builds on these same functions.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,3 +125,20 @@ def download(model_uri: str, dst: str | Path | None = None) -> Path:
     import mlflow
 
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dst) if dst else None))
+
+
+@contextmanager
+def store_lock(name: str, tracking_uri: str | None = None) -> Iterator[bool]:
+    """Hold an exclusive file lock beside a local sqlite store (``<store>.<name>.lock``) for the block, which every
+    process on this machine honours; yields True, or False (no lock taken) for a remote tracking server."""
+    uri = tracking_uri or resolve_tracking_uri(None)
+    if not uri.startswith("sqlite:///"):
+        yield False
+        return
+    import fcntl
+
+    db = sqlite_path(uri)
+    path = db.with_name(f"{db.name}.{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.lock")
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also if the process dies
+        yield True

@@ -328,10 +328,25 @@ class ModelManager:
     def _poll_loop(self) -> None:
         while not self._stop.wait(self.config.poll_interval_s):
             try:
-                self.reload()
+                if self.reload().changed:
+                    self._record_champion()
             except Exception:  # noqa: BLE001 - the poller must survive anything
                 log.exception("alias poll failed")
             self.num_polls += 1
+
+    def _record_champion(self) -> None:
+        """A move of ``champion`` this server followed is recorded in the champion history when no one has (a move
+        made by hand in the UI), so the registry's pages name the version it now serves."""
+        spec = self.source.spec
+        if spec.alias != "champion":
+            return
+        from serve.registry.champion import sync
+
+        try:
+            if sync(spec.name, "server poll"):
+                log.info("%s@champion was moved by hand; recorded in its champion history", spec.name)
+        except Exception as e:  # noqa: BLE001 - labels only; serving goes on (a read-only registry user, say)
+            log.warning("could not record the champion move of %s: %s", spec.name, e)
 
     def stats(self) -> list[EngineStats]:
         return [lm.engine.stats() for lm in self.live_models()]
