@@ -49,13 +49,15 @@ def configure(tracking_uri: str | None = None, experiment: str | None = None) ->
     return uri
 
 
-def ui_url(tracking_uri: str, configured: str | None = None) -> str:
-    """The MLflow UI address people open: configured, else the tracking server, else $MLFLOW_UI_URL or `make ui`'s."""
+def ui_url(tracking_uri: str, configured: str | None = None) -> str | None:
+    """The MLflow UI address people open, where it is known: configured (``mlflow.ui_url``, else $MLFLOW_UI_URL),
+    else the tracking server itself; None for a local store, whose UI runs on whatever port ``make ui`` was given."""
+    configured = configured or os.environ.get("MLFLOW_UI_URL")
     if configured:
         return configured.rstrip("/")
     if tracking_uri.startswith(("http://", "https://")):
         return tracking_uri.rstrip("/")
-    return os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
+    return None
 
 
 # MLflow 3's UI opens in its GenAI view unless the link asks for "Model training" (a per-browser setting
@@ -63,12 +65,28 @@ def ui_url(tracking_uri: str, configured: str | None = None) -> str:
 ML_VIEW = "?workflowType=machine_learning"
 
 
-def run_link(ui: str, experiment_id: str, run_id: str) -> str:
-    return f"{ui}/#/experiments/{experiment_id}/runs/{run_id}{ML_VIEW}"
+def run_route(experiment_id: str, run_id: str) -> str:
+    """The UI's route to a run, relative (``#/...``): in a description or a markdown artifact, which MLflow renders
+    on its own pages, it opens the run on whatever address and port the UI is served."""
+    return f"#/experiments/{experiment_id}/runs/{run_id}{ML_VIEW}"
 
 
-def model_link(ui: str, model_name: str, version: str | None = None) -> str:
-    return f"{ui}/#/models/{model_name}" + (f"/versions/{version}" if version else "") + ML_VIEW
+def model_route(model_name: str, version: str | None = None) -> str:
+    return f"#/models/{model_name}" + (f"/versions/{version}" if version else "") + ML_VIEW
+
+
+def outside_link(ui: str | None, route: str) -> str:
+    """A route as text read outside the MLflow UI (a Prefect state or artifact, a terminal): absolute where the UI's
+    address is known, else the route with where to open it."""
+    return f"{ui}/{route}" if ui else f"{route} in the MLflow UI (make ui)"
+
+
+def run_link(ui: str | None, experiment_id: str, run_id: str) -> str:
+    return outside_link(ui, run_route(experiment_id, run_id))
+
+
+def model_link(ui: str | None, model_name: str, version: str | None = None) -> str:
+    return outside_link(ui, model_route(model_name, version))
 
 
 # registry.baseline_weights: auto records a baseline's weights by digest above this many bytes of graph weights.
@@ -154,10 +172,25 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
             client.get_registered_model(model_name)
     source = f"{client.get_run(run_id).info.artifact_uri}/{ARTIFACT_PATH}"
     mv = client.create_model_version(model_name, source, run_id=run_id,
-                                     tags={k: str(v) for k, v in (tags or {}).items()})
+                                     tags={k: str(v) for k, v in (tags or {}).items()},
+                                     model_id=_logged_model(client, run_id, model_name, source))
     for alias in aliases or []:
         set_alias(model_name, alias, mv.version)
     return get_version(model_name, mv.version)
+
+
+def _logged_model(client, run_id: str, model_name: str, source: str) -> str | None:
+    """An MLflow 3 logged model naming the run's artifact folder, so the run's "Logged models" column and the
+    version link to each other; its own artifact location stays empty (the files are the run's, uploaded once:
+    load a version as ``models:/NAME/VERSION``). None when the store has no logged models (MLflow 2 servers)."""
+    try:
+        lm = client.create_logged_model(client.get_run(run_id).info.experiment_id, name=model_name,
+                                        source_run_id=run_id, tags={"files": source, "loaded_as": "models:/"
+                                                                    f"{model_name}/<version>"})
+        client.finalize_logged_model(lm.model_id, "READY")
+        return lm.model_id
+    except Exception:  # noqa: BLE001 - a link for the UI, never a reason to fail a registration
+        return None
 
 
 def list_versions(model_name: str) -> list[Version]:
@@ -187,11 +220,12 @@ def _log_to_run(client, run_id: str, metrics: dict, params: dict) -> None:
         client.log_batch(run_id, metrics=ms[i:i + 100], params=ps[i:i + 100])
 
 
-def log_figures(model_name: str, version: str | int, metrics: dict) -> None:
-    """Record (newer) figures of a version as metrics of its source run, where the UI compares them."""
+def log_figures(model_name: str, version: str | int, metrics: dict, params: dict | None = None) -> None:
+    """Record (newer) figures of a version as metrics of its source run, where the UI compares them (and params it
+    does not have yet: a param is write-once)."""
     v = get_version(model_name, version)
     if v.run_id:
-        _log_to_run(_client(), v.run_id, metrics, {})
+        _log_to_run(_client(), v.run_id, metrics, params or {})
 
 
 def figures(model_name: str, version: str | int) -> dict[str, float]:

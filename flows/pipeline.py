@@ -21,12 +21,14 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from compress import registry
+from compress.artifact import read_manifest
 from compress.config import ConfigError, PipelineConfig, load_config, project_root
 from compress.data import DATA_FORMAT
 from compress.evaluate import chat as chat_eval
 from compress.evaluate.gate import Verdict
 from compress.export import EXPORT_FORMAT, FROM_CHECKPOINT_WEIGHTS, fp32_needed_by, resolve_weights
 from compress.memory import shape_of_folder
+from compress.scorecard import card_params, form_of, scorecard
 from compress.search import describe
 from flows.deploy import deploy_flow, served_model
 from flows.outcome import pipeline_state
@@ -67,9 +69,10 @@ class StageTimer:
         return out
 
     def markdown(self, cfg: PipelineConfig, run, tracking_uri: str, registered: list[dict],
-                 verdict: dict | None = None, champion_vs: dict | None = None) -> str:
-        link = registry.run_link(registry.ui_url(tracking_uri, cfg.mlflow.ui_url), run.info.experiment_id,
-                                 run.info.run_id)
+                 verdict: dict | None = None, champion_vs: dict | None = None, ui: str | None = None) -> str:
+        """The run summary; ``ui`` None: for MLflow's own pages (relative links), else their address (Prefect)."""
+        route = registry.run_route(run.info.experiment_id, run.info.run_id)
+        link = f"[open the run]({route})" if ui is None else registry.outside_link(ui or None, route)
         lines = [f"# Compression run `{cfg.name}`", "",
                  f"MLflow run `{run.info.run_id}` in experiment `{cfg.mlflow.experiment}` ({tracking_uri}): {link}",
                  "", "| stage | seconds | key figures |", "|---|---:|---|"]
@@ -126,6 +129,14 @@ def model_figures(verdict: dict) -> dict:
     figs = {k: v for k, v in verdict["candidate"].items() if isinstance(v, (int, float))}
     figs.update({k: v for k, v in verdict["metrics"].items() if k.startswith(("gate_",) + SIDE_FIGURES)})
     return figs
+
+
+def size_ratio(verdict: dict | None) -> float | None:
+    """The candidate's graph bytes over the baseline's, from the verdict's figures."""
+    if not verdict:
+        return None
+    c, b = verdict["candidate"].get("size_bytes"), verdict["baseline"].get("size_bytes")
+    return c / b if c and b else None
 
 
 def baseline_figures(verdict: dict) -> dict:
@@ -377,19 +388,23 @@ def register_candidate(cfg: PipelineConfig, parent, tracking_uri: str, timer, ca
         tags["reasons"] = "; ".join(verdict["reasons"])
     if blocked:
         tags["promotion_blocked"] = blocked
-    ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)
     exp = parent.info.experiment_id
     shown = [f"{label} {figures[k]:.4g}" for k, label in VERSION_FIGURES if k in figures]
+    # markdown links to relative routes: the description is read on the UI's own page, whatever its port
     tags["note"] = (f"{status}: " + ("; ".join(verdict["reasons"]) if verdict and verdict["reasons"]
                                      else "every check passed" if verdict else "not judged")
                     + (f" ({', '.join(shown)})" if shown else "")
-                    + f". Run: {registry.run_link(ui, exp, pid)}"
-                    + (f"; verdict, checks and plots: {registry.run_link(ui, exp, verdict['run_id'])}"
-                       if verdict and verdict.get("run_id") else ""))
+                    + f". [Pipeline run]({registry.run_route(exp, pid)})"
+                    + (f", [verdict, checks and plots]({registry.run_route(exp, verdict['run_id'])})"
+                       if verdict and verdict.get("run_id") else "") + ".")
     if verdict and verdict.get("run_id"):
         tags["accept_run_id"] = verdict["run_id"]
-    reg = timer.run("register", lambda: register_task(cfg, pid, candidate, aliases, tags, metrics=figures,
-                                                      params=version_params(cfg, "candidate", status)))
+    card = scorecard(figures, accepted=verdict["accepted"] if verdict else None, baseline=False,
+                     size_ratio=size_ratio(verdict))
+    card_p = card_params(status, form_of(read_manifest(candidate, verify=False).get("quantization"),
+                                         pruned=cfg.prune.enabled), cfg.benchmark.concurrency if bench else None)
+    reg = timer.run("register", lambda: register_task(cfg, pid, candidate, aliases, tags, metrics={**figures, **card},
+                                                      params={**version_params(cfg, "candidate", status), **card_p}))
     if not reg["reused"]:
         registry.describe(cfg.registry.model_name, reg["version"])
         if verdict and verdict.get("run_id"):  # the verdict and its plot where the version's run shows them
@@ -399,7 +414,9 @@ def register_candidate(cfg: PipelineConfig, parent, tracking_uri: str, timer, ca
         # The baseline's own figures under the same names, so the UI's Compare lines them up.
         base = baseline_figures(verdict) if verdict else {}
         base.update({f"bench_{k}": v for k, v in (bench["baseline"] if bench else {}).items()})
-        registry.log_figures(cfg.registry.model_name, baseline_version, base)
+        base.update(scorecard(base, accepted=None, baseline=True, size_ratio=1.0))
+        registry.log_figures(cfg.registry.model_name, baseline_version, base,
+                             card_params("baseline", form_of(None), cfg.benchmark.concurrency if bench else None))
     if decision.promote:
         server_url = cfg.registry.server_url or local_server_url(cfg, reg["name"])
         # compare-and-set: judged again under the model's promotion lock if another run moved the champion
@@ -526,15 +543,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             log_json(champion_vs, "versus_champion.json")
         for r in timer.rows:
             log_metrics({f"{r['stage']}_seconds": r["seconds"], **r["metrics"]})
-        summary = timer.markdown(cfg, parent, tracking_uri, registered, verdict, champion_vs)
-        if search is not None:
-            summary += "\n\n" + search_markdown(search)
-        if choice is not None:
-            summary += "\n\n" + forms_markdown(choice)
-        mlflow.log_text(summary, "summary.md")
+        tail = ("\n\n" + search_markdown(search) if search is not None else "") + (
+            "\n\n" + forms_markdown(choice) if choice is not None else "")
+        mlflow.log_text(timer.markdown(cfg, parent, tracking_uri, registered, verdict, champion_vs) + tail,
+                        "summary.md")
+    ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)
+    # read outside MLflow: the UI's address where known
+    summary = timer.markdown(cfg, parent, tracking_uri, registered, verdict, champion_vs, ui=ui or "") + tail
     create_markdown_artifact(markdown=summary, key="compress-summary", description=f"compression run {cfg.name}")
     log.info("\n%s", summary)
-    ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)
     return {"run_id": pid, "tracking_uri": tracking_uri, "stages": timer.rows, "registered": registered,
             "teacher_artifact": teacher["artifact"], "candidate_artifact": candidate, "golden": gold["metrics"],
             "verdict": verdict, "benchmark": bench, "deployed": deployed, "promotion_blocked": blocked,

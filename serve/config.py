@@ -58,8 +58,9 @@ class MlflowConfig(Section):
     tracking_uri: str | None = None
     # MLflow experiment the runs are logged under.
     experiment: str = "llm-compression"
-    # Where people open the UI, for the links in run summaries and Prefect states. None = the tracking
-    # server itself when tracking_uri is http(s), else $MLFLOW_UI_URL, else http://127.0.0.1:5000 (`make ui`).
+    # Where people open the UI, for the links in Prefect states and artifacts, which are read outside it. None =
+    # $MLFLOW_UI_URL, else the tracking server itself when tracking_uri is http(s), else unknown: the route is
+    # given with "in the MLflow UI". Descriptions and summary.md link relatively, so they work on any port.
     ui_url: str | None = None
 
 

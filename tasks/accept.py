@@ -168,7 +168,9 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
         side.update(side_figures("selection", sel_cand, sel_base))
         if run is not None:
             mlflow.set_tags({"evaluated_in": evaluated_in, "heldout_source": held.heldout_source,
-                             "accept_criteria": verdict.criteria, "accept_reference": reference_name})
+                             "accept_criteria": verdict.criteria, "accept_reference": reference_name,
+                             "verdict": "accepted" if verdict.accepted else "rejected",
+                             **({"reasons": "; ".join(verdict.reasons)[:4000]} if verdict.reasons else {})})
         seconds = {**budget.seconds, **{f"chat_{k}": v for k, v in chat.get("seconds", {}).items()}}
         metrics = {**{f"baseline_{k}": v for k, v in base.items()}, **{f"candidate_{k}": v for k, v in cand.items()},
                    **verdict.metrics, **side, "accepted": float(verdict.accepted),
