@@ -139,8 +139,12 @@ def _by_digest(folder: Path, staging: Path, source: dict) -> Path:
 def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict | None = None,
                     aliases: list[str] | None = None, metrics: dict | None = None,
                     params: dict | None = None, weights: str = "copy", source: dict | None = None) -> Version:
-    """Log the artifact folder (and the version's figures and params) to the run and create a model version from it.
+    """Log the artifact folder as an MLflow logged model of the run (with the version's figures and params on the
+    run) and create a model version from it.
 
+    The files go to a logged model whose source run is ``run_id`` (``_upload``), so the run's "Logged models"
+    column and the model's page link the two; the version's source is ``models:/<model id>``. On a store without
+    logged models (an MLflow 2 server) they go to the run's ``artifact/`` folder instead.
     weights="digest": the graph's weight files are recorded, not uploaded (``_by_digest``; ``source`` says where
     they came from), so a large baseline costs the store kilobytes instead of a second fp32 copy. The files are
     uploaded before the version is created, so a failure leaves no half-registered version behind.
@@ -154,15 +158,19 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
     client = _client()
     _log_to_run(client, run_id, metrics or {}, params or {})
     with tempfile.TemporaryDirectory(prefix="version_") as tmp:
+        files = Path(tmp) / "files"
+        files.mkdir()
         if weights == "digest":
-            client.log_artifacts(run_id, str(_by_digest(Path(folder), Path(tmp), source or {})), ARTIFACT_PATH)
+            _by_digest(Path(folder), files, source or {})
+            uploads = [files]
         else:
-            client.log_artifacts(run_id, str(folder), ARTIFACT_PATH)
+            uploads = [Path(folder)]
             manifest = read_manifest(folder, verify=False)
             if manifest.get("kind") != CHECKPOINT_RECORD:  # a checkpoint record has no graph to load
                 # an MLflow Model over the folder's own files (serve/api/mlflow_model.py): MLmodel beside them
-                write_mlmodel(tmp, manifest, run_id)
-                client.log_artifacts(run_id, tmp, ARTIFACT_PATH)
+                write_mlmodel(files, manifest, run_id)
+                uploads.append(files)
+        version_source = _upload(client, run_id, model_name, uploads)
     try:
         client.get_registered_model(model_name)
     except Exception:
@@ -170,27 +178,31 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
             client.create_registered_model(model_name)
         except Exception:  # another run created it between the two calls (a remote store takes no lock)
             client.get_registered_model(model_name)
-    source = f"{client.get_run(run_id).info.artifact_uri}/{ARTIFACT_PATH}"
-    mv = client.create_model_version(model_name, source, run_id=run_id,
-                                     tags={k: str(v) for k, v in (tags or {}).items()},
-                                     model_id=_logged_model(client, run_id, model_name, source))
+    mv = client.create_model_version(model_name, version_source, run_id=run_id,
+                                     tags={k: str(v) for k, v in (tags or {}).items()})
     for alias in aliases or []:
         set_alias(model_name, alias, mv.version)
     return get_version(model_name, mv.version)
 
 
-def _logged_model(client, run_id: str, model_name: str, source: str) -> str | None:
-    """An MLflow 3 logged model naming the run's artifact folder, so the run's "Logged models" column and the
-    version link to each other; its own artifact location stays empty (the files are the run's, uploaded once:
-    load a version as ``models:/NAME/VERSION``). None when the store has no logged models (MLflow 2 servers)."""
+def _upload(client, run_id: str, model_name: str, folders: list[Path]) -> str:
+    """Upload ``folders`` (merged) as a logged model of the run; its ``models:/<id>`` URI. A store without logged
+    models gets them under the run's ``artifact/`` folder; that folder's URI."""
     try:
         lm = client.create_logged_model(client.get_run(run_id).info.experiment_id, name=model_name,
-                                        source_run_id=run_id, tags={"files": source, "loaded_as": "models:/"
-                                                                    f"{model_name}/<version>"})
-        client.finalize_logged_model(lm.model_id, "READY")
-        return lm.model_id
-    except Exception:  # noqa: BLE001 - a link for the UI, never a reason to fail a registration
-        return None
+                                        source_run_id=run_id, model_type="onnx-llm")
+    except Exception:  # noqa: BLE001 - an MLflow 2 tracking server: the run's artifacts, as before
+        for f in folders:
+            client.log_artifacts(run_id, str(f), ARTIFACT_PATH)
+        return f"{client.get_run(run_id).info.artifact_uri}/{ARTIFACT_PATH}"
+    try:
+        for f in folders:
+            client.log_model_artifacts(lm.model_id, str(f))
+    except BaseException:
+        client.finalize_logged_model(lm.model_id, "FAILED")
+        raise
+    client.finalize_logged_model(lm.model_id, "READY")
+    return f"models:/{lm.model_id}"
 
 
 def list_versions(model_name: str) -> list[Version]:
@@ -212,7 +224,7 @@ def _log_to_run(client, run_id: str, metrics: dict, params: dict) -> None:
     from mlflow.entities import Metric, Param
 
     now = int(time.time() * 1000)
-    logged = {p.key: p.value for p in client.get_run(run_id).data.params.values()} if params else {}
+    logged = dict(client.get_run(run_id).data.params) if params else {}
     ms = [Metric(k, v, now, 0) for k, v in numeric(metrics).items()]
     # A param is write-once in MLflow: a reused version keeps the params it was registered with.
     ps = [Param(k, str(v)[:500]) for k, v in params.items() if k not in logged]

@@ -26,7 +26,7 @@ def cmd_run(args) -> int:
         print(f"MLflow run:  {out['run_id']}  ({out['tracking_uri']})")
         for r in out["registered"]:
             print(f"registered:  {r['name']} version {r['version']} aliases {r['aliases']}")
-        print(f"see it:      {out['run_url']}   (make ui)")
+        print(f"see it:      {out['run_url']}")
     print(f"{state.name}: {state.message}")
     if state.is_completed():
         return 0

@@ -6,7 +6,7 @@ pipeline (parent) run, the registered model with its versions and aliases, and w
   1-runs-table.png         the experiment's runs table (the "Machine learning" view, not GenAI)
   2-pipeline-run.png       the newest parent run's page, with its stage (child) runs
   3-compare-versions.png   the model-version compare page: baseline, candidate, champion side by side
-  3b-compare-key-figures.png  the same, folded to the accuracy, size and speed figures
+  3b-compare-key-figures.png  the same, folded to the scorecard (compress/scorecard.py)
   4-registered-model.png   the registered model page: its versions and their aliases
   5-model-version.png      the champion's version page: its story (description, tags) and its MLflow Model schema
 
@@ -281,24 +281,13 @@ def find_targets(url: str, experiment: str, model: str, run_id: str | None, vers
     }
 
 
-# Accuracy, size and speed: the figures the acceptance gate and the serving benchmark decide on.
-KEY_FIGURES = ["perplexity", "gate_perplexity_ratio", "top1_agreement", "size_bytes", "gate_size_ratio",
-               "decode_ms_per_token", "bench_output_tokens_per_s", "bench_output_tokens_per_s_ratio",
-               "bench_ttft_p50_s", "bench_ttft_p99_s", "bench_e2e_p50_s", "bench_e2e_p99_s", "bench_peak_rss_mb"]
-KEY_FIGURES_JS = """(keep) => {
+# The scorecard (compress/scorecard.py): the params and metrics that decide between versions, which sort first.
+SCORECARD_JS = """(prefix) => {
   for (const body of document.querySelectorAll('tbody.scrollable-table')) {
     const rows = [...body.querySelectorAll('tr')];
-    const isParams = rows.some(r => ['role', 'verdict'].includes((r.querySelector('th') || {}).textContent?.trim()));
-    if (isParams) {  // of the params, only what the version is
-      for (const r of rows) r.style.display = ['role', 'verdict', 'quantize.method', 'config']
-        .includes((r.querySelector('th') || {}).textContent?.trim()) ? '' : 'none';
-      continue;
-    }
-    if (!rows.some(r => keep.includes((r.querySelector('th') || {}).textContent?.trim()))) continue;
-    for (const r of rows) {
-      const name = (r.querySelector('th') || {}).textContent?.trim();
-      r.style.display = keep.includes(name) ? '' : 'none';
-    }
+    const name = r => (r.querySelector('th') || {}).textContent?.trim() || '';
+    if (!rows.some(r => name(r).startsWith(prefix))) continue;
+    for (const r of rows) r.style.display = name(r).startsWith(prefix) ? '' : 'none';
     body.style.maxHeight = 'none';
   }
 }"""
@@ -533,9 +522,10 @@ def shoot(base: str, t: dict, out: Path, args: argparse.Namespace) -> list[Path]
             page.get_by_text(f"Comparing {len(compare)} Versions").first.wait_for(state="visible")
             page.get_by_text("Run ID:").first.wait_for(state="visible")
             save(page, "3-compare-versions.png", grow=True)
-            # The same page folded to what an operator decides on: the params that say what each version is,
-            # the metrics cut to the key figures (MLflow lists metrics alphabetically in a scroll box).
-            page.evaluate(KEY_FIGURES_JS, KEY_FIGURES)
+            # The same page folded to the scorecard (what an operator decides on), params and metrics.
+            from compress.scorecard import PREFIX
+
+            page.evaluate(SCORECARD_JS, PREFIX)
             page.set_viewport_size({"width": args.width, "height": max(args.height, 1450)})
             save(page, "3b-compare-key-figures.png")
 
