@@ -235,3 +235,36 @@ def test_no_int8_form_passing_stops_the_run_before_acceptance(tiny_flow_run, mlf
     summary = MlflowClient(mlflow_store).download_artifacts(out["run_id"], "summary.md")
     text = open(summary).read()
     assert "Forms judged on the selection split" in text and text.count("| weight_only") == 3
+
+
+def test_links_in_descriptions_and_summary_are_relative_routes_to_real_runs(tiny_flow_run, mlflow_store):
+    """Read on the UI's own pages, whatever port it runs on: markdown links to `#/...` routes of runs that exist,
+    in the runs view, with nothing glued to them; read outside it (the Prefect state) the route says where to open."""
+    import re
+
+    registry.configure(mlflow_store)
+    client = MlflowClient()
+    out = tiny_flow_run["out"]
+    cand = registry.get_version("tiny-llama", out["registered"][-1]["version"])
+    desc = client.get_model_version("tiny-llama", cand.version).description
+    summary = client.download_artifacts(out["run_id"], "summary.md")
+    for text in (desc, open(summary).read()):
+        assert "http://" not in text and "127.0.0.1:5000" not in text
+        links = re.findall(r"\]\((#/experiments/(\d+)/runs/([0-9a-f]{32})\?workflowType=machine_learning)\)", text)
+        assert links, text
+        for _, exp, run_id in links:
+            assert client.get_run(run_id).info.experiment_id == exp
+    assert {r for _, _, r in re.findall(r"\]\((#/experiments/(\d+)/runs/([0-9a-f]{32})[^)]*)\)", desc)} == {
+        out["run_id"], cand.tags["accept_run_id"]}
+    assert out["run_url"].endswith("?workflowType=machine_learning in the MLflow UI (make ui)")
+    # the scorecard for both versions, and the verdict where the accept run and the version say it
+    base = registry.version_for_alias("tiny-llama", "baseline")
+    for v in (base, cand):
+        run = client.get_run(v.run_id)
+        assert {k for k in run.data.metrics if k.startswith("_card.")} >= {"_card.1_accepted", "_card.2_size_ratio",
+                                                                           "_card.4_top1_agreement"}
+    assert client.get_run(base.run_id).data.params["_card.0_verdict"] == "baseline"
+    assert client.get_run(cand.tags["accept_run_id"]).data.tags["verdict"] == cand.tags["verdict"]
+    # the version's files are a logged model of its run (the runs table's "Logged models")
+    assert cand.source.startswith("models:/m-")
+    assert client.get_logged_model(cand.source[len("models:/"):]).source_run_id == cand.run_id
