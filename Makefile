@@ -37,10 +37,9 @@ TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
-# The MLflow UI on the project's store: `make ui UI_PORT=5001` when 5000 is taken. Run summaries link to
-# $MLFLOW_UI_URL (exported here, so a pipeline started from this Makefile links to this port).
+# The MLflow UI on the project's store: `make ui UI_PORT=5001` when 5000 is taken. The pipeline's links are
+# relative routes of the UI (compress/registry.py), so they open on whatever port it runs.
 UI_PORT ?= 5000
-export MLFLOW_UI_URL ?= http://127.0.0.1:$(UI_PORT)
 ui: setup
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db --default-artifact-root $(CURDIR)/mlruns --host 127.0.0.1 --port $(UI_PORT) --workers 1
 

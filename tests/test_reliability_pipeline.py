@@ -133,7 +133,8 @@ def test_upload_failure_midway_leaves_no_half_registered_version(tiny_artifact, 
         raise ConnectionError("MLflow tracking server went away during the upload")
 
     with mlflow.start_run() as run:
-        monkeypatch.setattr(MlflowClient, "log_artifacts", broken_upload)
+        monkeypatch.setattr(MlflowClient, "log_artifacts", broken_upload)  # a store without logged models
+        monkeypatch.setattr(MlflowClient, "log_model_artifacts", broken_upload)
         with pytest.raises(ConnectionError, match="went away"):
             register_task.fn(cfg, run.info.run_id, str(tiny_artifact), ["candidate", "champion"], {"config_hash": "h"})
         monkeypatch.undo()
@@ -188,8 +189,13 @@ def test_mlflow_unreachable_fails_the_flows_at_once_naming_the_uri(prefect_harne
 
 
 def _artifact_dir(version) -> Path:
-    """The registered copy of a version's artifact folder in the (file) artifact store."""
-    return Path(url2pathname(urlparse(version.source).path))
+    """The registered copy of a version's artifact folder in the (file) artifact store: its logged model's."""
+    from mlflow import MlflowClient
+
+    location = version.source
+    if location.startswith("models:/m-"):
+        location = MlflowClient().get_logged_model(location[len("models:/"):]).artifact_location
+    return Path(url2pathname(urlparse(location).path))
 
 
 def test_a_version_damaged_in_the_store_is_not_promoted_by_the_deploy_flow(prefect_harness, mlflow_store,
