@@ -293,7 +293,8 @@ def sync_champion(model_name: str, noticed_by: str) -> bool:
 
 def describe(model_name: str, version: str | int) -> None:
     """The version's description: what it is now (champion since / was champion, from the history) and its ``note``
-    tag (the verdict, its reasons and links to the runs), so its page tells its story."""
+    tag (the verdict, its reasons and links to the runs), so its page tells its story. Written by the one relabel of
+    every version (serve/registry/champion.py), which keeps them all consistent with the alias."""
     _champion.relabel(model_name, _champion.history(model_name))
 
 

@@ -9,6 +9,7 @@ with the reason. The links' targets are also checked without a browser in tests/
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -28,12 +29,12 @@ from compress.scorecard import FIGURES, PREFIX
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 pytestmark = [
     pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)"),
-    pytest.mark.skipif(__import__("importlib").util.find_spec("playwright") is None,
+    pytest.mark.skipif(importlib.util.find_spec("playwright") is None,
                        reason="Playwright missing (pip install -e '.[ui]')"),
 ]
 MODEL = "tiny-llama"
-# The UI's own switch between its GenAI and Model training views, and its assistant panel, as a returning user has
-# them; a link that names the view (?workflowType=) must win over the GenAI default on its own.
+# A first visit, but with the assistant panel closed (it would cover a third of the page); the view (GenAI or Model
+# training) is left at the UI's default, so a link must name the runs view (?workflowType=) to land there.
 FRESH_BROWSER = "localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false')"
 
 

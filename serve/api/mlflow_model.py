@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 MLMODEL = "MLmodel"
@@ -118,11 +119,12 @@ def _completion(handle, model: str) -> dict:
                       "total_tokens": len(handle.prompt_ids) + len(handle.output_ids)}}
 
 
+@dataclass(frozen=True)
 class Conversations:
     """Chat-form input: ``rows`` of message lists; ``single`` when it was one conversation (one answer back)."""
 
-    def __init__(self, rows: list[list[dict]], single: bool):
-        self.rows, self.single = rows, single
+    rows: list[list[dict]]
+    single: bool
 
 
 def _messages(value, where: str) -> list[dict]:
