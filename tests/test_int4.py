@@ -48,19 +48,47 @@ def _one_matmul(w: np.ndarray) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_the_search_scores_the_grid_the_kernel_uses(symmetric):
-    """fake_quant_w4 (what AWQ and the mixed-precision ranking score) is the weight ORT's quantizer writes, and the
-    kernel at accuracy_level 0 computes exactly that weight's product."""
+def test_without_clipping_the_4bit_tensors_are_ort_s_own(symmetric):
+    """compress/nbits.py pack_w4 with quantize.weight_clip none writes what ORT's block quantizer writes, bit for bit
+    (its layout: codes low nibble first, scales per block, zero points two a byte); with mse the block ranges shrink
+    where that lowers the error, so the weight error falls and every scale is at most ORT's."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
+                                                                 DefaultWeightOnlyQuantizer)
+
+    from compress.nbits import pack_w4, w4_weight_error
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((96, 40)).astype(np.float32)  # 3 blocks along K: an odd count of zero points a column
+    w[:, 3] += 2.0
+    w[5, 7] = 9.0  # an outlier: its block is where clipping pays
+    ort_q = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=symmetric,
+                                                                    accuracy_level=4, bits=4))
+    ref = ort_q.qbits_block_quant(w)
+    ours = pack_w4(w, 32, symmetric, clip=False)
+    np.testing.assert_array_equal(ours[0], ref[0])
+    np.testing.assert_array_equal(ours[1], ref[1].reshape(ours[1].shape))
+    if not symmetric:
+        np.testing.assert_array_equal(ours[2], ref[2])
+    clipped = pack_w4(w, 32, symmetric, clip=True)
+    assert (np.abs(clipped[1]) <= np.abs(ours[1]) + 1e-12).all() and (np.abs(clipped[1]) < np.abs(ours[1])).any()
+    assert w4_weight_error(w, 32, symmetric, clip=True) < w4_weight_error(w, 32, symmetric, clip=False)
+
+
+@pytest.mark.parametrize("symmetric,clip", [(False, True), (True, True), (False, False)])
+def test_the_search_scores_the_grid_the_kernel_uses(symmetric, clip):
+    """fake_quant_w4 (what AWQ and the mixed-precision ranking score) is the weight the writer writes, and the kernel
+    at accuracy_level 0 computes exactly that weight's product."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((96, 40)).astype(np.float32)
     w[:, 3] += 2.0  # a column all of one sign: the asymmetric grid's zero point moves
-    m = weight_only(_one_matmul(w), [Linear("mm", "mm", "linear", None, "x", "W")], 32, 0, bits=4, symmetric=symmetric)
+    m = weight_only(_one_matmul(w), [Linear("mm", "mm", "linear", None, "x", "W")], 32, 0, bits=4, symmetric=symmetric,
+                    clip=clip)
     node = next(n for n in m.graph.node if n.op_type == "MatMulNBits")
     assert next(a.i for a in node.attribute if a.name == "bits") == 4
     assert len(node.input) == (3 if symmetric else 4)  # zero points only when asymmetric
     d = dequantized_model(m)
     held = numpy_helper.to_array(next(i for i in d.graph.initializer if i.name.endswith("_dequantized")))
-    np.testing.assert_array_equal(held, fake_quant_w4(w, 32, symmetric))
+    np.testing.assert_array_equal(held, fake_quant_w4(w, 32, symmetric, clip))
     x = rng.standard_normal((5, 96)).astype(np.float32)
     y = ort.InferenceSession(m.SerializeToString()).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, x @ held, rtol=1e-5, atol=1e-4)
@@ -227,6 +255,11 @@ def test_4bit_written_from_the_checkpoint_passes_its_golden_and_a_wrong_one_does
     assert q["weight_bits"] == 4 and q["int8_groups"] == sorted(plan.int8_groups)
     bits = _nbits(tmp_path / "a")
     assert bits[4] >= 6 and bits[8] >= 1, bits
+    gathers = [n for n in onnx.load(str(tmp_path / "a" / "model.onnx"), load_external_data=False).graph.node
+               if n.op_type == "GatherBlockQuantized"]
+    tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert [a.i for n in gathers for a in n.attribute if a.name == "bits"] == [8 if tied else 4]
+    assert q["embedding_bits"] == plan.embedding_bits == (8 if tied else 4)
     golden = record_golden(model, tok, ["The cat sat on the mat", "a b c"], 8, 6)
     # what the golden task rebuilds from the manifest
     again = Int4Plan.from_quantization(q)

@@ -50,14 +50,14 @@ def _round_rows_(w: torch.Tensor, block: int, signed_max: bool = True) -> None:
         w[i:i + ROUND_ROWS] = _round_blocks(w[i:i + ROUND_ROWS], block, signed_max)
 
 
-def _round_rows_4bit_(w: torch.Tensor, block: int, symmetric: bool) -> None:
+def _round_rows_4bit_(w: torch.Tensor, block: int, symmetric: bool, clip: bool) -> None:
     """w [N, K] (torch's Linear layout) rounded in place to 4-bit blocks along K, ROUND_ROWS rows at a time, on the
     grid of ONNX Runtime's quantizer (compress/nbits.py fake_quant_w4, which takes [K, N])."""
     from compress.nbits import fake_quant_w4
 
     for i in range(0, w.shape[0], ROUND_ROWS):
         rows = w[i:i + ROUND_ROWS].float().numpy().T
-        w[i:i + ROUND_ROWS] = torch.from_numpy(fake_quant_w4(rows, block, symmetric).T.copy()).to(w.dtype)
+        w[i:i + ROUND_ROWS] = torch.from_numpy(fake_quant_w4(rows, block, symmetric, clip).T.copy()).to(w.dtype)
 
 
 def fake_quantize_(model, block_size: int, accuracy_level: int, int4=None) -> list:
@@ -71,10 +71,12 @@ def fake_quantize_(model, block_size: int, accuracy_level: int, int4=None) -> li
     tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
     if tied:  # one 8-bit table read by the Gather and the lm_head (gqa._embedding_q8's arithmetic)
         _round_rows_(emb.data, block_size, signed_max=False)
+    elif int4 is not None and int4.embedding_bits == 4:  # gqa._embedding_q4
+        _round_rows_4bit_(emb.data, block_size, int4.symmetric, int4.clip)
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
             if int4 is not None and int4.at_4_bits(names.get(id(mod))):
-                _round_rows_4bit_(mod.weight.data, block_size, int4.symmetric)
+                _round_rows_4bit_(mod.weight.data, block_size, int4.symmetric, int4.clip)
             elif not (tied and mod.weight.data_ptr() == emb.data_ptr()):
                 _round_rows_(mod.weight.data, block_size)
             if accuracy_level == 4:

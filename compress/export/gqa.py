@@ -49,6 +49,7 @@ from compress.export.graph_fusion import fuse_decoder
 from compress.export.kv_fp16 import kv_to_fp16
 from compress.export.servable import MODEL_FILE, serving_fields, write_tokenizer_files
 from compress.export.weights import FROM_CHECKPOINT, Int4Plan
+from compress.nbits import pack_w4
 from compress.models import model_info
 from serve.runners.onnx_external import ALIGN, BASE_KEY, save_external
 
@@ -157,20 +158,19 @@ class _Graph:
         # int4 (with int8's block size and accuracy level): the linears written as 4-bit MatMulNBits, but for the
         # plan's groups kept at 8 bits and the lm_head (compress/export/weights.py int4_plan)
         self.int4 = int4
-        self._q8 = self._q4 = None
+        self._q8 = None
         if int8 is not None:
             from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                          DefaultWeightOnlyQuantizer)
 
             self._q8 = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
                 block_size=int8[0], is_symmetric=True, accuracy_level=int8[1], bits=8))
-            if int4 is not None:
-                self._q4 = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
-                    block_size=int8[0], is_symmetric=int4.symmetric, accuracy_level=int8[1], bits=4))
 
     def embedding(self, E: np.ndarray, tied: bool) -> tuple[str, str | None]:
         """The token Gather over the table ``E`` [V, h]: (its output, the fp32 table's name, None when written in
         8 bits, _embedding_q8)."""
+        if self._q8 is not None and self.int4 is not None and self.int4.embedding_bits == 4 and not tied:
+            return _embedding_q4(self, E), None
         if self._q8 is not None:
             return _embedding_q8(self, E, tied), None
         emb = self.init("model.embed_tokens.weight", E)
@@ -188,8 +188,9 @@ class _Graph:
             return y
         K, N = wt.shape
         bits = 4 if self.int4 is not None and self.int4.at_4_bits(module) else 8
-        packed, scales, zero_points = (self._q4 if bits == 4 else self._q8).qbits_block_quant(
-            np.ascontiguousarray(wt, np.float32))
+        packed, scales, zero_points = (
+            pack_w4(wt, self.int8[0], self.int4.symmetric, self.int4.clip) if bits == 4 else
+            self._q8.qbits_block_quant(np.ascontiguousarray(wt, np.float32)))
         inputs = [x, self.init(f"{w_name}_Q{bits}", packed), self.init(f"{w_name}_scales", scales)]
         if bits == 4 and not self.int4.symmetric:
             inputs.append(self.init(f"{w_name}_zero_points", zero_points))
@@ -378,6 +379,25 @@ def _embedding_q8(g: _Graph, E: np.ndarray, tied: bool) -> str:
                        [f"{out}_blocks"], "/model/embed_tokens/Gather_q8", domain=MS_DOMAIN, gather_axis=0,
                        quantize_axis=2, block_size=b, bits=8)
     (x,) = g.node("Reshape", [blocks, f"{qn}_shape"], [out], "/model/embed_tokens/Gather_q8_reshape")
+    return x
+
+
+def _embedding_q4(g: _Graph, E: np.ndarray) -> str:
+    """An untied table as 4-bit blocks along the hidden axis (compress/nbits.py's grid, the plan's rounding), read by
+    the token Gather (GatherBlockQuantized, two codes a byte)."""
+    V, K = E.shape
+    b = g.int8[0]
+    packed, scales, zps = pack_w4(E.T, b, g.int4.symmetric, g.int4.clip)  # E.T: blocks along the hidden axis
+    if zps is None:  # symmetric: the kernel's implied zero point, written out for the Gather
+        zps = np.full((V, (scales.shape[1] + 1) // 2), 0x88, np.uint8)
+    qn = "model.embed_tokens.weight_q4"
+    g.init(qn, packed.reshape(V, -1))
+    g.init(f"{qn}_scales", scales)
+    g.init(f"{qn}_zero_points", zps)
+    out = "/model/embed_tokens/Gather_output_0"
+    (x,) = g.node("GatherBlockQuantized", [qn, "input_ids", f"{qn}_scales", f"{qn}_zero_points"], [out],
+                  "/model/embed_tokens/Gather_q4", domain=MS_DOMAIN, gather_axis=0, quantize_axis=1, block_size=b,
+                  bits=4)
     return x
 
 
@@ -579,7 +599,8 @@ def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int
         **({"quantization": {"method": "weight_only", "written_from": FROM_CHECKPOINT, "block_size": int8[0],
                              "accuracy_level": int8[1],
                              "weights": f"int8 block-wise (block {int8[0]}, MatMulNBits accuracy_level {int8[1]})",
-                             "embedding": "int8 block-wise, shared by Gather and lm_head" if _tied(model) else "float",
+                             "embedding": ("int8 block-wise, shared by Gather and lm_head" if _tied(model) else
+                                           f"int{int4.embedding_bits if int4 else 8} block-wise (GatherBlockQuantized)"),
                              **(int4.manifest(int8[0], int8[1]) if int4 else {"weight_bits": 8})}}
            if int8 else {}),
         **(extra or {}),

@@ -74,11 +74,15 @@ def group_of(module: str) -> str | None:
 
 @dataclass(frozen=True)
 class Int4Plan:
-    """export.weights int4: every decoder-layer linear at 4 bits except ``int8_groups``; the lm_head and the tied
-    table stay 8-bit (a 4-bit lm_head has caused repetition loops)."""
+    """export.weights int4: every decoder-layer linear at 4 bits except ``int8_groups``; the lm_head and a tied table
+    stay 8-bit (a 4-bit lm_head has caused repetition loops); an untied embedding table is read one row per token, so
+    ``embedding_bits`` 4 costs no speed and saves half its bytes (llama.cpp's Q4_K_M stores it at 4 bits too).
+    ``clip``: each 4-bit block's range searched for the least squared error (quantize.weight_clip mse)."""
 
     int8_groups: frozenset[str] = frozenset()
     symmetric: bool = False
+    clip: bool = True
+    embedding_bits: int = 8
     errors: dict[str, float] = field(default_factory=dict, compare=False)  # group -> measured 4-bit weight error
 
     def at_4_bits(self, module: str | None) -> bool:
@@ -86,20 +90,24 @@ class Int4Plan:
         return g is not None and g not in self.int8_groups
 
     def manifest(self, block: int, accuracy_level: int) -> dict:
-        return {"weight_bits": 4, "weight_symmetric": self.symmetric, "int8_groups": sorted(self.int8_groups),
-                "weights": (f"int4 block-wise ({'symmetric' if self.symmetric else 'asymmetric'}, rtn, block {block}, "
-                            f"MatMulNBits accuracy_level {accuracy_level}); {len(self.int8_groups)} groups, the "
-                            f"lm_head and the embedding at 8 bits")}
+        return {"weight_bits": 4, "weight_symmetric": self.symmetric, "weight_clip": "mse" if self.clip else "none",
+                "embedding_bits": self.embedding_bits, "int8_groups": sorted(self.int8_groups),
+                "weights": (f"int4 block-wise ({'symmetric' if self.symmetric else 'asymmetric'}, "
+                            f"{'mse-clipped' if self.clip else 'rtn'}, block {block}, MatMulNBits accuracy_level "
+                            f"{accuracy_level}); {len(self.int8_groups)} groups and the lm_head at 8 bits, the "
+                            f"embedding at {self.embedding_bits}")}
 
     @classmethod
     def from_quantization(cls, q: dict) -> Int4Plan | None:
         """The plan a manifest's "quantization" (written by ``manifest``) records; None for an 8-bit graph."""
         if q.get("weight_bits") != 4:
             return None
-        return cls(frozenset(q.get("int8_groups", [])), bool(q.get("weight_symmetric")))
+        # graphs written before quantize.weight_clip were ORT's round-to-nearest with an 8-bit table
+        return cls(frozenset(q.get("int8_groups", [])), bool(q.get("weight_symmetric")),
+                   q.get("weight_clip", "none") == "mse", int(q.get("embedding_bits", 8)))
 
 
-def int4_plan(model, block: int, symmetric: bool, keep_int8: float) -> Int4Plan:
+def int4_plan(model, block: int, symmetric: bool, keep_int8: float, clip: bool = True) -> Int4Plan:
     """Which decoder-layer groups stay at 8 bits in the 4-bit graph written from the checkpoint: the ``keep_int8``
     share with the largest measured 4-bit weight error (||W - Q4(W)|| / ||W||, the weights of a group together;
     read one tensor at a time in fp32). No activations are at hand at export time, so this is the weights' own
@@ -114,10 +122,12 @@ def int4_plan(model, block: int, symmetric: bool, keep_int8: float) -> Int4Plan:
             continue
         w = mod.weight.detach().float().numpy().T  # [K, N], blocks along K as MatMulNBits stores them
         e = float((w**2).sum())
-        lost[g] = lost.get(g, 0.0) + w4_weight_error(w, block, symmetric) * e  # a group's tensors weighed together
+        lost[g] = lost.get(g, 0.0) + w4_weight_error(w, block, symmetric, clip) * e  # a group's tensors weighed together
         energy[g] = energy.get(g, 0.0) + e
         del w
     rel = {g: lost[g] / max(energy[g], 1e-30) for g in lost}
     ranked = sorted(rel, key=lambda g: -rel[g])
     keep = frozenset(ranked[: int(np.ceil(keep_int8 * len(ranked)))])
-    return Int4Plan(keep, symmetric, rel)
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    return Int4Plan(keep, symmetric, clip, 8 if tied else 4, rel)

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from compress.nbits import pack_w4
 from compress.quantize.calibration import Linear
 from serve.runners.onnx_external import save_external, tensor_array
 
@@ -272,15 +273,17 @@ def _ensure_ms_opset(model: onnx.ModelProto) -> None:
 
 
 def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, accuracy_level: int, bits: int = 8,
-                symmetric: bool = True) -> onnx.ModelProto:
+                symmetric: bool = True, clip: bool = True) -> onnx.ModelProto:
     """In place (and returned): `linears` as `bits`-bit (8 or 4) block-wise MatMulNBits, float activations.
 
     The same tensors and node ORT's MatMulNBitsQuantizer writes (its C++ block quantizer does the arithmetic),
     but one weight at a time: each float weight is read (from the proto or, for a lazily loaded graph, from its
     file), quantized and dropped before the next, so a model never has an fp32 copy and an int8 copy of all its
     linears at once. ORT's quantizer holds the whole model in memory; on a 1B model that was most of the
-    quantize stage's memory. symmetric False: a zero point per block (the 4-bit form's default, compress/quantize/int4.py).
+    quantize stage's memory. symmetric False: a zero point per block (the 4-bit form's default, compress/quantize/int4.py). 4 bits are
+    written by compress/nbits.py pack_w4 (ORT's layout and grid; ``clip``: each block's range searched), 8 by ORT.
     """
+
     from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                  DefaultWeightOnlyQuantizer)
 
@@ -303,7 +306,8 @@ def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, 
             continue
         arr = tensor_array(w).astype(np.float32, copy=False)
         K, N = arr.shape
-        packed, scales, zero_points = quantizer.qbits_block_quant(np.ascontiguousarray(arr))
+        packed, scales, zero_points = (pack_w4(arr, block_size, symmetric, clip) if bits == 4 else
+                                       quantizer.qbits_block_quant(np.ascontiguousarray(arr)))
         del arr
         inputs = [n.input[0], f"{w.name}_{tag}", f"{w.name}_scales"]
         g.initializer.append(numpy_helper.from_array(packed, inputs[1]))

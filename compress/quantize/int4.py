@@ -1,7 +1,7 @@
 """4-bit weights: the arithmetic the 4-bit weight-only form needs that ONNX Runtime's quantizer lacks.
 
-ORT writes the 4-bit `MatMulNBits` tensors (its C++ block quantizer, `DefaultWeightOnlyQuantizer.qbits_block_quant`,
-called by compress/quantize/graph.py `weight_only`); what it does not do is decide *which* weights may lose that much
+ORT has the 4-bit `MatMulNBits` kernel and a round-to-nearest block quantizer; the tensors are written in its layout by
+compress/nbits.py `pack_w4` (its grid, each block's range searched: quantize.weight_clip). What ORT does not do is decide *which* weights may lose that much
 and *how to scale them first*. Both are measured here on the calibration sample (the calib split's token rows that
 calibration already keeps per linear input, `ActStats.sample`), never on the eval split:
 
@@ -14,9 +14,8 @@ calibration already keeps per linear input, `ActStats.sample`), never on the eva
   the kernel sees them up to its int8 blocks), the measure by which the mixed-precision choice keeps the worst groups
   at 8 bits (compress/quantize/sensitivity.py `candidate_ranking`).
 
-``fake_quant_w4`` (compress/nbits.py) is the round trip of ORT's block quantizer (asymmetric: scale (max - min) / 15
-over a block with 0 in range, zero point round(-min / scale); symmetric: scale = the block's signed extreme / -8), so
-the search scores the grid the kernel will use; tests compare it with the written tensors.
+``fake_quant_w4`` (compress/nbits.py) is the round trip of the written tensors, so the search scores the grid the
+kernel will use; tests compare it with them.
 """
 
 from __future__ import annotations
@@ -30,14 +29,14 @@ AWQ_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 def w4_output_error(x: np.ndarray, weights: list[np.ndarray], block: int, symmetric: bool = False,
-                    s: np.ndarray | None = None, _y: list[np.ndarray] | None = None) -> float:
+                    s: np.ndarray | None = None, _y: list[np.ndarray] | None = None, clip: bool = True) -> float:
     """Relative squared error of y = x W with W rounded to 4 bits (after scaling its rows by ``s``, x divided by it)."""
     x = x.astype(np.float32)
     xs = x / s if s is not None else x
     num = den = 0.0
     for i, w in enumerate(weights):
         y = _y[i] if _y is not None else x @ w
-        wq = fake_quant_w4(w * s[:, None] if s is not None else w, block, symmetric)
+        wq = fake_quant_w4(w * s[:, None] if s is not None else w, block, symmetric, clip)
         num += float(((xs @ wq - y) ** 2).sum())
         den += float((y**2).sum())
     return num / max(den, 1e-30)
@@ -51,7 +50,7 @@ def awq_scales(mean_abs: np.ndarray, alpha: float) -> np.ndarray:
 
 
 def choose_awq(st: ActStats, weights: list[np.ndarray], block: int, symmetric: bool = False,
-               grid: tuple[float, ...] = AWQ_GRID) -> tuple[np.ndarray, float, float] | None:
+               grid: tuple[float, ...] = AWQ_GRID, clip: bool = True) -> tuple[np.ndarray, float, float] | None:
     """(s, alpha, its 4-bit output error) for one activation read by ``weights``, or None when no alpha of the grid
     beats plain rounding. Scored on the calibration rows the statistics kept (st.sample)."""
     if st.sample is None:
@@ -59,11 +58,11 @@ def choose_awq(st: ActStats, weights: list[np.ndarray], block: int, symmetric: b
     x = st.sample.astype(np.float32)
     mean_abs = np.abs(x).mean(axis=0)
     ys = [x @ w for w in weights]
-    best_err = w4_output_error(x, weights, block, symmetric, None, ys)
+    best_err = w4_output_error(x, weights, block, symmetric, None, ys, clip)
     best = None
     for a in grid:
         s = awq_scales(mean_abs, a)
-        e = w4_output_error(x, weights, block, symmetric, s, ys)
+        e = w4_output_error(x, weights, block, symmetric, s, ys, clip)
         if e < best_err:
             best_err, best = e, (s, a)
     return None if best is None else (best[0], best[1], best_err)

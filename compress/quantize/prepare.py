@@ -40,13 +40,13 @@ def calibrate_and_smooth(model: onnx.ModelProto, linears: list[Linear], calib: n
                          alpha: float | str | None, reduce_range: bool, num_kv_heads: int, head_dim: int,
                          threads: int | None = None, calibration_cache: Path | None = None,
                          on_event: Callable[[str, dict], None] = lambda name, data: None,
-                         extra_tensors: tuple[str, ...] = (), awq: tuple[int, bool] | None = None) -> Calibrated:
+                         extra_tensors: tuple[str, ...] = (), awq: tuple[int, bool, bool] | None = None) -> Calibrated:
     """Calibrate `linears` of `model` on `calib` and smooth `model` in place with `alpha` (None = no smoothing).
 
     calibration_cache: an .npz of the first pass, keyed by the calib blocks' sha256; reused when it
     matches, written when it does not.
     extra_tensors: more activations to take statistics of (the tied lm_head's input, which is not a linear here).
-    awq: (block size, symmetric) of 4-bit weights: AWQ's activation-aware scales instead of SmoothQuant's
+    awq: (block size, symmetric, clip) of 4-bit weights: AWQ's activation-aware scales instead of SmoothQuant's
     (compress/quantize/int4.py), folded the same way.
     """
     tensors = list(dict.fromkeys([*(l.input for l in linears), *extra_tensors]))
@@ -56,7 +56,7 @@ def calibrate_and_smooth(model: onnx.ModelProto, linears: list[Linear], calib: n
     def smooth(stats: dict[str, ActStats]) -> dict[str, np.ndarray]:
         if alpha is None and awq is None:
             return {}
-        chooser = (lambda st, ws: choose_awq(st, ws, awq[0], awq[1])) if awq else None
+        chooser = (lambda st, ws: choose_awq(st, ws, awq[0], awq[1], clip=awq[2])) if awq else None
         inv, rep = apply_smoothquant(model, linears, stats, "auto" if awq else alpha, reduce_range=reduce_range,
                                      per_token=cfg.method == "dynamic" and cfg.activation_granularity == "token",
                                      chooser=chooser)
