@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -77,25 +78,51 @@ def test_a_lost_race_promotes_nothing(tmp_path):
 
 
 HOLDER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from flows.promotion import promotion_lock
-    with promotion_lock(sys.argv[1], "tiny model/x"):
-        print(f"{time.time():.3f}", flush=True)
-        time.sleep(1.5)
-        print(f"{time.time():.3f}", flush=True)
+    uri, me, release = sys.argv[1], sys.argv[2], sys.argv[3]
+    open(me + ".trying", "w").close()
+    with promotion_lock(uri, "tiny model/x"):
+        print(f"{time.time():.6f}", flush=True)
+        open(me + ".held", "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(release):  # the test lets go once the other process is at the lock
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        print(f"{time.time():.6f}", flush=True)
 """)
 
 
+def _until(cond, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def test_the_lock_serialises_processes(tmp_path):
+    """The first process holds the lock until the second has started and is at the lock (its .trying file, written
+    just before it asks); the second then holds it only after the first let go, and not before."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, "-c", HOLDER, uri], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    a, b, release = (str(tmp_path / n) for n in ("a", "b", "release"))
+
+    def start(me: str, release_file: str):
+        return subprocess.Popen([sys.executable, "-c", HOLDER, uri, me, release_file], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = start(a, release)
+    _until(lambda: os.path.exists(a + ".held") or first.poll() is not None)
+    second = start(b, b + ".go")
+    _until(lambda: os.path.exists(b + ".trying") or second.poll() is not None)
+    assert not os.path.exists(b + ".held")  # at the lock, not past it
+    open(release, "w").close()
+    open(b + ".go", "w").close()  # the second lets go as soon as it has the lock
     spans = []
-    for p in procs:
+    for p in (first, second):
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-1500:]
         spans.append(tuple(float(x) for x in out.split()))
-    (a0, a1), (b0, b1) = sorted(spans)
+    (a0, a1), (b0, b1) = spans
     assert b0 >= a1 - 0.01  # the second took the lock only after the first let go
     assert list(tmp_path.glob("mlflow.db.promote-tiny_model_x.lock"))

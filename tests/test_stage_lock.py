@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from compress.config import load_config
@@ -16,32 +17,59 @@ from tasks.common import lock_path, open_stage, stage_dir
 ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = textwrap.dedent("""
-    import json, os, sys, time
+    import json, logging, os, sys, time
+    logging.basicConfig(level=logging.INFO)
     from compress.config import load_config
     from tasks.common import mark_done, open_stage
-    cfg = load_config("configs/tiny.yaml", [f"workdir={sys.argv[1]}"])
+    workdir, peer_log = sys.argv[1], sys.argv[2]
+    cfg = load_config("configs/tiny.yaml", [f"workdir={workdir}"])
     folder, done = open_stage(cfg, "export", "samekey")
     if done is None:
-        with open(os.path.join(sys.argv[1], "computed"), "a") as fh:
+        with open(os.path.join(workdir, "computed"), "a") as fh:
             fh.write(f"{os.getpid()}\\n")
         (folder / "artifact.bin").write_bytes(b"x" * 1000)
-        time.sleep(3)  # the other run arrives while this one computes
+        deadline = time.monotonic() + 60
+        # finish only once the other run says it waits on this one's lock: the wait path is what is tested
+        while "waiting to reuse its result" not in open(peer_log).read():
+            assert time.monotonic() < deadline, "the second run never waited"
+            time.sleep(0.05)
         done = mark_done(folder, {"by": os.getpid()})
     print(json.dumps(done))
 """)
 
 
+def _until(cond, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def test_two_runs_on_one_key_compute_it_once(tmp_path):
+    """The second run starts once the first holds the lock and is computing; the first finishes only after the
+    second has logged that it waits, so the second's result is the first's, reused after a real wait."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    computed = (tmp_path / "computed").read_text().split()
-    assert len(computed) == 1  # one computed, the other waited
-    results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
-    assert results[0] == results[1] == {"by": int(computed[0])}
-    cfg = load_config("configs/tiny.yaml", [f"workdir={tmp_path}"])
+    logs = [tmp_path / "first.log", tmp_path / "second.log"]
+    for log in logs:
+        log.write_text("")
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def start(own: Path, peer: Path):
+        return subprocess.Popen([sys.executable, "-c", WORKER, str(work), str(peer)], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=open(own, "w"), text=True)
+
+    first = start(logs[0], logs[1])
+    _until(lambda: (work / "computed").exists() or first.poll() is not None, "the first run to take the lock")
+    second = start(logs[1], logs[0])
+    outs = [p.communicate(timeout=120)[0] for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], [log.read_text()[-2000:] for log in logs]
+    computed = (work / "computed").read_text().split()
+    assert computed == [str(first.pid)]  # one computed, the other waited
+    assert "waiting to reuse its result" in logs[1].read_text()
+    results = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    assert results[0] == results[1] == {"by": first.pid}
+    cfg = load_config("configs/tiny.yaml", [f"workdir={work}"])
     assert not lock_path(stage_dir(cfg, "export", "samekey")).exists()
 
 
