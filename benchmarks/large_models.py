@@ -4,6 +4,7 @@
     python -m benchmarks.large_models --shape llama-3.2-1b --stages --pipeline  # the documented `compressor run`
     python -m benchmarks.large_models --shape llama-3.2-1b --serve      # + the INT8 artifact served at c1 / c8
     python -m benchmarks.large_models --shape qwen2.5-7b --stages --serve --artifact A --requests 4  # a run's candidate
+    python -m benchmarks.large_models --shape qwen2.5-7b --stages build export_int4 --serve --tag int4  # the 4-bit graph
 
 The model is ``model.source: shape:<name>`` (compress/shapes.py: the published config, random seeded weights,
 bf16). Each stage runs as ``python -m benchmarks.large_models --stage <stage> ...`` in a child process, so its
@@ -175,6 +176,21 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
         res, _ = build_gqa_artifact(model, tok, workdir / "fp32")
         out["onnx_gib"] = round(res.onnx_bytes / 2**30, 2)
         state["fp32"] = str(workdir / "fp32")
+    elif name == "export_int4":  # what the pipeline's export writes with export.weights int4 (tasks/export.py)
+        from compress.export.gqa import build_gqa_artifact
+        from compress.export.weights import int4_plan
+        from compress.models import load_teacher
+
+        model, tok = load_teacher(state["model_dir"], dtype="auto")
+        q = cfg.quantize
+        plan = int4_plan(model, q.weight_block_size, q.weight_symmetric, q.int4_keep_int8, q.weight_clip == "mse")
+        res, man = build_gqa_artifact(model, tok, workdir / "int4", int8=(q.weight_block_size, q.accuracy_level),
+                                      int4=plan)
+        out.update({"onnx_gib": round(res.onnx_bytes / 2**30, 2), "int8_groups": len(plan.int8_groups),
+                    "groups": len(plan.errors), "bf16_gib": round(sum(p.numel() * p.element_size()
+                                                                      for p in model.parameters()) / 2**30, 2),
+                    "weights": man["quantization"]["weights"]})
+        state["int8"] = str(workdir / "int4")  # the graph --serve serves
     elif name == "golden":
         import gc
 
@@ -239,7 +255,8 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", required=True)
-    ap.add_argument("--stage", choices=(*STAGES, "serve"), help="(internal) run one stage in this process")
+    ap.add_argument("--stage", choices=(*STAGES, "export_int4", "serve"), help="(internal) run one stage in this process")
+    ap.add_argument("--tag", help="results file large_<shape>_<tag>.json (a variant beside the default run's file)")
     ap.add_argument("--stages", nargs="*", default=list(STAGES))
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--pipeline", action="store_true", help="also time `compressor run --config configs/large.yaml`")
@@ -304,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"shape": a.shape, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(),
               "load_average": os.getloadavg(), "estimate": est, "stages": rows, "pipeline": pipeline, "sets": a.sets}
     # the per-stage run and the pipeline run of a shape keep their own files
-    out = ROOT / "benchmarks" / "results" / f"large_{a.shape}{'' if rows else '_pipeline'}.json"
+    out = ROOT / "benchmarks" / "results" / f"large_{a.shape}{'' if rows else '_pipeline'}{'_' + a.tag if a.tag else ''}.json"
     out.write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {out}")
     if not a.keep:

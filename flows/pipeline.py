@@ -527,9 +527,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         bench = None
         compressed = candidate != teacher["artifact"] or int8_export
         if cfg.benchmark.enabled and int8_export:
-            log.warning("benchmark: skipped, the export wrote INT8 from the checkpoint (export.weights int8) and "
+            w = teacher.get("weights")
+            log.warning("benchmark: skipped, the export wrote %s from the checkpoint (export.weights %s) and "
                         "there is no fp32 graph to serve beside it (python -m benchmarks.large_models --serve "
-                        "measures the server at this size)")
+                        "measures the server at this size)", w.upper(), w)
         elif cfg.benchmark.enabled and compressed and not searched_none and not quantized_none:
             k = stage_key(cfg, "benchmark", ["benchmark"], cand_key, k_exp)
             bench = timer.run("benchmark", submit_stage, benchmark_task, cfg, "benchmark", k, parent_run_id=pid,
