@@ -26,14 +26,16 @@ from compress.quantize.choice import decode_step_ms
 from compress.quantize.quantizer import Quantizer
 
 W4 = dict(method="weight_only", smoothquant_alpha=None, weight_bits=4)
+NO_CLIP = dict(weight_clip="none")  # ORT's round-to-nearest over each block's full range
 VARIANTS: dict[str, dict] = {
     "int8": dict(method="weight_only", smoothquant_alpha=None),
-    "int4_rtn_asym_all": dict(W4, weight_algorithm="rtn", int4_keep_int8=0.0),
-    "int4_rtn_asym": dict(W4, weight_algorithm="rtn"),
-    "int4_awq_asym_all": dict(W4, int4_keep_int8=0.0),
-    "int4_awq_asym": dict(W4),
-    "int4_awq_sym": dict(W4, weight_symmetric=True),
-    "int4_awq_asym_keep25": dict(W4, int4_keep_int8=0.25),
+    "int4_rtn_asym_all": dict(W4, **NO_CLIP, weight_algorithm="rtn", int4_keep_int8=0.0),
+    "int4_mse_asym_all": dict(W4, weight_algorithm="rtn", int4_keep_int8=0.0),
+    "int4_awq_asym_all": dict(W4, **NO_CLIP, int4_keep_int8=0.0),
+    "int4_awq_mse_asym_all": dict(W4, int4_keep_int8=0.0),
+    "int4_awq_asym_keep25": dict(W4, **NO_CLIP, int4_keep_int8=0.25),
+    "int4_awq_mse_asym_keep25": dict(W4, int4_keep_int8=0.25),  # the defaults
+    "int4_awq_mse_sym_keep25": dict(W4, weight_symmetric=True, int4_keep_int8=0.25),
 }
 
 
