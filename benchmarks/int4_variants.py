@@ -30,12 +30,12 @@ NO_CLIP = dict(weight_clip="none")  # ORT's round-to-nearest over each block's f
 VARIANTS: dict[str, dict] = {
     "int8": dict(method="weight_only", smoothquant_alpha=None),
     "int4_rtn_asym_all": dict(W4, **NO_CLIP, weight_algorithm="rtn", int4_keep_int8=0.0),
-    "int4_mse_asym_all": dict(W4, weight_algorithm="rtn", int4_keep_int8=0.0),
+    "int4_mse_asym_all": dict(W4, weight_algorithm="rtn", weight_clip="mse", int4_keep_int8=0.0),
     "int4_awq_asym_all": dict(W4, **NO_CLIP, int4_keep_int8=0.0),
-    "int4_awq_mse_asym_all": dict(W4, int4_keep_int8=0.0),
-    "int4_awq_asym_keep25": dict(W4, **NO_CLIP, int4_keep_int8=0.25),
-    "int4_awq_mse_asym_keep25": dict(W4, int4_keep_int8=0.25),  # the defaults
-    "int4_awq_mse_sym_keep25": dict(W4, weight_symmetric=True, int4_keep_int8=0.25),
+    "int4_awq_mse_asym_all": dict(W4, weight_clip="mse", int4_keep_int8=0.0),
+    "int4_awq_asym_keep25": dict(W4, **NO_CLIP, int4_keep_int8=0.25),  # the defaults (weight_clip auto: none after AWQ)
+    "int4_awq_mse_asym_keep25": dict(W4, weight_clip="mse", int4_keep_int8=0.25),
+    "int4_awq_sym_keep25": dict(W4, **NO_CLIP, weight_symmetric=True, int4_keep_int8=0.25),
 }
 
 

@@ -374,10 +374,12 @@ class QuantizeConfig(Section):
     weight_algorithm: Literal["awq", "rtn"] = "awq"
     # 4-bit weights: a zero point per block (asymmetric, the finer grid) or none (symmetric, range [-8, 7]).
     weight_symmetric: bool = False
-    # 4-bit weights: mse = each block's range may shrink (x 1.0 ... 0.7) where that lowers the block's squared error,
-    # as llama.cpp's k-quants search (compress/nbits.py; SmolLM2 and Qwen2.5 weights: 5-20 % less 4-bit error at no
-    # cost at run time); none = ORT's round-to-nearest over the full range.
-    weight_clip: Literal["mse", "none"] = "mse"
+    # 4-bit weights: mse = each block's range may shrink (x 1.0 ... 0.7) where that lowers the block's squared weight
+    # error, as llama.cpp's k-quants search (compress/nbits.py); none = ORT's round-to-nearest over the full range;
+    # auto = mse where no activations guide the rounding (the graph written from a checkpoint, weight_algorithm rtn),
+    # none after AWQ, whose scales were searched on the output error (on SmolLM2 mse after AWQ was worse: top-1 0.821
+    # against 0.834, and 4x slower to search); docs/quantization.md#4-bit-weights.
+    weight_clip: Literal["auto", "mse", "none"] = "auto"
     # 4-bit weights: the share of linear groups (a layer's qkv, o, gate_up or down) kept at 8 bits, those whose
     # measured 4-bit output error on the calib rows is largest (mixed precision); the accuracy-aware loop keeps more
     # at 8 bits when the gate asks (accept.relax_trials). 0.25: Qwen2.5-Coder-1.5B-Instruct passed the demo's gate with
@@ -396,6 +398,10 @@ class QuantizeConfig(Section):
     @classmethod
     def _renamed(cls, data):
         return renamed_keys(data, "quantize")
+
+    def w4_clip(self, awq: bool) -> bool:
+        """Whether 4-bit blocks get the range search (weight_clip, resolved for a form with or without AWQ)."""
+        return self.weight_clip == "mse" or (self.weight_clip == "auto" and not awq)
 
 
 class AcceptConfig(Section):

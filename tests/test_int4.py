@@ -275,3 +275,14 @@ def test_4bit_written_from_the_checkpoint_passes_its_golden_and_a_wrong_one_does
     onnx.save(m, str(tmp_path / "a" / "model.onnx"))
     write_manifest(tmp_path / "a", {k: v for k, v in man.items() if k not in ("files", "manifest_version")})
     assert compare_from_config(tmp_path / "a", golden, GoldenConfig(), thresholds=thr, decode_against="self").failures
+
+
+def test_weight_clip_auto_searches_ranges_only_where_no_activations_guided_the_rounding():
+    """quantize.weight_clip auto: the range search for round-to-nearest (the graph written from a checkpoint, or
+    weight_algorithm rtn), none after AWQ; mse and none force either."""
+    from compress.config import QuantizeConfig
+
+    auto = QuantizeConfig(method="weight_only", weight_bits=4)
+    assert auto.weight_clip == "auto" and auto.w4_clip(awq=False) and not auto.w4_clip(awq=True)
+    assert QuantizeConfig(weight_clip="mse").w4_clip(awq=True)
+    assert not QuantizeConfig(weight_clip="none").w4_clip(awq=False)

@@ -81,7 +81,7 @@ def candidate_ranking(q: QuantizerView) -> list[str]:
         elif st.sample is not None and cfg.method == "weight_only" and cfg.weight_bits == 4:
             x = st.sample * inv if inv is not None else st.sample
             score[g] = w4_output_error(x, [tensor_array(inits[l.weight]) for l in ls], cfg.weight_block_size,
-                                       cfg.weight_symmetric, clip=cfg.weight_clip == "mse")
+                                       cfg.weight_symmetric, clip=cfg.w4_clip(cfg.weight_algorithm == "awq"))
         elif st.sample is not None and cfg.method != "weight_only":
             x = st.sample * inv if inv is not None else st.sample
             ws = [tensor_array(inits[l.weight]) for l in ls]
