@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from compress.artifact import read_manifest, write_manifest
 from compress.config import AcceptConfig, QuantizeConfig
 from compress.drivers import lm_for_model
+from compress.tiny import FAMILIES
 from compress.evaluate.gate import accept
 from compress.evaluate.onnx_eval import evaluate_onnx
 from compress.quantize.calibration import Linear
@@ -232,7 +233,7 @@ def test_auto_keeps_int8_when_4bit_fails_and_says_why(tiny_gqa, tiny_splits, tmp
     assert _nbits(tmp_path / "q") == {8: max(_nbits(tmp_path / "q").values())}  # the kept artifact is 8-bit only
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "phi3", "gpt_neox"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_4bit_written_from_the_checkpoint_passes_its_golden_and_a_wrong_one_does_not(family, tmp_path):
     """export.weights int4: the gqa builder writes 4-bit MatMulNBits straight from the checkpoint (the plan's worst
     group, the lm_head and the embedding at 8 bits); golden derives its tolerances from the checkpoint rounded the same
