@@ -183,7 +183,8 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
 
         model, tok = load_teacher(state["model_dir"], dtype="auto")
         q = cfg.quantize
-        plan = int4_plan(model, q.weight_block_size, q.weight_symmetric, q.int4_keep_int8, q.w4_clip(False))
+        plan = int4_plan(model, q.weight_block_size, q.weight_symmetric, q.int4_keep_int8, q.w4_clip(False),
+                          q.int4_lm_head)
         res, man = build_gqa_artifact(model, tok, workdir / "int4", int8=(q.weight_block_size, q.accuracy_level),
                                       int4=plan)
         out.update({"onnx_gib": round(res.onnx_bytes / 2**30, 2), "int8_groups": len(plan.int8_groups),

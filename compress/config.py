@@ -385,6 +385,10 @@ class QuantizeConfig(Section):
     # at 8 bits when the gate asks (accept.relax_trials). 0.25: Qwen2.5-Coder-1.5B-Instruct passed the demo's gate with
     # a quarter (test top-1 0.904) and missed it with a tenth (0.899); docs/quantization.md#4-bit-weights.
     int4_keep_int8: float = Field(0.25, ge=0, le=1)
+    # 4-bit graph written from a checkpoint (export.weights int4): an untied lm_head at 4 bits too (a tied one stays
+    # with its 8-bit table). Off by default: a 4-bit lm_head has caused repetition loops, and llama.cpp's Q4_K_M keeps
+    # it at 6 bits; the chat set's judged ratio is the check that would catch it.
+    int4_lm_head: bool = False
     # weight_only: MatMulNBits accuracy_level, 4 = int8 compute (lower levels are ~25x slower on this CPU).
     accuracy_level: int = Field(4, ge=0, le=4)
     # Quantize the tied embedding / lm_head too (8-bit block-wise, weight-only; activations stay float).

@@ -287,3 +287,29 @@ def test_weight_clip_auto_searches_ranges_only_where_no_activations_guided_the_r
     assert auto.weight_clip == "auto" and auto.w4_clip(awq=False) and not auto.w4_clip(awq=True)
     assert QuantizeConfig(weight_clip="mse").w4_clip(awq=True)
     assert not QuantizeConfig(weight_clip="none").w4_clip(awq=False)
+
+
+def test_an_untied_lm_head_at_4_bits_when_asked_and_golden_rounds_it_the_same_way(tmp_path):
+    """quantize.int4_lm_head: the untied lm_head of the graph written from the checkpoint is a 4-bit MatMulNBits, the
+    manifest says so, and golden's rounded reference (rebuilt from the manifest) passes it; a tied one stays 8-bit."""
+    import copy
+
+    from compress.config import GoldenConfig
+    from compress.evaluate.golden import compare_from_config, record_golden
+    from compress.evaluate.golden_int8 import int8_thresholds
+    from compress.export.gqa import build_gqa_artifact
+    from compress.export.weights import Int4Plan, int4_plan
+    from compress.tiny import build_tiny
+
+    assert int4_plan(build_tiny("llama", seed=0)[0], 32, False, 0.1, lm_head_4bit=True).lm_head_bits == 8  # tied
+    model, tok = build_tiny("phi3", seed=0)
+    plan = int4_plan(model, 32, False, 0.1, lm_head_4bit=True)
+    _, man = build_gqa_artifact(model, tok, tmp_path / "a", int8=(32, 4), int4=plan)
+    head = [n for n in onnx.load(str(tmp_path / "a" / "model.onnx"), load_external_data=False).graph.node
+            if n.name.startswith("/lm_head/")]
+    assert [a.i for n in head for a in n.attribute if a.name == "bits"] == [4]
+    again = Int4Plan.from_quantization(man["quantization"])
+    assert again == plan and again.lm_head_bits == 4
+    golden = record_golden(model, tok, ["The cat sat on the mat", "a b c"], 8, 6)
+    thr, _ = int8_thresholds(copy.deepcopy(model), golden, 32, 4, GoldenConfig().int8_margin, int4=again)
+    assert not compare_from_config(tmp_path / "a", golden, GoldenConfig(), thresholds=thr, decode_against="self").failures

@@ -83,19 +83,23 @@ class Int4Plan:
     symmetric: bool = False
     clip: bool = True
     embedding_bits: int = 8
+    lm_head_bits: int = 8  # 4: an untied lm_head at 4 bits too (quantize.int4_lm_head)
     errors: dict[str, float] = field(default_factory=dict, compare=False)  # group -> measured 4-bit weight error
 
     def at_4_bits(self, module: str | None) -> bool:
+        if module == "lm_head":
+            return self.lm_head_bits == 4
         g = group_of(module or "")
         return g is not None and g not in self.int8_groups
 
     def manifest(self, block: int, accuracy_level: int) -> dict:
         return {"weight_bits": 4, "weight_symmetric": self.symmetric, "weight_clip": "mse" if self.clip else "none",
-                "embedding_bits": self.embedding_bits, "int8_groups": sorted(self.int8_groups),
+                "embedding_bits": self.embedding_bits, "lm_head_bits": self.lm_head_bits,
+                "int8_groups": sorted(self.int8_groups),
                 "weights": (f"int4 block-wise ({'symmetric' if self.symmetric else 'asymmetric'}, "
                             f"{'mse-clipped' if self.clip else 'rtn'}, block {block}, MatMulNBits accuracy_level "
-                            f"{accuracy_level}); {len(self.int8_groups)} groups and the lm_head at 8 bits, the "
-                            f"embedding at {self.embedding_bits}")}
+                            f"{accuracy_level}); {len(self.int8_groups)} groups at 8 bits, the lm_head at "
+                            f"{self.lm_head_bits}, the embedding at {self.embedding_bits}")}
 
     @classmethod
     def from_quantization(cls, q: dict) -> Int4Plan | None:
@@ -104,10 +108,12 @@ class Int4Plan:
             return None
         # graphs written before quantize.weight_clip were ORT's round-to-nearest with an 8-bit table
         return cls(frozenset(q.get("int8_groups", [])), bool(q.get("weight_symmetric")),
-                   q.get("weight_clip", "none") == "mse", int(q.get("embedding_bits", 8)))
+                   q.get("weight_clip", "none") == "mse", int(q.get("embedding_bits", 8)),
+                   int(q.get("lm_head_bits", 8)))
 
 
-def int4_plan(model, block: int, symmetric: bool, keep_int8: float, clip: bool = True) -> Int4Plan:
+def int4_plan(model, block: int, symmetric: bool, keep_int8: float, clip: bool = True,
+              lm_head_4bit: bool = False) -> Int4Plan:
     """Which decoder-layer groups stay at 8 bits in the 4-bit graph written from the checkpoint: the ``keep_int8``
     share with the largest measured 4-bit weight error (||W - Q4(W)|| / ||W||, the weights of a group together;
     read one tensor at a time in fp32). No activations are at hand at export time, so this is the weights' own
@@ -130,4 +136,4 @@ def int4_plan(model, block: int, symmetric: bool, keep_int8: float, clip: bool =
     keep = frozenset(ranked[: int(np.ceil(keep_int8 * len(ranked)))])
     out = model.get_output_embeddings()
     tied = out is not None and out.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
-    return Int4Plan(keep, symmetric, clip, 8 if tied else 4, rel)
+    return Int4Plan(keep, symmetric, clip, 8 if tied else 4, 4 if lm_head_4bit and not tied else 8, rel)
