@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from compress.memory import CHECKPOINT_FROM_PARAMS
-from compress.nbits import w4_weight_error
 
 # manifest["quantization"]["written_from"] of an INT8 graph the export wrote (not the quantize stage)
 FROM_CHECKPOINT = "checkpoint"
@@ -119,6 +118,8 @@ def int4_plan(model, block: int, symmetric: bool, keep_int8: float, clip: bool =
     read one tensor at a time in fp32). No activations are at hand at export time, so this is the weights' own
     measure; the quantize stage's 4-bit form (fp32 graph) ranks by the output error on the calib rows instead."""
     import torch
+
+    from compress.nbits import w4_weight_error  # torch: not at import (flows/pipeline.py imports this module)
 
     lost: dict[str, float] = {}
     energy: dict[str, float] = {}
