@@ -470,7 +470,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         q = cfg.quantize
         k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}",
                           f"int8b{q.weight_block_size}a{q.accuracy_level}" if weights == "int8" else
-                          f"int4b{q.weight_block_size}a{q.accuracy_level}s{int(q.weight_symmetric)}k{q.int4_keep_int8}c{q.weight_clip}h{int(q.int4_lm_head)}"
+                          f"int4b{q.weight_block_size}a{q.accuracy_level}s{int(q.weight_symmetric)}k{q.int4_keep_int8}c{int(q.w4_clip(False))}h{int(q.int4_lm_head)}"
                           if weights == "int4" else "")
         teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
                             model_dir=loaded["model_dir"], weights=weights)

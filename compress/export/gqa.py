@@ -155,8 +155,8 @@ class _Graph:
         # (block_size, accuracy_level): every linear written as 8-bit MatMulNBits straight from the checkpoint's
         # tensor, the arithmetic of the quantize stage's weight_only form (ORT's block quantizer), no fp32 graph
         self.int8 = int8
-        # int4 (with int8's block size and accuracy level): the linears written as 4-bit MatMulNBits, but for the
-        # plan's groups kept at 8 bits and the lm_head (compress/export/weights.py int4_plan)
+        # int4 (with int8's block size and accuracy level): the linears written as 4-bit MatMulNBits (compress/nbits.py),
+        # but for the plan's groups and lm_head kept at 8 bits (compress/export/weights.py int4_plan)
         self.int4 = int4
         self._q8 = None
         if int8 is not None:

@@ -73,9 +73,10 @@ def group_of(module: str) -> str | None:
 
 @dataclass(frozen=True)
 class Int4Plan:
-    """export.weights int4: every decoder-layer linear at 4 bits except ``int8_groups``; the lm_head and a tied table
-    stay 8-bit (a 4-bit lm_head has caused repetition loops); an untied embedding table is read one row per token, so
-    ``embedding_bits`` 4 costs no speed and saves half its bytes (llama.cpp's Q4_K_M stores it at 4 bits too).
+    """export.weights int4: every decoder-layer linear at 4 bits except ``int8_groups``; the lm_head (unless
+    ``lm_head_bits`` 4, quantize.int4_lm_head) and a tied table stay 8-bit (a 4-bit lm_head has caused repetition
+    loops); an untied embedding table is read one row per token, so ``embedding_bits`` 4 costs no speed and saves
+    half its bytes (llama.cpp's Q4_K_M stores it at 4 bits too).
     ``clip``: each 4-bit block's range searched for the least squared error (quantize.weight_clip mse)."""
 
     int8_groups: frozenset[str] = frozenset()

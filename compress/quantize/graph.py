@@ -276,14 +276,13 @@ def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, 
                 symmetric: bool = True, clip: bool = True) -> onnx.ModelProto:
     """In place (and returned): `linears` as `bits`-bit (8 or 4) block-wise MatMulNBits, float activations.
 
-    The same tensors and node ORT's MatMulNBitsQuantizer writes (its C++ block quantizer does the arithmetic),
-    but one weight at a time: each float weight is read (from the proto or, for a lazily loaded graph, from its
-    file), quantized and dropped before the next, so a model never has an fp32 copy and an int8 copy of all its
-    linears at once. ORT's quantizer holds the whole model in memory; on a 1B model that was most of the
-    quantize stage's memory. symmetric False: a zero point per block (the 4-bit form's default, compress/quantize/int4.py). 4 bits are
-    written by compress/nbits.py pack_w4 (ORT's layout and grid; ``clip``: each block's range searched), 8 by ORT.
+    The same tensors and node ORT's MatMulNBitsQuantizer writes (8 bits: its C++ block quantizer does the arithmetic;
+    4 bits: compress/nbits.py pack_w4, ORT's layout and grid, ``clip`` searching each block's range), but one weight
+    at a time: each float weight is read (from the proto or, for a lazily loaded graph, from its file), quantized and
+    dropped before the next, so a model never has an fp32 copy and an int8 copy of all its linears at once. ORT's
+    quantizer holds the whole model in memory; on a 1B model that was most of the quantize stage's memory.
+    symmetric False: a zero point per block (the 4-bit form's default, compress/quantize/int4.py).
     """
-
     from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                  DefaultWeightOnlyQuantizer)
 
@@ -293,7 +292,7 @@ def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, 
         raise QuantizeError(f"quantize.weight_bits must be 4 or 8, got {bits}")
     # bits= given to the config itself: ORT 1.31 wrote 8-bit nodes when only an algo_config asked for 4 (FACTS.md)
     quantizer = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
-        block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits))
+        block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits)) if bits == 8 else None
     tag = f"Q{bits}"
     g = model.graph
     inits = {i.name: i for i in g.initializer}
