@@ -159,7 +159,8 @@ def test_streaming_completion_and_chat(client, ref, tiny_artifact):
 
 
 def test_sse_wire_format_ends_with_done(http):
-    with http.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 5, "stream": True}) as r:
+    with http.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 5, "stream": True,
+                                                              "ignore_eos": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["cache-control"] == "no-cache"
         events = [line for line in r.iter_lines() if line]
