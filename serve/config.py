@@ -140,6 +140,23 @@ class ServeConfig(Section):
     # work, so /health and 429s answer in a burst; the model still takes every cycle the loop leaves
     # (serve/engine/thread_priority.py, docs/serving.md "The event loop under bursts").
     model_thread_nice: int = Field(10, ge=0, le=19)
+    # Speculative decoding (docs/serving.md, "Speculative decoding"): "off"; "prompt_lookup" drafts the tokens
+    # that followed the sequence's last n-gram earlier in it (no second model; pays where the answer copies the
+    # prompt: code edits, quoting); any other value is the artifact folder of a draft model with the served
+    # model's tokenizer (a smaller model of the family, or the pipeline's student), run greedily beside it on its
+    # own KV budget. Outputs keep their meaning: greedy text is the same token for token, sampled text keeps the
+    # served model's distribution (serve/engine/speculative.py).
+    speculative: str = "off"
+    # Most tokens drafted for one request per step; each request's draft length adapts below it (grows while
+    # drafts are accepted, shrinks and pauses while they are not).
+    speculative_tokens: int = Field(4, ge=1, le=16)
+    # Draft only in steps of at most this many rows (running requests): beyond, a step is no longer bound by reading
+    # the weights and checking drafts costs throughput (the measured break-even: docs/serving.md).
+    speculative_max_rows: int = Field(1, ge=1)
+    # Longest n-gram prompt lookup matches (it tries shorter ones down to 1 token).
+    speculative_ngram: int = Field(3, ge=1, le=8)
+    # The draft model's KV budget in MiB, beside kv_memory_mb.
+    speculative_draft_kv_mb: int = Field(64, ge=1)
     # Check every artifact file against its sha256 in the manifest before serving.
     verify_artifact: bool = True
     # How many recent TTFT / inter-token latency samples the stats snapshot keeps.

@@ -43,6 +43,10 @@ _ENGINE_COUNTERS = (
     ("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests."),
     ("vllm:generation_tokens", "generated_tokens", "Generated tokens."),
     ("compressor:engine_steps", "steps", "Engine forward steps."),
+    # speculative decoding (serve.speculative), vLLM v1's names: acceptance rate = accepted / draft tokens
+    ("vllm:spec_decode_num_drafts", "spec_drafts", "Decode rows checked with drafted tokens."),
+    ("vllm:spec_decode_num_draft_tokens", "spec_draft_tokens", "Drafted tokens checked."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Drafted tokens accepted."),
 )
 
 
@@ -174,6 +178,14 @@ class _ScrapeTimeCollector:
                     cur_stats.batch_fill_ratio if cur_stats else 0.0)
         yield gauge("compressor:token_fill_ratio", "Mean tokens per step / max_num_batched_tokens (serving model).",
                     cur_stats.token_fill_ratio if cur_stats else 0.0)
+
+        yield gauge("compressor:spec_decode_acceptance_rate", "Drafted tokens accepted / checked (serving model).",
+                    cur_stats.spec_accepted_tokens / cur_stats.spec_draft_tokens
+                    if cur_stats and cur_stats.spec_draft_tokens else 0.0)
+        yield gauge("compressor:spec_decode_tokens_per_check", "Tokens a drafted row produced per forward: accepted "
+                    "drafts + the model's own token (serving model).",
+                    (cur_stats.spec_accepted_tokens + cur_stats.spec_drafts) / cur_stats.spec_drafts
+                    if cur_stats and cur_stats.spec_drafts else 0.0)
 
         with m._lock:
             retired = dict(m._retired)

@@ -37,7 +37,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -47,15 +46,17 @@ from serve.config import ServeConfig
 from serve.engine.heap import release_free_memory
 from serve.engine.in_flight import InFlightRequest
 from serve.engine.request_handle import RequestHandle, RequestOutput, TokenEvent
+from serve.engine.drafter import make_drafter
 from serve.engine.sampling import SamplingError, SamplingParams, sample_token, token_logprobs
+from serve.engine.speculative import accept_drafts
 from serve.engine.scheduler import AdmissionError, Scheduler, SchedulerOutput, SeqStatus, SequenceState
 from serve.engine.stats import EngineCounters, EngineStats, FinishedRequestSample
-from serve.engine.thread_priority import call_in_lowered_thread, lower_this_thread
+from serve.engine.thread_priority import lower_this_thread
 from serve.engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
 from serve.kv.budget import KVCacheSpec, context_length, kv_layout
 from serve.kv.cache import BlockManager
 from serve.runners.protocol import ModelRunner, RunRow
-from serve.runners.standard import Runner
+from serve.runners.factory import make_runner
 
 log = logging.getLogger(__name__)
 
@@ -84,24 +85,19 @@ class Engine:
             max_batch_size=config.max_batch_size, max_waiting=config.max_waiting, max_wait_s=config.max_wait_s,
             # The scheduler refuses beyond the model's context, and beyond the pool or rows naming the KV budget.
             max_model_len=model_context, policy=config.scheduling_policy, max_row_tokens=row_tokens)
-        if layout == "gqa":  # docs/gqa.md
-            from serve.runners.gqa import GqaRunner  # in-place GroupQueryAttention rows, host or GPU memory
-
-            extra = {"row_tokens": row_tokens, "decode_split_rows": config.decode_split_rows,
-                     "kv_store_setting": config.kv_store}
-            make_runner = partial(GqaRunner, self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
-                                  intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
-                                  max_batch_size=config.max_batch_size, max_model_len=self.max_model_len, **extra)
-        else:
-            make_runner = partial(Runner, self.artifact_dir, self.manifest, num_blocks, bs, providers=config.providers,
-                                  intra_op_threads=config.intra_op_threads, ort_spinning=config.ort_spinning,
-                                  row_tokens=row_tokens)
-        # onnxruntime's intra-op threads, started in the session's constructor, inherit the lowered priority.
-        self.runner: ModelRunner = call_in_lowered_thread(make_runner, config.model_thread_nice)
+        self.runner: ModelRunner = make_runner(self.artifact_dir, self.manifest, config, num_blocks, row_tokens,
+                                               self.max_model_len)
+        self.drafter = make_drafter(config, self.manifest, self.tokenizer)
         # a finished, cancelled or preempted sequence's K/V is dead for the runner too (RunRow key = id + epoch)
         # (the hook holds the runner, not the engine: no cycle, so a dropped engine frees its weights at once)
-        runner = self.runner
-        self.block_manager.on_free = lambda seq: runner.release((seq.request_id, seq.epoch))
+        runner, drafter = self.runner, self.drafter
+        if drafter is None:
+            self.block_manager.on_free = lambda seq: runner.release((seq.request_id, seq.epoch))
+        else:
+            def on_free(seq, runner=runner, drafter=drafter):
+                runner.release((seq.request_id, seq.epoch))
+                drafter.release((seq.request_id, seq.epoch))
+            self.block_manager.on_free = on_free
         release_free_memory()  # the loader's freed temporaries, ~100 MiB for SmolLM2 (serve/engine/heap.py)
         pool_bytes = num_blocks * spec.bytes_per_block(bs)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)%s; context %d; provider %s",
@@ -232,12 +228,16 @@ class Engine:
                     req = self._reqs.get(r.seq.request_id)
                     if req is not None and req.scheduled_t is None:
                         req.scheduled_t = now
+            wanted = self.drafter.candidates(out.scheduled, self.max_model_len) if self.drafter else []
         if out.empty:
             self._emit(events)
             return 0
+        if wanted:
+            self._add_drafts(out, wanted)
         try:
             rows = [RunRow((r.seq.request_id, r.seq.epoch), self.block_manager.block_table(r.seq), r.start,
-                           r.token_ids, r.samples, self._wants_prompt_logits(r)) for r in out.scheduled]
+                           r.token_ids, r.samples, self._wants_prompt_logits(r) or bool(r.drafts))
+                    for r in out.scheduled]
             logits = self.runner.execute(rows)
             error = None
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
@@ -261,6 +261,16 @@ class Engine:
             self._trim_kv()
         self._emit(events)
         return len(out.scheduled)
+
+    def _add_drafts(self, out: SchedulerOutput, wanted) -> None:
+        """Draft for the step's chosen decode rows (outside the lock: a draft model runs here), then give the
+        drafts to the scheduler, which grows the rows' blocks if the pool allows without preempting."""
+        t = time.perf_counter()
+        drafts = self.drafter.propose(wanted)
+        self.drafter.counters.draft_seconds += time.perf_counter() - t
+        with self._lock:
+            for (row, _), d in zip(wanted, drafts):
+                self.scheduler.add_drafts(out, row, d)
 
     def run_until_done(self, max_steps: int | None = None) -> int:
         """Step until no request is left (manual mode). Returns the number of steps."""
@@ -371,9 +381,11 @@ class Engine:
 
     def _process(self, out: SchedulerOutput, logits: list[np.ndarray | None], events: list) -> None:
         now = time.monotonic()
-        counters = self._counters
         for row, lg in zip(out.scheduled, logits):
             seq = row.seq
+            if row.drafts:
+                self._process_drafted(row, lg, events, now)
+                continue
             self.scheduler.commit(row)
             if lg is not None and lg.ndim == 2:  # all positions' logits: prompt log-probs, then the last row
                 self._record_prompt_logprobs(row, lg)
@@ -385,24 +397,45 @@ class Engine:
                 continue  # cancelled while running: do not sample, _apply_aborts finishes it
             params = seq.params
             tok = sample_token(lg, params, req.rng, seq.token_ids, seq.prompt_len, req.stop_ids)
-            # log-probs from the raw logits of the same row the sampler saw (vLLM's default raw_logprobs)
-            lp = token_logprobs(lg, tok, params.logprobs) if params.logprobs is not None else None
-            seq.token_ids.append(tok)
-            counters.generated += 1
-            if req.first_token_t is None:
-                req.first_token_t = now
-                ttft = now - seq.arrival
-                req.handle.ttft_s = ttft
-                req.handle.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
-                counters.record_ttft(ttft)
-            else:
-                counters.record_itl(now - req.last_token_t)
-            req.last_token_t = now
-            reason, delta = req.add_token(tok, self.max_model_len)
-            if reason is not None:
-                events.append(self._finish(req, reason, token_id=tok, text=delta, logprobs=lp))
-            else:
-                events.append((req.handle, TokenEvent(seq.request_id, tok, delta, seq.num_output, logprobs=lp)))
+            self._add_token(req, tok, lg, now, events)
+
+    def _process_drafted(self, row, lg: np.ndarray, events: list, now: float) -> None:
+        """A decode row checked with drafts (``lg`` [1 + k, vocab]): the drafts that stand and the token after them
+        join the sequence one by one (each may end it), and the rejected positions' K/V and blocks go."""
+        seq = row.seq
+        req = self._reqs[seq.request_id]
+        if seq.request_id in self._aborts:
+            self.scheduler.commit_drafted(row, 0)  # _apply_aborts finishes it
+            return
+        toks = accept_drafts(lg, row.drafts, seq.params, req.rng, seq.token_ids, seq.prompt_len, req.stop_ids)
+        self.drafter.verified((seq.request_id, seq.epoch), len(row.drafts), len(toks) - 1)
+        for i, tok in enumerate(toks):
+            if self._add_token(req, tok, lg[i], now, events):
+                return  # finished: its blocks are already back in the pool
+        self.scheduler.commit_drafted(row, len(toks) - 1)
+
+    def _add_token(self, req: InFlightRequest, tok: int, lg: np.ndarray, now: float, events: list) -> bool:
+        """Append one sampled token to the request, stream it; True when it ended the request."""
+        seq, params, counters = req.seq, req.seq.params, self._counters
+        # log-probs from the raw logits of the same row the sampler saw (vLLM's default raw_logprobs)
+        lp = token_logprobs(lg, tok, params.logprobs) if params.logprobs is not None else None
+        seq.token_ids.append(tok)
+        counters.generated += 1
+        if req.first_token_t is None:
+            req.first_token_t = now
+            ttft = now - seq.arrival
+            req.handle.ttft_s = ttft
+            req.handle.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+            counters.record_ttft(ttft)
+        else:
+            counters.record_itl(now - req.last_token_t)
+        req.last_token_t = now
+        reason, delta = req.add_token(tok, self.max_model_len)
+        if reason is not None:
+            events.append(self._finish(req, reason, token_id=tok, text=delta, logprobs=lp))
+            return True
+        events.append((req.handle, TokenEvent(seq.request_id, tok, delta, seq.num_output, logprobs=lp)))
+        return False
 
     @staticmethod
     def _emit(events) -> None:
@@ -415,19 +448,31 @@ class Engine:
         samples and detokenizes a whole batch: figures may then be from either side of a step boundary, which a
         Prometheus scrape tolerates and which keeps /metrics from waiting on the model (serve/api/metrics.py)."""
         if not wait:
-            return self._counters.snapshot(self.runner.provider, self.scheduler, self.block_manager)
+            return self._snapshot()
         with self._lock:
-            return self._counters.snapshot(self.runner.provider, self.scheduler, self.block_manager)
+            return self._snapshot()
+
+    def _snapshot(self) -> EngineStats:
+        st = self._counters.snapshot(self.runner.provider, self.scheduler, self.block_manager)
+        if self.drafter is not None:
+            c = self.drafter.counters
+            st.spec_drafts, st.spec_draft_tokens, st.spec_accepted_tokens = c.drafts, c.draft_tokens, c.accepted_tokens
+        return st
 
     def check_invariants(self) -> None:
         """Consistency of the requests, the block pool and the counters (tests; call between steps)."""
         with self._lock:
             self.block_manager.check_invariants()
             self._counters.check_invariants()
+            bm = self.block_manager
             for rid, req in self._reqs.items():
                 assert req.seq.request_id == rid and not req.handle.finished, rid
                 assert req.seq.status is not SeqStatus.FINISHED, rid
                 req.check_invariants()
+                if bm.has(req.seq):  # no blocks beyond the sequence's tokens (rejected drafts gave theirs back)
+                    assert len(bm.block_table(req.seq)) <= bm.blocks_for_tokens(len(req.seq.token_ids)), rid
+            if self.drafter is not None and self.drafter.model is not None:
+                self.drafter.model.check_invariants()
 
     def pop_latency_samples(self) -> tuple[list[float], list[float]]:
         """TTFT and inter-token latency samples recorded since the last call (for histograms; lock-free)."""

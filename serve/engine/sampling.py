@@ -166,12 +166,9 @@ def token_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[
     return float(lp[token]), top
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None,
-                 token_ids: Sequence[int] = (), prompt_len: int | None = None, stop_ids: Sequence[int] = ()) -> int:
-    """Pick the next token from one row of logits ``[vocab]`` (see ``process_logits`` for the arguments)."""
-    logits = process_logits(logits, params, token_ids, prompt_len, stop_ids)
-    if params.is_greedy:
-        return int(np.argmax(logits))
+def token_distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate ids, their probabilities) the draw picks from, for already processed ``logits`` of a sampled
+    (not greedy) request: temperature → min_p → top-k → top-p; candidates ordered by (probability desc, id asc)."""
     x = logits.astype(np.float64) / float(params.temperature)
     vocab = x.shape[0]
     if 0 < params.top_k < vocab:
@@ -195,11 +192,25 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
         keep = int(np.searchsorted(cum, params.top_p - 1e-6, side="left")) + 1
         cand, p = cand[:keep], p[:keep]
         p = p / p.sum()
+    return cand, p
+
+
+def draw(cand: np.ndarray, p: np.ndarray, rng: np.random.Generator | None) -> int:
+    """One token from (candidates, probabilities): exactly one uniform draw from ``rng``."""
     if rng is None:
         rng = np.random.default_rng()
     u = rng.random()
     idx = int(np.searchsorted(np.cumsum(p), u, side="right"))
     return int(cand[min(idx, len(cand) - 1)])
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None,
+                 token_ids: Sequence[int] = (), prompt_len: int | None = None, stop_ids: Sequence[int] = ()) -> int:
+    """Pick the next token from one row of logits ``[vocab]`` (see ``process_logits`` for the arguments)."""
+    logits = process_logits(logits, params, token_ids, prompt_len, stop_ids)
+    if params.is_greedy:
+        return int(np.argmax(logits))
+    return draw(*token_distribution(logits, params), rng)
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:

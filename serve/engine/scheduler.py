@@ -132,10 +132,13 @@ class ScheduledSeq:
     seq: SequenceState
     start: int  # first position computed this step (= tokens already in the cache)
     num_tokens: int
+    # drafted tokens checked in the same forward after the decode token (serve/engine/speculative.py); their
+    # positions follow num_tokens, and only those the target accepts stay computed (commit_drafted)
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.start + self.num_tokens]
+        return self.seq.token_ids[self.start:self.start + self.num_tokens] + self.drafts
 
     @property
     def samples(self) -> bool:
@@ -367,7 +370,33 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(seq)
 
+    def add_drafts(self, out: SchedulerOutput, row: ScheduledSeq, drafts: list[int]) -> bool:
+        """Give a scheduled decode row ``drafts`` to check in the same forward, if its blocks can grow without
+        preempting anyone and the step's rows stay within the row budget; False (row unchanged) otherwise."""
+        seq = row.seq
+        if not drafts or row.num_tokens != 1 or not row.samples:
+            return False
+        end = row.start + 1 + len(drafts)
+        if self.max_row_tokens is not None:
+            longest = max(max(r.start + len(r.token_ids) for r in out.scheduled), end)
+            if len(out.scheduled) * longest > self.max_row_tokens:
+                return False
+        if not self.bm.allocate(seq, end):
+            return False
+        row.drafts = list(drafts)
+        out.num_tokens += len(drafts)
+        return True
+
     # ---- after the step --------------------------------------------------------------------
+    def commit_drafted(self, row: ScheduledSeq, accepted: int) -> None:
+        """A drafted row was checked and ``accepted`` drafts (already appended to the sequence with the token after
+        them) stand: their K/V stays, the rejected positions are dropped, and the blocks beyond the sequence's
+        tokens go back to the pool."""
+        seq = row.seq
+        seq.num_computed = row.start + row.num_tokens + accepted
+        self.bm.commit(seq, seq.token_ids, seq.num_computed)
+        self.bm.shrink(seq, len(seq.token_ids))
+
     def commit(self, row: ScheduledSeq) -> None:
         """The runner wrote K/V for the row's tokens: advance and publish newly full blocks."""
         seq = row.seq

@@ -61,6 +61,9 @@ class EngineStats:
     prompt_tokens: int  # counter: prompt tokens of finished requests
     generated_tokens: int  # counter
     computed_tokens: int  # counter: tokens run through the model (prefill chunks + decodes)
+    spec_drafts: int = 0  # counter: decode rows checked with drafts (serve.speculative)
+    spec_draft_tokens: int = 0  # counter: drafted tokens checked
+    spec_accepted_tokens: int = 0  # counter: drafted tokens accepted
     ttft_s: list[float] = field(default_factory=list, repr=False)  # recent samples (window)
     itl_s: list[float] = field(default_factory=list, repr=False)  # recent samples (window)
 

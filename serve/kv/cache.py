@@ -231,6 +231,17 @@ class BlockManager:
             table.append(self._pop_free())
         return True
 
+    def shrink(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Release the blocks of ``seq_id``'s table beyond the first ``num_tokens`` positions (rejected drafted
+        positions: their blocks hold nothing anyone reads, and were never hashed)."""
+        table = self.block_table(seq_id)
+        keep = self.blocks_for_tokens(num_tokens)
+        if keep < len(self._chains[seq_id]):
+            raise KVCacheError(f"sequence {seq_id!r}: cannot shrink below its {len(self._chains[seq_id])} committed "
+                               f"blocks to {keep}")
+        while len(table) > keep:
+            self._release(table.pop())
+
     def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
         """Record that positions ``[0, num_computed)`` of the sequence hold K/V for ``token_ids``.
 

@@ -1,0 +1,109 @@
+"""The engine's speculative-decoding front: which decode rows of a step get drafts, from which source, how long.
+
+serve/engine/speculative.py has the rules (prompt lookup, the acceptance rule, the adaptive length);
+serve/engine/draft_model.py the second model. The engine asks ``propose`` after scheduling a step (outside its
+lock: a draft model runs there), hands the drafts to the scheduler, and reports every check to ``verified``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from serve.config import ServeConfig
+from serve.engine.scheduler import ScheduledSeq
+from serve.engine.speculative import DraftLength, prompt_lookup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecCounters:
+    """Monotonic counters, as vLLM's spec-decode metrics: checks, drafted tokens, accepted tokens."""
+
+    drafts: int = 0  # rows that carried drafts
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_seconds: float = 0.0  # time spent drafting (a draft model's forwards; lookups are microseconds)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_check(self) -> float:
+        """Tokens a drafted row produced per forward: accepted drafts + the one the target adds."""
+        return (self.accepted_tokens + self.drafts) / self.drafts if self.drafts else 0.0
+
+
+class Drafter:
+    def __init__(self, config: ServeConfig, *, draft_model=None):
+        self.method = "prompt_lookup" if config.speculative == "prompt_lookup" else "draft_model"
+        self.k_max = config.speculative_tokens
+        self.max_rows = config.speculative_max_rows
+        self.ngram = config.speculative_ngram
+        self.model = draft_model
+        self.lengths: dict[Hashable, DraftLength] = {}
+        self.counters = SpecCounters()
+
+    def _length(self, key: Hashable) -> DraftLength:
+        d = self.lengths.get(key)
+        if d is None:
+            d = self.lengths[key] = DraftLength(self.k_max)
+        return d
+
+    def candidates(self, rows: Sequence[ScheduledSeq], max_model_len: int) -> list[tuple[ScheduledSeq, int]]:
+        """The step's decode rows that should draft now, each with how many tokens (none when the step is larger
+        than ``speculative_max_rows``)."""
+        if len(rows) > self.max_rows:
+            return []
+        out = []
+        for r in rows:
+            seq = r.seq
+            if r.num_tokens != 1 or not r.samples or seq.params.prompt_logprobs is not None:
+                continue
+            # room for the drafts and the token after them, within max_tokens and the context
+            room = min(seq.params.max_tokens - seq.num_output - 1, max_model_len - len(seq.token_ids))
+            if room < 1:
+                continue
+            k = min(self._length((seq.request_id, seq.epoch)).want(), room)
+            if k > 0:
+                out.append((r, k))
+        return out
+
+    def propose(self, wanted: Sequence[tuple[ScheduledSeq, int]]) -> list[list[int]]:
+        """Drafts for each (row, k); [] where the source has none. Never raises: a failing draft model logs and
+        drafts nothing, and the step runs without speculation."""
+        if self.method == "prompt_lookup":
+            return [prompt_lookup(r.seq.token_ids, k, self.ngram) for r, k in wanted]
+        try:
+            return self.model.propose([((r.seq.request_id, r.seq.epoch), r.seq.token_ids, k) for r, k in wanted])
+        except Exception:  # noqa: BLE001 - drafts are an optimisation: serve without them
+            log.exception("the draft model failed; this step runs without drafts")
+            return [[] for _ in wanted]
+
+    def verified(self, key: Hashable, proposed: int, accepted: int) -> None:
+        c = self.counters
+        c.drafts += 1
+        c.draft_tokens += proposed
+        c.accepted_tokens += accepted
+        self._length(key).update(proposed, accepted)
+
+    def release(self, key: Hashable) -> None:
+        """The request's sequence is gone (finished, cancelled, preempted: a new epoch starts afresh)."""
+        self.lengths.pop(key, None)
+        if self.model is not None:
+            self.model.release(key)
+
+
+def make_drafter(config: ServeConfig, manifest: dict, tokenizer) -> Drafter | None:
+    """The drafter ``serve.speculative`` asks for (None when off); a draft model is loaded here."""
+    if config.speculative == "off":
+        return None
+    model = None
+    if config.speculative != "prompt_lookup":
+        from serve.engine.draft_model import DraftModel  # a second runner: only when asked for
+
+        model = DraftModel(config.speculative, config, manifest, tokenizer)
+    return Drafter(config, draft_model=model)
