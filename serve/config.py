@@ -157,6 +157,12 @@ class ServeConfig(Section):
     speculative_ngram: int = Field(3, ge=1, le=8)
     # The draft model's KV budget in MiB, beside kv_memory_mb.
     speculative_draft_kv_mb: int = Field(64, ge=1)
+    # Run a lone decode row (one user) through the multi-row kernels that prompt chunks and drafted checks use
+    # (gqa layout: its token twice as a two-position chunk, the second position discarded). On graphs with int8
+    # activations (MatMulNBits accuracy_level 4) ONNX Runtime's one-row kernel rounds otherwise (Qwen2.5-Coder-1.5B
+    # int4: logits differ by ~0.2), so speculation can change greedy text where two tokens nearly tie; with this on
+    # it never does, for ~19 % more time per lone decode step (docs/serving.md, "Speculative decoding").
+    uniform_kernels: bool = False
     # Check every artifact file against its sha256 in the manifest before serving.
     verify_artifact: bool = True
     # How many recent TTFT / inter-token latency samples the stats snapshot keeps.

@@ -22,7 +22,8 @@ def make_runner(artifact_dir: str | Path, manifest: dict, config: ServeConfig, n
         def make():
             return GqaRunner(artifact_dir, manifest, num_blocks, bs, max_batch_size=config.max_batch_size,
                              max_model_len=max_model_len, row_tokens=row_tokens,
-                             decode_split_rows=config.decode_split_rows, kv_store_setting=config.kv_store, **common)
+                             decode_split_rows=config.decode_split_rows, kv_store_setting=config.kv_store,
+                             uniform_kernels=config.uniform_kernels, **common)
     else:
         from serve.runners.standard import Runner
 

@@ -132,13 +132,14 @@ class GqaRunner(RunnerBase):
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
                  providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: str = "during_runs",
                  max_batch_size: int = 16, max_model_len: int | None = None, row_tokens: int | None = None,
-                 decode_split_rows: int = 0, kv_store_setting: str = "auto"):
+                 decode_split_rows: int = 0, kv_store_setting: str = "auto", uniform_kernels: bool = False):
         layout = manifest.get("attention_layout")
         if layout != "gqa":
             raise RunnerError(f"attention layout {layout!r}: GqaRunner runs 'gqa' artifacts (serve.runners.standard.Runner runs 'standard')")
         self.dtype, self.past_names, self.present_names = kv_spec(manifest)
         super().__init__(artifact_dir, manifest, num_blocks, block_size, providers, intra_op_threads, ort_spinning)
         self.max_len = int(max_model_len or manifest.get("max_positions") or 2048)
+        self.uniform_kernels = bool(uniform_kernels)  # serve.uniform_kernels
         # The pool and the rows: host arrays on the CPU EP, GPU tensors for the CUDA form on the CUDA EP
         self.store = kv_store(kv_store_setting, self.provider, self.dtype)
         if self.provider != CPU and self.store.ort_device == "cpu":
@@ -347,6 +348,10 @@ class GqaRunner(RunnerBase):
         index = {id(r): i for i, r in enumerate(rows)}
         decode = [r for r in rows if len(r.token_ids) == 1]
         prefill = [r for r in rows if len(r.token_ids) > 1]
+        if self.uniform_kernels and len(decode) == 1 and 0 < decode[0].start <= min(self.cap, self.max_len) - 2:
+            # a lone decode row as a two-position chunk (its token twice, the second position's K/V discarded): the
+            # multi-row kernels that prompt chunks and drafted checks run, not ONNX Runtime's one-row ones
+            prefill.append(decode.pop())
         if decode:
             self._place_decode(decode)  # reorders `decode` to slot order
             logits = self._run_decode(decode)
@@ -364,7 +369,11 @@ class GqaRunner(RunnerBase):
         for r in prefill:
             slot = self._slot_for_prefill(r, len(decode))
             self._fill(slot, r)
-            lg = self._run_prefill(slot, r)
+            if len(r.token_ids) == 1:  # uniform_kernels: see above
+                lg = self._run_prefill(slot, RunRow(r.key, r.block_table, r.start, [r.token_ids[0]] * 2, True, True),
+                                       write=1)[:1]
+            else:
+                lg = self._run_prefill(slot, r)
             out[index[id(r)]] = lg.copy() if r.all_logits else lg[-1].copy() if r.want_logits else None
         self.step_seconds += time.perf_counter() - t0
         return out
@@ -568,7 +577,8 @@ class GqaRunner(RunnerBase):
             pos += m
         self.slot[slot].valid = self.slot[slot].flushed = s + n
 
-    def _run_prefill(self, slot: int, r: RunRow) -> np.ndarray:
+    def _run_prefill(self, slot: int, r: RunRow, write: int | None = None) -> np.ndarray:
+        """Run r's tokens on its slot; their K/V (the first ``write`` of them) go to its blocks. [kept, vocab]."""
         n, s = len(r.token_ids), r.start
         ids = np.asarray(r.token_ids, dtype=np.int64).reshape(1, n)
         # the last position's logits only, unless the row asks for all of them (prompt log-probs)
@@ -576,5 +586,5 @@ class GqaRunner(RunnerBase):
         logits = self._logits_buf((1, keep or n, self.vocab_size))
         self._bind_and_run(self.kv[:, slot:slot + 1], ids, np.array([s + n - 1], np.int32), logits, keep)
         self._flush(slot)  # a decode tail before this chunk (not expected: chunks come before decoding)
-        self._write_back(slot, r.block_table, s, n)
+        self._write_back(slot, r.block_table, s, n if write is None else write)
         return logits[0]  # [kept positions, vocab]
