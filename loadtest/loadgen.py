@@ -136,6 +136,12 @@ class BenchResult:
         q, h = self.counters.get("vllm:prefix_cache_queries_total"), self.counters.get("vllm:prefix_cache_hits_total")
         m["prefix_cache_hit_rate"] = h / q if q else math.nan
         m["preemptions"] = self.counters.get("vllm:num_preemptions_total", math.nan)
+        # speculative decoding (serve.speculative): NaN when nothing was drafted
+        d, t = self.counters.get("vllm:spec_decode_num_drafts_total"), self.counters.get(
+            "vllm:spec_decode_num_draft_tokens_total")
+        a = self.counters.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
+        m["spec_acceptance_rate"] = a / t if t else math.nan
+        m["spec_tokens_per_check"] = (a + d) / d if d else math.nan
         return m
 
     def by_kind(self) -> dict[str, dict[str, float]]:
@@ -222,7 +228,8 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 _COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
              "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "compressor:result_cache_hits_total",
-             "compressor:engine_steps_total")
+             "compressor:engine_steps_total", "vllm:spec_decode_num_drafts_total",
+             "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total")
 
 
 def read_peak_rss(pid: int) -> int | None:

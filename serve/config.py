@@ -161,7 +161,8 @@ class ServeConfig(Section):
     # (gqa layout: its token twice as a two-position chunk, the second position discarded). On graphs with int8
     # activations (MatMulNBits accuracy_level 4) ONNX Runtime's one-row kernel rounds otherwise (Qwen2.5-Coder-1.5B
     # int4: logits differ by ~0.2), so speculation can change greedy text where two tokens nearly tie; with this on
-    # it never does, for ~19 % more time per lone decode step (docs/serving.md, "Speculative decoding").
+    # it never does, for ~13 % of a lone user's tokens/s where nothing is drafted (docs/serving.md, "Speculative
+    # decoding").
     uniform_kernels: bool = False
     # Check every artifact file against its sha256 in the manifest before serving.
     verify_artifact: bool = True

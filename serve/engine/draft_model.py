@@ -23,7 +23,7 @@ from serve.config import ConfigError, ServeConfig
 from serve.engine.tokenizer import load_tokenizer
 from serve.kv.budget import KVCacheSpec, kv_layout
 from serve.kv.cache import BlockManager
-from serve.runners.factory import make_runner
+from serve.engine.runner_factory import make_runner
 from serve.runners.protocol import RunRow
 
 log = logging.getLogger(__name__)

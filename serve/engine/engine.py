@@ -20,6 +20,11 @@ and on the last one the ``finish_reason``: ``stop`` (eos, stop id or stop string
 stop string is held back until it is known not to be; the text never includes the stop
 string itself. The stop token's id is reported (and counted) but adds no text.
 
+Speculative decoding (``serve.speculative``, serve/engine/drafter.py): after scheduling, a lone decode row may
+get drafted tokens (prompt lookup, or a draft model, run outside the lock); the runner computes them with the
+decode token in one forward, ``_process_drafted`` keeps the drafts that the acceptance rule accepts
+(serve/engine/speculative.py) and the scheduler gives back the rejected positions' blocks (``commit_drafted``).
+
 One job: run the steps (schedule, run the model, sample, stream) and own the requests'
 lifecycle. The parts it drives live beside it: serve/engine/request_handle.py (what the caller
 iterates), serve/engine/in_flight.py (one request's state and the text each token adds) and
@@ -56,7 +61,7 @@ from serve.engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_t
 from serve.kv.budget import KVCacheSpec, context_length, kv_layout
 from serve.kv.cache import BlockManager
 from serve.runners.protocol import ModelRunner, RunRow
-from serve.runners.factory import make_runner
+from serve.engine.runner_factory import make_runner
 
 log = logging.getLogger(__name__)
 

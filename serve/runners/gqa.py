@@ -343,12 +343,17 @@ class GqaRunner(RunnerBase):
         for r in rows:
             if len(r.token_ids) < 1:
                 raise RunnerError("a scheduled row has no tokens")
-        self._ensure(len(rows), max(r.start + len(r.token_ids) for r in rows))
+        need = max(r.start + len(r.token_ids) for r in rows)
+        if self.uniform_kernels and sum(len(r.token_ids) == 1 for r in rows) == 1 and \
+                need < self.max_len and len(rows) * (need + 1) <= self.row_tokens:
+            need += 1  # room for the lone decode row's second position (below)
+        self._ensure(len(rows), need)
         out: list[np.ndarray | None] = [None] * len(rows)
         index = {id(r): i for i, r in enumerate(rows)}
         decode = [r for r in rows if len(r.token_ids) == 1]
         prefill = [r for r in rows if len(r.token_ids) > 1]
         if self.uniform_kernels and len(decode) == 1 and 0 < decode[0].start <= min(self.cap, self.max_len) - 2:
+            # (at the context's last position there is no room for it: that one step runs the one-row kernels)
             # a lone decode row as a two-position chunk (its token twice, the second position's K/V discarded): the
             # multi-row kernels that prompt chunks and drafted checks run, not ONNX Runtime's one-row ones
             prefill.append(decode.pop())
