@@ -285,3 +285,36 @@ def test_the_server_streams_the_same_text_and_reports_the_drafts(tiny_gqa):
     assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed
     assert values["compressor:spec_decode_acceptance_rate"] == pytest.approx(accepted / proposed)
     assert values["compressor:spec_decode_tokens_per_check"] == pytest.approx((accepted + drafts) / drafts)
+
+
+def test_the_speculative_docs_name_keys_commands_and_paths_that_exist():
+    """docs/serving.md "Speculative decoding": its serve.* keys, metrics, result files and benchmark flags exist."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from serve.api.metrics import _ENGINE_COUNTERS
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs/serving.md").read_text()
+    section = text[text.index("## Speculative decoding"):text.index("## Measured: SmolLM2")]
+    names = {" ".join(n.split()) for n in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", section, flags=re.S))}
+    keys = {n.split("=")[0].split(":")[0] for n in names if n.startswith("serve.")}
+    assert {"serve.speculative", "serve.speculative_tokens", "serve.speculative_max_rows", "serve.uniform_kernels",
+            "serve.speculative_ngram", "serve.speculative_draft_kv_mb"} <= keys
+    for key in keys:
+        assert key.split(".")[1] in ServeConfig.model_fields, key
+    counters = {name for name, _, _ in _ENGINE_COUNTERS}
+    for metric in (n for n in names if n.startswith("vllm:spec")):
+        assert metric in counters, metric
+    for path in (n for n in names if n.startswith("benchmarks/results/")):
+        assert (root / path).is_file(), path
+    help_text = subprocess.run([sys.executable, "-m", "benchmarks.speculative", "--help"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout
+    commands = [n for n in names if n.startswith("python -m benchmarks.speculative")]
+    assert len(commands) >= 2
+    for flag in set(re.findall(r"--[a-z][a-z-]+", " ".join(commands))):
+        assert flag in help_text, flag
+    assert ".venv/bin/compressor serve --model models:/smollm2-135m@champion --set serve.speculative=prompt_lookup" \
+        in section  # the serve command's flags are the README's (tests/test_docs.py)
