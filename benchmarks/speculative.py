@@ -91,22 +91,26 @@ def one_user(artifact: Path, overrides: dict, prompts: list[list[dict]], max_tok
             **counters}
 
 
-def under_load(artifact: Path, overrides: dict, c: int) -> dict:
+def under_load(artifact: Path, overrides: dict, c: int, workload: str = "chat") -> dict:
+    """``c`` users at once, two requests each: chat turns (64 tokens, ``ignore_eos``) or code edits (128 tokens)."""
     import openai
 
     with running_server(artifact, overrides) as (url, _):
         name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
+        extra, max_tokens = ({"ignore_eos": True}, 64) if workload == "chat" else ({}, 128)
 
         def one(msgs):
-            r = client.chat.completions.create(model=name, messages=msgs, max_tokens=64, temperature=0,
-                                               extra_body={"ignore_eos": True})
+            r = client.chat.completions.create(model=name, messages=msgs, max_tokens=max_tokens, temperature=0,
+                                               extra_body=extra)
             return r.usage.completion_tokens
 
         one(chats(1, seed=99)[0])
+        prompts = chats(2 * c, seed=c) if workload == "chat" else \
+            [code_edits(len(FUNCTIONS))[i % len(FUNCTIONS)] for i in range(2 * c)]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(c) as pool:
-            tokens = sum(pool.map(one, chats(2 * c, seed=c)))
+            tokens = sum(pool.map(one, prompts))
         wall = time.perf_counter() - t0
         counters = spec_counters(url)
     return {"c": c, "tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 2), **counters}
@@ -117,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--artifact", type=Path, required=True)
     ap.add_argument("--method", action="append", default=None,
                     help="prompt_lookup, or draft=<artifact folder> (repeatable; default prompt_lookup)")
-    ap.add_argument("--prompts", type=int, default=6, help="prompts per workload (at most 10)")
+    ap.add_argument("--prompts", type=int, default=6, help="prompts per workload (at most 10; 0: no one-user runs)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--load", type=int, nargs="*", default=[8, 32])
+    ap.add_argument("--load-workload", choices=["chat", "code_edit"], default="chat",
+                    help="what the users under load ask (code_edit: where drafts land, to find the break-even)")
     ap.add_argument("--set", action="append", default=[], help="extra serve.KEY=VALUE for every server")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/speculative.json")
     args = ap.parse_args(argv)
@@ -130,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     methods = {"off": "off"}
     for m in args.method or ["prompt_lookup"]:
         methods[m.split("=", 1)[0] if m.startswith("draft=") else m] = m.split("=", 1)[1] if "=" in m else m
-    workloads = {"code_edit": code_edits(args.prompts), "chat": chats(args.prompts, seed=7)}
+    workloads = {"code_edit": code_edits(args.prompts), "chat": chats(args.prompts, seed=7)} if args.prompts else {}
     res = {"artifact": str(args.artifact), "cpu_flags": cpu_flags(), "max_tokens": args.max_tokens,
+           "load_workload": args.load_workload,
            "settings": base, "methods": methods, "one_user": {}, "under_load": {}}
     print(f"CPU flags: {res['cpu_flags']}")
     for wl, prompts in workloads.items():
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in args.load:
         rows = {}
         for label, spec in methods.items():
-            rows[label] = under_load(args.artifact, {**base, "speculative": spec}, c)
+            rows[label] = under_load(args.artifact, {**base, "speculative": spec}, c, args.load_workload)
             rows[label]["x_off"] = round(rows[label]["tokens_per_s"] / rows["off"]["tokens_per_s"], 3)
             print(f"c={c:<3d} {label:14s} {rows[label]['tokens_per_s']:7.2f} tok/s  x{rows[label]['x_off']:.2f} of off"
                   f"  drafts {rows[label]['num_drafts']:.0f}", flush=True)
