@@ -129,7 +129,7 @@ class _PromptCall(NamedTuple):
 class GqaRunner(RunnerBase):
     """Owns the ORT session, the block pool and the per-sequence KV rows; ``execute`` runs one step."""
 
-    def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
+    def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int, *,
                  providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: str = "during_runs",
                  max_batch_size: int = 16, max_model_len: int | None = None, row_tokens: int | None = None,
                  decode_split_rows: int = 0, kv_store_setting: str = "auto", uniform_kernels: bool = False):

@@ -159,7 +159,7 @@ class _PastBuffer:
 class Runner(RunnerBase):
     """Owns the ORT session and the KV pool; ``execute`` runs one scheduled step."""
 
-    def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
+    def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int, *,
                  providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0,
                  ort_spinning: str = "during_runs", row_tokens: int | None = None):
         layout = manifest.get("attention_layout", "standard")
