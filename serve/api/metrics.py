@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -127,6 +128,26 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+@dataclass
+class _Scrape:
+    """What one scrape reads: the live engines' stats, the serving model and its name."""
+
+    stats: list  # (LoadedModel, EngineStats) of every live engine
+    live: list
+    cur: LoadedModel | None
+    name: str
+
+    @property
+    def cur_stats(self):
+        return next((s for lm, s in self.stats if lm is self.cur), None)
+
+    def gauge(self, metric: str, doc: str, value, labels: dict | None = None) -> GaugeMetricFamily:
+        labels = {"model_name": self.name} if labels is None else labels
+        g = GaugeMetricFamily(metric, doc, labels=list(labels))
+        g.add_metric(list(labels.values()), value)
+        return g
+
+
 class _ScrapeTimeCollector:
     """Reads engine, cache and manager state at scrape time."""
 
@@ -134,7 +155,7 @@ class _ScrapeTimeCollector:
         self.m = m
 
     def collect(self):
-        m, mgr = self.m, self.m.manager
+        mgr = self.m.manager
         live = [lm for lm in mgr.live_models() if not lm.closed]
         stats = []
         for lm in live:
@@ -143,87 +164,87 @@ class _ScrapeTimeCollector:
             except Exception:  # noqa: BLE001 - an engine shutting down mid-scrape is skipped
                 continue
         cur = mgr.current
-        name = cur.name if cur else mgr.source.served_name
+        sc = _Scrape(stats, live, cur, cur.name if cur else mgr.source.served_name)
+        yield from self._engine_gauges(sc)
+        yield from self._counters(sc)
+        yield from self._cache_and_models(sc)
 
-        def gauge(metric, doc, value, labels: dict | None = None):
-            labels = {"model_name": name} if labels is None else labels
-            g = GaugeMetricFamily(metric, doc, labels=list(labels))
-            g.add_metric(list(labels.values()), value)
-            return g
-
+    @staticmethod
+    def _engine_gauges(sc: _Scrape):
+        stats, cur, st, gauge = sc.stats, sc.cur, sc.cur_stats, sc.gauge
         yield gauge("vllm:num_requests_running", "Requests running on the engine(s) now.",
                     sum(s.num_running for _, s in stats))
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
                     sum(s.num_waiting for _, s in stats))
-        cur_stats = next((s for lm, s in stats if lm is cur), None)
         # vLLM's "perc" is a fraction: 1 means the whole KV pool is in use (evictable cached blocks count as free).
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of the serving model's KV blocks in use.",
-                    cur_stats.kv_usage_pct / 100.0 if cur_stats else 0.0)
+                    st.kv_usage_pct / 100.0 if st else 0.0)
         yield gauge("compressor:kv_cache_usage_peak_perc",
                     "Highest fraction of the serving model's KV blocks in use at once since it was loaded.",
-                    cur_stats.kv_usage_peak_pct / 100.0 if cur_stats else 0.0)
+                    st.kv_usage_peak_pct / 100.0 if st else 0.0)
         yield gauge("compressor:kv_blocks_used", "KV blocks held by requests (all live engines).",
                     sum(s.kv_blocks_used for _, s in stats))
         yield gauge("compressor:kv_blocks_total", "KV blocks in the serving model's pool.",
-                    cur_stats.kv_blocks_total if cur_stats else 0)
+                    st.kv_blocks_total if st else 0)
         yield gauge("compressor:kv_bytes", "Bytes held for K/V now: block pool plus in-place rows or past buffers "
                     "(all live engines).", sum(lm.engine.kv_bytes() for lm, _ in stats))
         yield gauge("compressor:kv_budget_bytes", "The serving model's KV budget (serve.kv_memory_mb as laid out).",
-                    cur.engine.kv_budget_bytes() if cur_stats else 0)
-        device = cur.engine.device_memory() if cur_stats else {}
+                    cur.engine.kv_budget_bytes() if st else 0)
+        device = cur.engine.device_memory() if st else {}
         for key, doc in GPU_GAUGES.items():
             if key in device:  # the CUDA EP with the K/V on the GPU only
                 yield gauge(f"compressor:{key}", doc, device[key])
         yield gauge("compressor:batch_fill_ratio", "Mean sequences per step / max_batch_size (serving model).",
-                    cur_stats.batch_fill_ratio if cur_stats else 0.0)
+                    st.batch_fill_ratio if st else 0.0)
         yield gauge("compressor:token_fill_ratio", "Mean tokens per step / max_num_batched_tokens (serving model).",
-                    cur_stats.token_fill_ratio if cur_stats else 0.0)
-
+                    st.token_fill_ratio if st else 0.0)
         yield gauge("compressor:spec_decode_acceptance_rate", "Drafted tokens accepted / checked (serving model).",
-                    cur_stats.spec_accepted_tokens / cur_stats.spec_draft_tokens
-                    if cur_stats and cur_stats.spec_draft_tokens else 0.0)
+                    st.spec_accepted_tokens / st.spec_draft_tokens if st and st.spec_draft_tokens else 0.0)
         yield gauge("compressor:spec_decode_tokens_per_check", "Tokens a drafted row produced per forward: accepted "
                     "drafts + the model's own token (serving model).",
-                    (cur_stats.spec_accepted_tokens + cur_stats.spec_drafts) / cur_stats.spec_drafts
-                    if cur_stats and cur_stats.spec_drafts else 0.0)
+                    (st.spec_accepted_tokens + st.spec_drafts) / st.spec_drafts if st and st.spec_drafts else 0.0)
 
+    def _counters(self, sc: _Scrape):
+        """Engine counters: retired engines' totals plus the live ones'."""
+        m = self.m
         with m._lock:
             retired = dict(m._retired)
             retired_finish = dict(m._retired_finish)
         for metric, attr, doc in _ENGINE_COUNTERS:
             c = CounterMetricFamily(metric, doc, labels=["model_name"])
-            c.add_metric([name], retired.get(attr, 0) + sum(getattr(s, attr) for _, s in stats))
+            c.add_metric([sc.name], retired.get(attr, 0) + sum(getattr(s, attr) for _, s in sc.stats))
             yield c
         finish = defaultdict(float, retired_finish)
-        for _, s in stats:
+        for _, s in sc.stats:
             for reason, n in s.finish_reasons.items():
                 finish[reason] += n
         c = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason.",
                                 labels=["model_name", "finished_reason"])
         for reason in sorted(finish):
-            c.add_metric([name, reason], finish[reason])
+            c.add_metric([sc.name, reason], finish[reason])
         yield c
 
-        cache = m.cache
+    def _cache_and_models(self, sc: _Scrape):
+        """The result cache, the model served and the swaps."""
+        cache, mgr, cur = self.m.cache, self.m.manager, sc.cur
         c = CounterMetricFamily("compressor:result_cache_hits", "Requests answered from the result cache.")
         c.add_metric([], cache.hits)
         yield c
         c = CounterMetricFamily("compressor:result_cache_misses", "Deterministic requests not found in the result cache.")
         c.add_metric([], cache.misses)
         yield c
-        yield gauge("compressor:result_cache_entries", "Entries in the result cache.", len(cache), {})
-
+        yield sc.gauge("compressor:result_cache_entries", "Entries in the result cache.", len(cache), {})
         version = cur.version if cur else None
-        yield gauge("compressor:served_model_version",
-                    "Registry version being served (0 for a local folder or none loaded).",
-                    int(version) if version and version.isdigit() else 0)
+        yield sc.gauge("compressor:served_model_version",
+                       "Registry version being served (0 for a local folder or none loaded).",
+                       int(version) if version and version.isdigit() else 0)
         info = GaugeMetricFamily("compressor:served_model_info", "The model being served (value 1).",
                                  labels=["model_name", "version", "alias", "uri"])
         if cur is not None:
             info.add_metric([cur.name, str(cur.version or ""), str(cur.alias or ""), cur.uri], 1)
         yield info
-        yield gauge("compressor:models_draining", "Old models still finishing in-flight requests after a swap.",
-                    len(live) - (1 if cur in live else 0), {})
+        yield sc.gauge("compressor:models_draining", "Old models still finishing in-flight requests after a swap.",
+                       len(sc.live) - (1 if cur in sc.live else 0), {})
         c = CounterMetricFamily("compressor:model_swaps", "Live model swaps.")
         c.add_metric([], mgr.num_swaps)
         yield c
