@@ -217,7 +217,7 @@ def train_step(i: int, *, model, teacher_for: Callable[[list[int], torch.Tensor]
     return {"T": T, "alpha": alpha, **sums, "lr": lr}
 
 
-def distill(student, teacher, splits: DataSplits, cfg, workdir: str | Path, masks: dict | None = None,
+def distill(student, teacher, splits: DataSplits, cfg, workdir: str | Path, *, masks: dict | None = None,
             on_log: Callable[[int, dict], None] | None = None, progress: bool = True,
             teacher_layers: list[int] | None = None) -> DistillReport:
     """Distil ``teacher`` into ``student`` in place; on return the student holds the best checkpoint.
@@ -252,144 +252,183 @@ def distill(student, teacher, splits: DataSplits, cfg, workdir: str | Path, mask
     student.to(device)
     teacher.to(device)
     try:
-        return _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device, amp_dtype, rank,
-                    teacher_layers)
+        trainer = Trainer(student, teacher, splits, cfg, workdir, masks=masks, on_log=on_log, device=device,
+                          amp_dtype=amp_dtype, rank=rank, teacher_layers=teacher_layers)
+        return trainer.run(progress)
     finally:
         student.to(home_s)
         teacher.to(home_t)
         student.eval()
 
 
-def _run(student, teacher, splits, cfg, workdir, masks, on_log, progress, device, amp_dtype, rank: Rank,
-         teacher_layers: list[int] | None) -> DistillReport:
-    """Resume or start, then optimizer steps with evals and checkpoints until a stop reason; see distill()."""
-    from tqdm.auto import tqdm
+class Trainer:
+    """One distillation run with its state in the open: the models, the optimizer, the data order, the teacher's
+    cache and the TrainState that checkpoints carry. ``run`` resumes or starts, steps until a stop reason, and
+    returns the report; see distill()."""
 
-    emit = on_log if on_log is not None and rank.main else (lambda step, metrics: None)
-    pairs = _prepare_masks(student, masks)
-    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=cfg.lr,
-                            weight_decay=cfg.weight_decay)
-    scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
-    fingerprint = run_fingerprint(student, splits, cfg)
-    teacher.eval()
+    def __init__(self, student, teacher, splits: DataSplits, cfg, workdir: Path, *, masks: dict | None,
+                 on_log: Callable[[int, dict], None] | None, device: torch.device, amp_dtype: torch.dtype | None,
+                 rank: Rank, teacher_layers: list[int] | None):
+        self.student, self.teacher, self.splits, self.cfg, self.workdir = student, teacher, splits, cfg, workdir
+        self.device, self.amp_dtype, self.rank, self.teacher_layers = device, amp_dtype, rank, teacher_layers
+        self.emit = on_log if on_log is not None and rank.main else (lambda step, metrics: None)
+        self.pairs = _prepare_masks(student, masks)
+        self.opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=cfg.lr,
+                                     weight_decay=cfg.weight_decay)
+        self.scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
+        self.fingerprint = run_fingerprint(student, splits, cfg)
+        teacher.eval()
+        self.t_call = time.perf_counter()
+        self.state: TrainState | None = None
+        self.resumed_from = 0
+        self.seconds_at_start = 0.0
+        self.cache: TeacherCache | None = None  # the teacher's top-k per train block (distill.teacher_topk), set by train
 
-    t_call = time.perf_counter()
-    state = load_last(workdir, fingerprint, student, opt, scaler, may_delete=rank.main)
-    distributed.barrier(rank)  # rank 0 may have cleared a foreign checkpoint
-    resumed_from = state.step if state else 0
-    seconds_at_start = state.seconds if state else 0.0
+    def elapsed(self) -> float:
+        return self.seconds_at_start + time.perf_counter() - self.t_call
 
-    def elapsed() -> float:
-        return seconds_at_start + time.perf_counter() - t_call
+    def checkpoint(self) -> None:
+        self.state.seconds = self.elapsed()
+        if self.rank.main:
+            save_last(self.workdir, self.student, self.opt, self.scaler, self.state)
+        distributed.barrier(self.rank)
 
-    def checkpoint() -> None:
-        state.seconds = elapsed()
-        if rank.main:
-            save_last(workdir, student, opt, scaler, state)
-        distributed.barrier(rank)
-
-    def do_eval(step: int) -> None:
-        ev = evaluate(student, teacher, splits.eval, cfg.batch_size, amp_dtype, rank)
+    def evaluate(self, step: int) -> None:
+        """Eval after optimizer step ``step``: logged, and a new best is checkpointed (last, then best)."""
+        state, cfg = self.state, self.cfg
+        ev = evaluate(self.student, self.teacher, self.splits.eval, cfg.batch_size, self.amp_dtype, self.rank)
         if not state.before:
             state.before = ev
         rec = {"step": step, "perplexity": ev["perplexity"], "kl": ev["kl"], "top1_agreement": ev["top1_agreement"]}
         state.evals.append(rec)
-        emit(step, {f"eval_{k}": v for k, v in rec.items() if k != "step"})
+        self.emit(step, {f"eval_{k}": v for k, v in rec.items() if k != "step"})
         value = ev[cfg.monitor]
         if value < state.best_value:
             state.best_value, state.best_step, state.best_eval, state.bad_evals = value, step, ev, 0
             # last before best: a crash between the two leaves a state whose best step is its own step.
-            checkpoint()
-            if rank.main:
-                save_best(workdir, student, state)
+            self.checkpoint()
+            if self.rank.main:
+                save_best(self.workdir, self.student, state)
         else:
             state.bad_evals += 1
-        if rank.main:
+        if self.rank.main:
             log.info("distill step %d: eval perplexity %.3f, KL %.4f, top-1 %.3f%s", step, ev["perplexity"], ev["kl"],
                      ev["top1_agreement"], " (best)" if state.best_step == step else "")
 
-    if state is None:
-        torch.manual_seed(cfg.seed)
-        _apply_masks(pairs)
-        state = TrainState(fingerprint=fingerprint)
-        do_eval(0)
-    else:
+    def resume(self) -> DistillReport | None:
+        """Load the last checkpoint or start afresh (eval of step 0); the finished run's report if it had ended."""
+        rank, workdir = self.rank, self.workdir
+        state = load_last(workdir, self.fingerprint, self.student, self.opt, self.scaler, may_delete=rank.main)
+        distributed.barrier(rank)  # rank 0 may have cleared a foreign checkpoint
+        self.resumed_from = state.step if state else 0
+        self.seconds_at_start = state.seconds if state else 0.0
+        if state is None:
+            torch.manual_seed(self.cfg.seed)
+            _apply_masks(self.pairs)
+            self.state = TrainState(fingerprint=self.fingerprint)
+            self.evaluate(0)
+            return None
+        self.state = state
         if rank.main:
             log.info("distill: resuming from step %d in %s", state.step, workdir)
         if state.stop_reason and (workdir / REPORT).is_file():
-            load_best(student, workdir)
+            load_best(self.student, workdir)
             report = DistillReport.from_dict(json.loads((workdir / REPORT).read_text()))
             report.resumed_from = state.step
             return report
         if rank.main and state.best_step == state.step and best_step_on_disk(workdir) != state.step:
-            save_best(workdir, student, state)
+            save_best(workdir, self.student, state)
+        return None
 
-    order = _DataOrder(len(splits.train), cfg.seed)
-    cache = TeacherCache(len(splits.train), splits.train.shape[1] - 1, cfg.teacher_topk) if cfg.teacher_topk else None
-    if cache is not None and rank.main:
-        log.info("distill: teacher top-%d cache of %.1f MB per process", cfg.teacher_topk, cache.nbytes / 2**20)
+    def _teacher_logits(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), autocast(self.device, self.amp_dtype):
+            return self.teacher(input_ids=x, use_cache=False).logits[:, :-1]
 
-    def teacher_logits(x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad(), autocast(device, amp_dtype):
-            return teacher(input_ids=x, use_cache=False).logits[:, :-1]
-
-    def teacher_for(ids: list[int], x: torch.Tensor) -> TeacherOut:
-        if cfg.hidden_weight > 0:  # the config refuses a top-k cache here: the teacher runs every step anyway
-            with torch.no_grad(), autocast(device, amp_dtype):
-                out = teacher(input_ids=x, use_cache=False, output_hidden_states=True)
+    def teacher_for(self, ids: list[int], x: torch.Tensor) -> TeacherOut:
+        """The teacher's view of train blocks ``ids`` (= ``x``): logits (or its cached top-k), hidden states when the
+        hidden loss is on."""
+        if self.cfg.hidden_weight > 0:  # the config refuses a top-k cache here: the teacher runs every step anyway
+            with torch.no_grad(), autocast(self.device, self.amp_dtype):
+                out = self.teacher(input_ids=x, use_cache=False, output_hidden_states=True)
             return TeacherOut(out.logits[:, :-1], out.hidden_states)
-        return TeacherOut(cache.get(ids, x, teacher_logits) if cache is not None else teacher_logits(x), None)
+        cache = self.cache
+        return TeacherOut(cache.get(ids, x, self._teacher_logits) if cache is not None else self._teacher_logits(x),
+                          None)
 
-    # DDP averages the ranks' gradients during backward; its constructor also makes every rank
-    # start from rank 0's weights.
-    model = student
-    if rank.distributed:
-        model = torch.nn.parallel.DistributedDataParallel(
-            student, device_ids=[device.index] if device.type == "cuda" else None)
-    budget_s = cfg.max_minutes * 60.0
-    bar = tqdm(total=cfg.steps, initial=state.step, desc="distill", unit="step", disable=not (progress and rank.main),
-               dynamic_ncols=True, mininterval=1.0)
-    try:
-        while not state.stop_reason:
-            if state.step >= cfg.steps:
-                state.stop_reason = "steps"
-                break
-            if distributed.rank0_says(rank, elapsed() >= budget_s, device):
-                state.stop_reason = "time"
-                break
-            i = state.step  # 0-based index of this optimizer step
-            t0 = time.perf_counter()
-            rec = train_step(i, model=model, teacher_for=teacher_for, train=splits.train, order=order, opt=opt,
-                             scaler=scaler, pairs=pairs, cfg=cfg, rank=rank, device=device, amp_dtype=amp_dtype,
-                             teacher_layers=teacher_layers)
-            state.train_seconds += time.perf_counter() - t0
-            state.step = step = i + 1
-            state.history.append({"step": step, **rec})
-            emit(step, rec)
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", T=f"{rec['T']:.2f}", alpha=f"{rec['alpha']:.2f}", refresh=False)
+    def train(self, progress: bool) -> None:
+        """Optimizer steps, evals and checkpoints until a stop reason (steps, time, early stop)."""
+        from tqdm.auto import tqdm
 
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                do_eval(step)
-                if cfg.early_stop_patience and state.bad_evals >= cfg.early_stop_patience:
-                    state.stop_reason = "early_stop"
-            if step % cfg.checkpoint_every == 0 and state.best_step != step:
-                checkpoint()
-    finally:
-        bar.close()
+        state, cfg, rank, splits = self.state, self.cfg, self.rank, self.splits
+        order = _DataOrder(len(splits.train), cfg.seed)
+        self.cache = TeacherCache(len(splits.train), splits.train.shape[1] - 1, cfg.teacher_topk) \
+            if cfg.teacher_topk else None
+        if self.cache is not None and rank.main:
+            log.info("distill: teacher top-%d cache of %.1f MB per process", cfg.teacher_topk, self.cache.nbytes / 2**20)
+        # DDP averages the ranks' gradients during backward; its constructor also makes every rank
+        # start from rank 0's weights.
+        model = self.student
+        if rank.distributed:
+            model = torch.nn.parallel.DistributedDataParallel(
+                self.student, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        bar = tqdm(total=cfg.steps, initial=state.step, desc="distill", unit="step",
+                   disable=not (progress and rank.main), dynamic_ncols=True, mininterval=1.0)
+        try:
+            while not self._stopping():
+                i = state.step  # 0-based index of this optimizer step
+                t0 = time.perf_counter()
+                rec = train_step(i, model=model, teacher_for=self.teacher_for, train=splits.train, order=order,
+                                 opt=self.opt, scaler=self.scaler, pairs=self.pairs, cfg=cfg, rank=rank,
+                                 device=self.device, amp_dtype=self.amp_dtype, teacher_layers=self.teacher_layers)
+                state.train_seconds += time.perf_counter() - t0
+                state.step = step = i + 1
+                state.history.append({"step": step, **rec})
+                self.emit(step, rec)
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", T=f"{rec['T']:.2f}", alpha=f"{rec['alpha']:.2f}",
+                                refresh=False)
+                if step % cfg.eval_every == 0 or step == cfg.steps:
+                    self.evaluate(step)
+                    if cfg.early_stop_patience and state.bad_evals >= cfg.early_stop_patience:
+                        state.stop_reason = "early_stop"
+                if step % cfg.checkpoint_every == 0 and state.best_step != step:
+                    self.checkpoint()
+        finally:
+            bar.close()
 
-    if state.evals[-1]["step"] != state.step:
-        do_eval(state.step)  # a time stop between evals: the final weights still compete for best
-    checkpoint()
-    report = _report(state, resumed_from, device, rank.world)
-    if rank.main:
-        (workdir / REPORT).write_text(json.dumps(report.to_dict()))
-    distributed.barrier(rank)
-    if state.best_step != state.step:
-        load_best(student, workdir)
-    if rank.main:
-        log.info("distill: %d steps in %.0f s (%s); best step %d: perplexity %.3f -> %.3f (teacher %.3f), "
-                 "KL %.4f -> %.4f", report.steps, report.seconds, report.stop_reason, report.best_step,
-                 report.perplexity_before, report.perplexity_after, report.teacher_perplexity, report.kl_before,
-                 report.kl_after)
-    return report
+    def _stopping(self) -> bool:
+        """Whether the run ends before the next step; sets the state's stop reason (steps or time)."""
+        state = self.state
+        if state.stop_reason:
+            return True
+        if state.step >= self.cfg.steps:
+            state.stop_reason = "steps"
+        elif distributed.rank0_says(self.rank, self.elapsed() >= self.cfg.max_minutes * 60.0, self.device):
+            state.stop_reason = "time"
+        return bool(state.stop_reason)
+
+    def finish(self) -> DistillReport:
+        """The final eval and checkpoint, the report (written by rank 0), the best weights loaded."""
+        state, rank, workdir = self.state, self.rank, self.workdir
+        if state.evals[-1]["step"] != state.step:
+            self.evaluate(state.step)  # a time stop between evals: the final weights still compete for best
+        self.checkpoint()
+        report = _report(state, self.resumed_from, self.device, rank.world)
+        if rank.main:
+            (workdir / REPORT).write_text(json.dumps(report.to_dict()))
+        distributed.barrier(rank)
+        if state.best_step != state.step:
+            load_best(self.student, workdir)
+        if rank.main:
+            log.info("distill: %d steps in %.0f s (%s); best step %d: perplexity %.3f -> %.3f (teacher %.3f), "
+                     "KL %.4f -> %.4f", report.steps, report.seconds, report.stop_reason, report.best_step,
+                     report.perplexity_before, report.perplexity_after, report.teacher_perplexity, report.kl_before,
+                     report.kl_after)
+        return report
+
+    def run(self, progress: bool = True) -> DistillReport:
+        done = self.resume()
+        if done is not None:
+            return done
+        self.train(progress)
+        return self.finish()
