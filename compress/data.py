@@ -223,7 +223,7 @@ def make_splits(
     calib_blocks: int = 32,
     eval_blocks: int = 32,
     test_blocks: int = 32,
-    seed: int = 0,
+    *, seed: int = 0,
     text_field: str = "text",
     subset: str | None = None,
     split: str = "train",

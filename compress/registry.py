@@ -137,7 +137,7 @@ def _by_digest(folder: Path, staging: Path, source: dict) -> Path:
 
 
 def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict | None = None,
-                    aliases: list[str] | None = None, metrics: dict | None = None,
+                    aliases: list[str] | None = None, *, metrics: dict | None = None,
                     params: dict | None = None, weights: str = "copy", source: dict | None = None) -> Version:
     """Log the artifact folder as an MLflow logged model of the run (with the version's figures and params on the
     run) and create a model version from it.

@@ -219,7 +219,7 @@ def cached_targets(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_t
 
 
 def teacher_targets(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_tokens: int,
-                    cache_dir: str | Path | None = None, threads: int | None = None,
+                    cache_dir: str | Path | None = None, *, threads: int | None = None,
                     progress: bool = True, check: Callable[[str], None] | None = None,
                     reference: CheckpointReference | None = None) -> TeacherTargets:
     """The teacher's greedy answers (all prompts batched on the serving engine, their NLL from the logits they were
@@ -299,7 +299,7 @@ def _ppl(nll: float, n: int) -> float:
 
 def evaluate_chat(candidate_dir: str | Path, teacher_dir: str | Path, prompts: list[ChatPrompt],
                   targets: TeacherTargets | None = None, divergence_tokens: int = 16, max_new_tokens: int = 48,
-                  judge: bool = True, threads: int | None = None, progress: bool = True,
+                  *, judge: bool = True, threads: int | None = None, progress: bool = True,
                   check: Callable[[str], None] | None = None, cache_dir: str | Path | None = None,
                   reference: CheckpointReference | None = None) -> dict:
     """The chat figures of a candidate against the teacher (module docstring); ``by_kind`` holds the same per kind,

@@ -100,7 +100,7 @@ def scoring_driver(engine):
 
 
 def greedy_answers(artifact_dir: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                   suppress_ids: Sequence[int] = (), threads: int | None = None, progress: bool = True,
+                   *, suppress_ids: Sequence[int] = (), threads: int | None = None, progress: bool = True,
                    desc: str = "greedy answers", kv_budget_mb: int = KV_BUDGET_MB,
                    check: Callable[[str], None] | None = None, stop_at_eos: bool = True,
                    logprobs: bool = False) -> Generated:

@@ -166,7 +166,7 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return n
 
 
-def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_abs_error: float = 1e-2, off_threshold: float = 1e-2,
+def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_abs_error: float = 1e-2, *, off_threshold: float = 1e-2,
                  max_off_count: int = 0, min_top1_agreement: float = 1.0, min_prefix_match: float = 1.0,
                  check_batched: bool = True, pad_id: int = 0, decode_against: str = "golden",
                  batched_max_abs_error: float | None = None, decode_tolerance: float | None = None) -> GoldenReport:

@@ -166,7 +166,7 @@ def evaluate_onnx(
     artifact_dir: str | Path,
     eval_blocks: np.ndarray,
     reference_artifact: str | Path | None = None,
-    golden: Sequence | None = None,
+    *, golden: Sequence | None = None,
     batch_size: int = 4,
     decode_steps: int = 32,
     decode_prompt_len: int = 32,

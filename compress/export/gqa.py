@@ -556,7 +556,7 @@ def _fp32_bytes(model) -> int:
     return 4 * sum(p.numel() for p in model.parameters())
 
 
-def build_gqa_artifact(model, tokenizer, out_dir: str | Path, max_positions: int | None = None,
+def build_gqa_artifact(model, tokenizer, out_dir: str | Path, *, max_positions: int | None = None,
                        extra: dict | None = None, kv_dtype: str = "float32",
                        int8: tuple[int, int] | None = None, int4: Int4Plan | None = None,
                        external_data_threshold_mb: int = 1800) -> tuple[GqaBuildResult, dict]:

@@ -178,7 +178,7 @@ def _projections(plan: StructuredPlan, teacher_idx: int, n_rep: int, hd: int) ->
 
 @torch.no_grad()
 def reconstruct(teacher, student, plan: StructuredPlan, blocks: np.ndarray, ridge: float = 0.5,
-                inputs: str = "teacher", batch_size: int = 4, token_weight: str = "relative") -> ReconstructionReport:
+                inputs: str = "teacher", batch_size: int = 4, *, token_weight: str = "relative") -> ReconstructionReport:
     """Re-fit, in place, student's o_proj / down_proj of every layer the plan cut (teacher unchanged).
 
     student must be teacher cut by apply_plan(student, plan); blocks are calibration token blocks.

@@ -222,7 +222,7 @@ def collect_stats(
     blocks: np.ndarray,
     num_kv_heads: int,
     head_dim: int,
-    histogram: bool = False,
+    *, histogram: bool = False,
     inv_scales: Callable[[dict[str, ActStats]], dict[str, np.ndarray]] | None = None,
     batch_size: int = 4,
     threads: int | None = None,

@@ -278,7 +278,7 @@ def _judge_weight_form(src: Path, out_dir: Path, calib_blocks, eval_blocks, cfg:
 
 
 def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_blocks: np.ndarray, eval_blocks: np.ndarray,
-                      qcfg: QuantizeConfig, acfg: AcceptConfig, threads: int | None = None,
+                      qcfg: QuantizeConfig, acfg: AcceptConfig, *, threads: int | None = None,
                       forms: dict[str, dict] | None = None, on_trial=None) -> FormChoice:
     """Every weight form of ``forms`` (default: weight_forms(qcfg)) with its cache forms (kv_forms) through the
     accuracy-aware loop; the fastest accepted candidate ends up in ``out_dir``. ``qcfg``'s other settings (block

@@ -38,7 +38,7 @@ def quantize_with_acceptance(
     eval_blocks: np.ndarray,
     qcfg: QuantizeConfig,
     acfg: AcceptConfig,
-    baseline: dict | None = None,
+    *, baseline: dict | None = None,
     threads: int | None = None,
     on_trial: Callable[[int, dict], None] | None = None,
     eval_kwargs: dict | None = None,

@@ -142,7 +142,7 @@ def _graph_maps(model: onnx.ModelProto) -> tuple[dict, dict[str, onnx.NodeProto]
 
 
 def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict[str, ActStats], alpha: float | str,
-                      reduce_range: bool = False, grid: tuple[float, ...] = ALPHA_GRID, per_token: bool = False,
+                      *, reduce_range: bool = False, grid: tuple[float, ...] = ALPHA_GRID, per_token: bool = False,
                       chooser: Callable[[ActStats, list[np.ndarray]], tuple[np.ndarray, float, float] | None] | None = None,
                       ) -> tuple[dict[str, np.ndarray], list[SmoothedTensor]]:
     """Smooth every linear input that has a foldable producer, in place.
