@@ -55,7 +55,8 @@ def gqa_step(sess, man, B: int, past: int):
 
     def run():
         binding = sess.io_binding()
-        bind_step(binding, past_names, present_names, kv, ids, seqlens, past + 1, logits)
+        bind_step(binding, past_names, present_names, kv, input_ids=ids, seqlens_k=seqlens, total=past + 1,
+                  logits=logits)
         sess.run_with_iobinding(binding)
     return run
 

@@ -35,11 +35,12 @@ def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str,
     content = content_digest(folder)
     # looked up and created under one lock: two runs registering the same baseline at once make one version
     with registry.store_lock(f"register-{name}", mlflow.get_tracking_uri()):
-        return _register(cfg, parent_run_id, folder, name, sha, content, record, aliases, tags, stage, metrics,
-                         params, same_config_only, weights)
+        return _register(cfg, parent_run_id, folder, name=name, sha=sha, content=content, record=record,
+                         aliases=aliases, tags=tags, stage=stage, metrics=metrics, params=params,
+                         same_config_only=same_config_only, weights=weights)
 
 
-def _register(cfg, parent_run_id, folder: Path, name: str, sha: str, content: str, record: bool, aliases, tags,
+def _register(cfg, parent_run_id, folder: Path, *, name: str, sha: str, content: str, record: bool, aliases, tags,
               stage, metrics, params, same_config_only: bool, weights: str) -> dict:
     if same_config_only:
         found = registry.find_by_digest(name, sha, tags.get("config_hash", ""))

@@ -28,7 +28,7 @@ class GqaCache:
         return self.arrays[0].shape[0]
 
 
-def bind_step(binding: ort.IOBinding, past_names: list[str], present_names: list[str], kv: list[np.ndarray],
+def bind_step(binding: ort.IOBinding, past_names: list[str], present_names: list[str], kv: list[np.ndarray], *,
               input_ids: np.ndarray, seqlens_k: np.ndarray, total: int, logits: np.ndarray, keep: int = 0) -> None:
     """Bind one call: inputs, the K/V buffers as both past and present (in place), logits into ``logits``.
 
@@ -66,8 +66,8 @@ class GqaLM(LanguageModelDriver):
         b, s = input_ids.shape
         logits = np.empty((b, min(keep, s) if keep > 0 else s, self.vocab), np.float32)
         binding = self.session.io_binding()
-        bind_step(binding, self.past_names, self.present_names, cache.arrays, input_ids, seqlens_k, total, logits,
-                  min(keep, s))
+        bind_step(binding, self.past_names, self.present_names, cache.arrays, input_ids=input_ids, seqlens_k=seqlens_k,
+                  total=total, logits=logits, keep=min(keep, s))
         self.session.run_with_iobinding(binding)
         return logits
 

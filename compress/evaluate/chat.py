@@ -226,7 +226,8 @@ def teacher_targets(teacher_dir: str | Path, prompts: list[ChatPrompt], max_new_
     picked from) and its NLL/argmax on the reference answers (scored in padded batches), from ``cache_dir`` when
     it has them."""
     return cached_targets(teacher_dir, prompts, max_new_tokens, cache_dir, reference) or _teacher_phase(
-        teacher_dir, prompts, max_new_tokens, None, cache_dir, threads, progress, check, None, reference)[0]
+        teacher_dir, prompts, max_new_tokens, None, cache_dir=cache_dir, threads=threads, progress=progress,
+        check=check, reference=reference)[0]
 
 
 @contextmanager
@@ -271,7 +272,7 @@ def _targets_on(generate, scorer, prompts: list[ChatPrompt], max_new_tokens: int
     return t
 
 
-def _teacher_phase(teacher_dir, prompts: list[ChatPrompt], max_new_tokens: int, judged_answers: list | None,
+def _teacher_phase(teacher_dir, prompts: list[ChatPrompt], max_new_tokens: int, judged_answers: list | None, *,
                    cache_dir, threads, progress, check, targets: TeacherTargets | None = None,
                    reference: CheckpointReference | None = None) -> tuple[TeacherTargets, list | None, float]:
     """Everything the teacher does, on one load of it (an engine whose session also scores, or the checkpoint):
@@ -321,8 +322,8 @@ def evaluate_chat(candidate_dir: str | Path, teacher_dir: str | Path, prompts: l
     judged = None
     if targets is None or judge:
         targets, judged, seconds["judging"] = _teacher_phase(
-            teacher_dir, prompts, max_new_tokens, gen.answers if judge else None, cache_dir, threads, progress,
-            check, targets, reference)
+            teacher_dir, prompts, max_new_tokens, gen.answers if judge else None, cache_dir=cache_dir,
+            threads=threads, progress=progress, check=check, targets=targets, reference=reference)
     t1 = time.perf_counter()
     cand = load_lm(candidate_dir, threads, verify=False)
     scored = score_answers(cand, ids, targets.targets, check, "the candidate scoring the targets")

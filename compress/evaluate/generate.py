@@ -108,11 +108,11 @@ def greedy_answers(artifact_dir: str | Path, prompts: Sequence[Sequence[int]], m
     if not prompts:
         return Generated([], 0.0, 0)
     with evaluation_engine(artifact_dir, prompts, max_new_tokens, threads, kv_budget_mb) as engine:
-        return generate_on(engine, prompts, max_new_tokens, suppress_ids, progress, desc, check, stop_at_eos,
-                           logprobs)
+        return generate_on(engine, prompts, max_new_tokens, suppress_ids=suppress_ids, progress=progress, desc=desc,
+                           check=check, stop_at_eos=stop_at_eos, logprobs=logprobs)
 
 
-def generate_on(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, suppress_ids: Sequence[int] = (),
+def generate_on(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, suppress_ids: Sequence[int] = (),
                 progress: bool = True, desc: str = "greedy answers", check: Callable[[str], None] | None = None,
                 stop_at_eos: bool = True, logprobs: bool = False) -> Generated:
     """Each prompt's greedy continuation of at most ``max_new_tokens`` (ending at the model's EOS, which is kept,

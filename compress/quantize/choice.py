@@ -246,7 +246,7 @@ def _attempt_record(kv: str, res: AcceptanceResult) -> dict:
 
 
 def _judge_weight_form(src: Path, out_dir: Path, calib_blocks, eval_blocks, cfg: QuantizeConfig, acfg: AcceptConfig,
-                       kvs: dict[str, dict], threads, reference, on_trial) -> tuple[str, AcceptanceResult, list[dict]]:
+                       *, kvs: dict[str, dict], threads, reference, on_trial) -> tuple[str, AcceptanceResult, list[dict]]:
     """One weight form with each cache form in turn (kvs' order) until one passes: (its cache form, its result,
     every attempt). The faster cache forms get one trial, the last the whole loop; only the returned one's
     artifact is left on disk."""
@@ -300,7 +300,8 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
             cfg = qcfg.model_copy(update=update)
             tag = (lambda kv, i, m, name=name: on_trial(f"{name}.kv_{kv}" if kv_auto else name, i, m)) if on_trial else None
             kv, res, attempts = _judge_weight_form(src, out_dir.with_name(f"{out_dir.name}.{name}"), calib_blocks,
-                                                   eval_blocks, cfg, acfg, kvs, threads, reference, tag)
+                                                   eval_blocks, cfg, acfg, kvs=kvs, threads=threads,
+                                                   reference=reference, on_trial=tag)
             results[name] = res
             record[name] = {"accepted": res.verdict.accepted, "reasons": list(res.verdict.reasons),
                             "metrics": dict(res.metrics), "trials": len(res.trials), "kv": kv,

@@ -37,7 +37,7 @@ class Calibrated:
 
 
 def calibrate_and_smooth(model: onnx.ModelProto, linears: list[Linear], calib: np.ndarray, cfg: QuantizeConfig,
-                         alpha: float | str | None, reduce_range: bool, num_kv_heads: int, head_dim: int,
+                         alpha: float | str | None, *, reduce_range: bool, num_kv_heads: int, head_dim: int,
                          threads: int | None = None, calibration_cache: Path | None = None,
                          on_event: Callable[[str, dict], None] = lambda name, data: None,
                          extra_tensors: tuple[str, ...] = (), awq: tuple[int, bool, bool] | None = None) -> Calibrated:

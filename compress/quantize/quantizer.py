@@ -204,9 +204,9 @@ class Quantizer:
         if self.calib is not None and (cfg.method == "static" or self.alpha is not None or self.int4):
             head = (tied_lm_head(self.model) if self.per_token_lm_head and cfg.quantize_embedding
                     and self.alpha is not None else None)
-            c = calibrate_and_smooth(self.model, self.linears, self.calib, cfg, self.alpha, self.reduce_range,
-                                     int(self.manifest["num_kv_heads"]), int(self.manifest["head_dim"]),
-                                     threads=self.threads, calibration_cache=self.calibration_cache,
+            c = calibrate_and_smooth(self.model, self.linears, self.calib, cfg, self.alpha,
+                                     reduce_range=self.reduce_range, num_kv_heads=int(self.manifest["num_kv_heads"]),
+                                     head_dim=int(self.manifest["head_dim"]), threads=self.threads, calibration_cache=self.calibration_cache,
                                      on_event=self.on_event, extra_tensors=(head.tensor,) if head else (),
                                      awq=(cfg.weight_block_size, cfg.weight_symmetric, cfg.w4_clip(True)) if self.awq else None)
             self.stats, self.inv_scales, self.ranges, self.linears = c.stats, c.inv_scales, c.ranges, c.linears

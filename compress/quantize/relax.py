@@ -67,13 +67,13 @@ def quantize_with_acceptance(
         reference = ReferencePass(src, eval_blocks, threads=ekw.get("threads"), latency=ekw.get("latency", True))
     try:
         q = quantizer or Quantizer(src, calib_blocks, qcfg, threads=threads)
-        return _loop(q, out_dir, eval_blocks, acfg, baseline, on_trial, ekw, reference)
+        return _loop(q, out_dir, eval_blocks, acfg, baseline=baseline, on_trial=on_trial, ekw=ekw, reference=reference)
     finally:
         if own_ref:
             reference.close()
 
 
-def _loop(q: Quantizer, out_dir: Path, eval_blocks, acfg: AcceptConfig, baseline: dict | None, on_trial, ekw: dict,
+def _loop(q: Quantizer, out_dir: Path, eval_blocks, acfg: AcceptConfig, *, baseline: dict | None, on_trial, ekw: dict,
           reference: ReferencePass | None) -> AcceptanceResult:
     # eval_kwargs may carry reference_top1 (the baseline's argmax on eval_blocks) to skip re-running the baseline
     ref = {"reference": reference} if reference is not None else {}
