@@ -226,7 +226,7 @@ def search_flow(branch_cfgs: list[PipelineConfig], parent_run_id: str, tracking_
     return results
 
 
-def run_search(cfg: PipelineConfig, pid: str, tracking_uri: str, loaded: dict, teacher: dict, gold: dict,
+def run_search(cfg: PipelineConfig, pid: str, tracking_uri: str, *, loaded: dict, teacher: dict, gold: dict,
                k_load: str, k_exp: str, timer: StageTimer) -> tuple[PipelineConfig, dict, dict]:
     """Fan the ratios out, log the search to the parent run, and return (the pick's config, the search, its chain).
 
@@ -365,8 +365,8 @@ class CandidateRegistration:
     deployed: dict | None
 
 
-def register_candidate(cfg: PipelineConfig, parent, tracking_uri: str, timer, candidate: str, verdict: dict | None,
-                       bench: dict | None, baseline_version) -> CandidateRegistration:
+def register_candidate(cfg: PipelineConfig, parent, tracking_uri: str, timer, *, candidate: str,
+                       verdict: dict | None, bench: dict | None, baseline_version) -> CandidateRegistration:
     """Register the candidate with its verdict, figures and note; promote it (compare-and-set under the model's
     promotion lock, flows/promotion.py) when decide_promotion says so."""
     log = get_run_logger()
@@ -494,9 +494,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
         quant, search = None, None
         if cfg.search.mlp_ratios:
-            cfg, search, chain = run_search(cfg, pid, tracking_uri, loaded, teacher, gold, k_load, k_exp, timer)
+            cfg, search, chain = run_search(cfg, pid, tracking_uri, loaded=loaded, teacher=teacher, gold=gold,
+                                           k_load=k_load, k_exp=k_exp, timer=timer)
         else:
-            chain = candidate_chain(cfg, pid, loaded, teacher, gold, k_load, k_exp, timer.run)
+            chain = candidate_chain(cfg, pid, loaded, teacher, gold, k_load=k_load, k_exp=k_exp, run=timer.run)
         candidate, cand_key, quant = chain["candidate"], chain["cand_key"], chain["quant"]
 
         verdict, deployed, champion_vs, blocked = None, None, None, None
@@ -536,7 +537,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             bench = timer.run("benchmark", submit_stage, benchmark_task, cfg, "benchmark", k, parent_run_id=pid,
                               candidate=candidate, baseline=teacher["artifact"])
         if compressed:
-            out = register_candidate(cfg, parent, tracking_uri, timer, candidate, verdict, bench, baseline_version)
+            out = register_candidate(cfg, parent, tracking_uri, timer, candidate=candidate, verdict=verdict,
+                                     bench=bench, baseline_version=baseline_version)
             registered.append(out.registration)
             champion_vs, blocked, deployed = out.champion_vs, out.blocked, out.deployed
 

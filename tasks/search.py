@@ -39,7 +39,7 @@ def _plain_run(name: str, fn: Callable, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def candidate_chain(cfg: PipelineConfig, pid: str | None, loaded: dict, teacher: dict, gold: dict, k_load: str,
+def candidate_chain(cfg: PipelineConfig, pid: str | None, loaded: dict, teacher: dict, gold: dict, *, k_load: str,
                     k_exp: str, run: Callable = _plain_run) -> dict:
     """prune -> distill -> export + golden of the student -> quantize, each switched on by `cfg`.
 
@@ -164,7 +164,7 @@ def search_branch_task(cfg: PipelineConfig, parent_run_id: str | None, tracking_
         rows.append({"stage": name, "seconds": time.perf_counter() - t0, "metrics": (out or {}).get("metrics", {})})
         return out
 
-    chain = candidate_chain(cfg, parent_run_id, loaded, teacher, gold, k_load, k_exp, run)
+    chain = candidate_chain(cfg, parent_run_id, loaded, teacher, gold, k_load=k_load, k_exp=k_exp, run=run)
     k = stage_key(cfg, "search_gate", ["accept"], chain["cand_key"], k_exp)
     gate = run("search_gate", submit_stage, search_gate_task, cfg, "search_gate", k, parent_run_id=parent_run_id,
                candidate=chain["candidate"], baseline=teacher["artifact"], splits=loaded["splits"],
