@@ -172,26 +172,29 @@ class GqaRunner(RunnerBase):
         # logits buffer stay the same: rebinding 2 x layers K/V pointers every token cost ~1 ms on this CPU.
         self._decode_key: tuple | None = None
         self._decode_parts: list[tuple] = []
-        # From this many decode rows on, two halves at once on a single-threaded session (see _halves)
+        self._artifact = (artifact_dir, manifest)
+        self._setup_split(intra_op_threads, decode_split_rows, graph_bytes(manifest))
+        self._tick = 0
+        self.gathered_tokens = 0  # positions copied from the pool into rows (prefix hits, refills)
+        self.moved_tokens = 0  # positions copied between rows (a decode row moving below B)
+        self.batched_prompts = 0  # prompts that ran in a call with other first prompts (_run_first_prompts)
+
+    def _setup_split(self, intra_op_threads: int, decode_split_rows: int, weights: int) -> None:
+        """From ``decode_split_rows`` decode rows on, two halves at once on a session with half the threads (see
+        _halves): on the CPU EP with two threads or more, and for graphs small enough to hold twice."""
         threads = intra_op_threads or len(os.sched_getaffinity(0))
         self._half_threads = max(1, threads // 2)
         self.decode_split_rows = int(decode_split_rows) if self.provider == CPU and threads >= 2 else 0
-        weights = graph_bytes(manifest)
         if self.decode_split_rows and weights > SPLIT_MAX_WEIGHT_BYTES:
             log.info("decode split off: its second session would hold a second copy of the graph's %.2f GiB of "
                      "weights (split only up to %.0f GiB)", weights / 2**30, SPLIT_MAX_WEIGHT_BYTES / 2**30)
             self.decode_split_rows = 0
-        self._artifact = (artifact_dir, manifest)
         self._half_session = None
         self._half_exec: ThreadPoolExecutor | None = None
         self.split_steps = 0  # decode steps run as two halves
         self.split_prompt_calls = 0  # first-prompt batches run as two halves
         if self.decode_split_rows and self.max_slots >= self.decode_split_rows:
             self._halves()  # at start-up, not in the middle of serving (a session load is a pause of its own)
-        self._tick = 0
-        self.gathered_tokens = 0  # positions copied from the pool into rows (prefix hits, refills)
-        self.moved_tokens = 0  # positions copied between rows (a decode row moving below B)
-        self.batched_prompts = 0  # prompts that ran in a call with other first prompts (_run_first_prompts)
 
     # ---- memory ----------------------------------------------------------------------------
     def kv_bytes(self) -> int:
