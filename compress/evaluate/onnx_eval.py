@@ -125,7 +125,7 @@ class ReferencePass:
     the vocabulary and the size."""
 
     def __init__(self, artifact_dir: str | Path, eval_blocks: np.ndarray, batch_size: int = 4,
-                 threads: int | None = None, latency: bool = True, golden: Sequence | None = None,
+                 threads: int | None = None, *, latency: bool = True, golden: Sequence | None = None,
                  spool_dir: str | Path | None = None, lm=None):
         self.artifact_dir = Path(artifact_dir)
         self._tmp = tempfile.TemporaryDirectory(prefix="eval_ref_", dir=spool_dir)
