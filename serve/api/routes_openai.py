@@ -297,23 +297,7 @@ async def generate(request: Request, form: Form):
     try:
         running = [c for c in choices if c.handle is not None]
         outs = dict(zip((c.index for c in running), await wait_results([c.handle for c in running], request)))
-        results = []
-        for c in choices:
-            out = outs.get(c.index)
-            if out is None:
-                results.append((c.hit, None))
-                continue
-            if out.finish_reason == "error":
-                raise ApiError(500, f"generation failed: {out.error}", "server_error", code="engine_error")
-            if out.finish_reason == "cancelled":
-                raise ApiError(503, "the request was cancelled (the server is shutting down or the model was "
-                               "unloaded)", "service_unavailable", code="cancelled")
-            result = CachedResult(out.text, tuple(out.output_ids), out.finish_reason, len(c.prompt_ids))
-            if not lm.retired:  # an answer from a swapped-out model would only occupy space
-                cache.put(c.key, result)
-            if c.prompt_only:
-                result = CachedResult("", (), "length", len(c.prompt_ids))
-            results.append((result, out))
+        results = [results_of(lm, cache, c, outs.get(c.index)) for c in choices]
         state.metrics.e2e.labels(lm.name).observe(time.perf_counter() - t0)
     except BaseException:
         for c in choices:
@@ -326,6 +310,24 @@ async def generate(request: Request, form: Form):
     completion_tokens = sum(r.completion_tokens for r, _ in results)
     return JSONResponse({**meta, "object": form.object, "choices": out_choices,
                          "usage": usage(prompt_tokens, completion_tokens)}, headers=headers)
+
+
+def results_of(lm: LoadedModel, cache, c: Choice, out) -> tuple:
+    """(result, engine output) of one choice: its cache hit, or the engine's answer (cached unless the model was
+    swapped out meanwhile). An engine error is a 500, a cancellation a 503."""
+    if out is None:
+        return c.hit, None
+    if out.finish_reason == "error":
+        raise ApiError(500, f"generation failed: {out.error}", "server_error", code="engine_error")
+    if out.finish_reason == "cancelled":
+        raise ApiError(503, "the request was cancelled (the server is shutting down or the model was "
+                       "unloaded)", "service_unavailable", code="cancelled")
+    result = CachedResult(out.text, tuple(out.output_ids), out.finish_reason, len(c.prompt_ids))
+    if not lm.retired:  # an answer from a swapped-out model would only occupy space
+        cache.put(c.key, result)
+    if c.prompt_only:
+        result = CachedResult("", (), "length", len(c.prompt_ids))
+    return result, out
 
 
 def done(state: AppState, lm: LoadedModel, choices: list[Choice], t0: float, ok: bool) -> None:
@@ -346,6 +348,30 @@ def done(state: AppState, lm: LoadedModel, choices: list[Choice], t0: float, ok:
         state.manager.release(lm)
 
 
+class _Chunks:
+    """Builds one stream's chunk bodies: a choice's first chunk is marked (a chat's carries the role), and a
+    completion's log-probs carry text offsets that move on with each token."""
+
+    def __init__(self, form: Form, meta: dict, choices: list[Choice], include_usage: bool, tok):
+        self.form, self.meta, self.include_usage, self.tok = form, meta, include_usage, tok
+        self.first = {c.index: True for c in choices}
+        self.offset = {c.index: len(c.echo_text) for c in choices}
+
+    def __call__(self, index: int, text: str | None, finish: str | None, token_id: int | None = None, lp=None,
+                 lp_obj: dict | None = None) -> dict:
+        logprobs = lp_obj
+        if lp is not None and token_id is not None:
+            logprobs = self.form.token_logprobs(self.tok, token_id, lp, self.offset[index])
+            if "tokens" in logprobs:  # a completion's: the next token's text offset moves on
+                self.offset[index] += len(logprobs["tokens"][0])
+        c = self.form.chunk_choice(index, text, finish, logprobs, self.first[index])
+        self.first[index] = False
+        out = {**self.meta, "object": self.form.chunk_object, "choices": [c]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+
 def stream_events(form: Form, meta: dict, choices: list[Choice], prompt_tokens: int, include_usage: bool,
                   tok=None) -> AsyncIterator[str]:
     """The SSE events of one response, from the engine's token events or from cached results; with several
@@ -353,25 +379,10 @@ def stream_events(form: Form, meta: dict, choices: list[Choice], prompt_tokens: 
     (the one with ``role``) goes out with its first token, not before; a request the server cancelled ends
     with finish_reason ``abort`` (vLLM's name)."""
     obj = form.chunk_object
-    first = {c.index: True for c in choices}
-    offset = {c.index: len(c.echo_text) for c in choices}
-
+    chunk = _Chunks(form, meta, choices, include_usage, tok)
+    offset = chunk.offset
     # echo with logprobs: the echo chunk carries the prompt's log-probs, so it waits for the prompt's computation
     deferred = {c.index for c in choices if c.echo_text and c.params.prompt_logprobs is not None}
-
-    def chunk(index: int, text: str | None, finish: str | None, token_id: int | None = None, lp=None,
-              lp_obj: dict | None = None) -> dict:
-        logprobs = lp_obj
-        if lp is not None and token_id is not None:
-            logprobs = form.token_logprobs(tok, token_id, lp, offset[index])
-            if "tokens" in logprobs:  # a completion's: the next token's text offset moves on
-                offset[index] += len(logprobs["tokens"][0])
-        c = form.chunk_choice(index, text, finish, logprobs, first[index])
-        first[index] = False
-        out = {**meta, "object": obj, "choices": [c]}
-        if include_usage:
-            out["usage"] = None
-        return out
 
     async def events() -> AsyncIterator[str]:
         completion_tokens = 0
