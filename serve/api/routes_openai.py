@@ -378,9 +378,7 @@ def stream_events(form: Form, meta: dict, choices: list[Choice], prompt_tokens: 
     choices their chunks interleave as tokens come, each naming its ``index``. A chat choice's first chunk
     (the one with ``role``) goes out with its first token, not before; a request the server cancelled ends
     with finish_reason ``abort`` (vLLM's name)."""
-    obj = form.chunk_object
     chunk = _Chunks(form, meta, choices, include_usage, tok)
-    offset = chunk.offset
     # echo with logprobs: the echo chunk carries the prompt's log-probs, so it waits for the prompt's computation
     deferred = {c.index for c in choices if c.echo_text and c.params.prompt_logprobs is not None}
 
@@ -411,7 +409,7 @@ def stream_events(form: Form, meta: dict, choices: list[Choice], prompt_tokens: 
                     if c.index in deferred:
                         deferred.discard(c.index)
                         lp_obj = echo_logprobs(tok, c.prompt_ids, c.handle.prompt_logprobs or [])
-                        offset[c.index] = after(lp_obj, c.echo_text)
+                        chunk.offset[c.index] = after(lp_obj, c.echo_text)
                         yield sse(chunk(c.index, c.echo_text, None, lp_obj=lp_obj))
                     if (ev.text or ev.logprobs is not None) and not c.prompt_only:
                         yield sse(chunk(c.index, ev.text, None, ev.token_id, ev.logprobs))
@@ -430,7 +428,8 @@ def stream_events(form: Form, meta: dict, choices: list[Choice], prompt_tokens: 
                 for t in pumps:
                     t.cancel()
         if include_usage:
-            yield sse({**meta, "object": obj, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+            yield sse({**meta, "object": form.chunk_object, "choices": [],
+                       "usage": usage(prompt_tokens, completion_tokens)})
         yield sse("[DONE]")
 
     return events()
