@@ -374,10 +374,9 @@ class _Chunks:
 
 def stream_events(form: Form, meta: dict, choices: list[Choice], prompt_tokens: int, include_usage: bool,
                   tok=None) -> AsyncIterator[str]:
-    """The SSE events of one response, from the engine's token events or from cached results; with several
-    choices their chunks interleave as tokens come, each naming its ``index``. A chat choice's first chunk
-    (the one with ``role``) goes out with its first token, not before; a request the server cancelled ends
-    with finish_reason ``abort`` (vLLM's name)."""
+    """The SSE events of one response, from the engine's token events or cached results; several choices' chunks
+    interleave as tokens come, each naming its ``index``. A chat choice's first chunk (with ``role``) goes out with
+    its first token; a request the server cancelled ends with finish_reason ``abort`` (vLLM's name)."""
     chunk = _Chunks(form, meta, choices, include_usage, tok)
     # echo with logprobs: the echo chunk carries the prompt's log-probs, so it waits for the prompt's computation
     deferred = {c.index for c in choices if c.echo_text and c.params.prompt_logprobs is not None}
