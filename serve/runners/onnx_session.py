@@ -32,6 +32,26 @@ def choose_providers(requested: Sequence[str]) -> list[str]:
 SPINNING = ("off", "during_runs", "always")
 
 
+def session_options(threads: int | None, optimize: bool, log_severity: int | None, spinning: str):
+    """onnxruntime SessionOptions for make_session's arguments (see there)."""
+    import onnxruntime as ort
+
+    if spinning not in SPINNING:
+        raise ValueError(f"spinning {spinning!r}: one of {', '.join(SPINNING)}")
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                     else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    if threads and threads > 0:
+        opts.intra_op_num_threads = threads
+    if log_severity is not None:
+        opts.log_severity_level = log_severity
+    if spinning == "off":
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    elif spinning == "during_runs":
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
+    return opts
+
+
 def make_session(model, providers: Sequence[str] = (CPU,), threads: int | None = 0, optimize: bool = True,
                  log_severity: int | None = None, spinning: str = "always"):
     """An InferenceSession on the first requested provider that actually works, else CPU.
@@ -51,19 +71,7 @@ def make_session(model, providers: Sequence[str] = (CPU,), threads: int | None =
     """
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
-                                     else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    if threads and threads > 0:
-        opts.intra_op_num_threads = threads
-    if log_severity is not None:
-        opts.log_severity_level = log_severity
-    if spinning not in SPINNING:
-        raise ValueError(f"spinning {spinning!r}: one of {', '.join(SPINNING)}")
-    if spinning == "off":
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    elif spinning == "during_runs":
-        opts.add_session_config_entry("session.force_spinning_stop", "1")
+    opts = session_options(threads, optimize, log_severity, spinning)
     if hasattr(model, "SerializeToString"):
         from serve.runners.onnx_external import needs_file, session_path
 
