@@ -14,6 +14,18 @@ from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params
 
 
+def _int4_plan(model, q):
+    """export.weights int4: which groups stay at 8 bits, by measured 4-bit weight error (logged)."""
+    from compress.export.weights import int4_plan
+
+    plan = int4_plan(model, q.weight_block_size, q.weight_symmetric, q.int4_keep_int8, q.w4_clip(False),
+                     q.int4_lm_head)
+    stage_logger().info("export: 4-bit weights, %d of %d groups at 8 bits by measured 4-bit weight error "
+                        "(largest %s %.4f)", len(plan.int8_groups), len(plan.errors),
+                        *max(plan.errors.items(), key=lambda kv: kv[1]))
+    return plan
+
+
 @task(name="export", cache_key_fn=cache_key_fn, persist_result=True)
 def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str,
                 weights: str = "float32") -> dict:
@@ -47,18 +59,9 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
             model = model.float()  # the traced exporters write the graph in the model's dtype
         if exporter == "gqa":
             q = cfg.quantize
-            plan = None
-            if weights == "int4":
-                from compress.export.weights import int4_plan
-
-                plan = int4_plan(model, q.weight_block_size, q.weight_symmetric, q.int4_keep_int8, q.w4_clip(False),
-                                 q.int4_lm_head)
-                stage_logger().info("export: 4-bit weights, %d of %d groups at 8 bits by measured 4-bit weight error "
-                                    "(largest %s %.4f)", len(plan.int8_groups), len(plan.errors),
-                                    *max(plan.errors.items(), key=lambda kv: kv[1]))
             result, manifest = build_gqa_artifact(model, tok, art, extra=extra, kv_dtype=cfg.export.kv_dtype,
                                                   int8=(q.weight_block_size, q.accuracy_level) if int8 else None,
-                                                  int4=plan,
+                                                  int4=_int4_plan(model, q) if weights == "int4" else None,
                                                   external_data_threshold_mb=cfg.export.external_data_threshold_mb)
         else:
             result, manifest = build_artifact(model, tok, art, exporter, cfg.export.opset,
