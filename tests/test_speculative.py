@@ -318,3 +318,27 @@ def test_the_speculative_docs_name_keys_commands_and_paths_that_exist():
         assert flag in help_text, flag
     assert ".venv/bin/compressor serve --model models:/smollm2-135m@champion --set serve.speculative=prompt_lookup" \
         in section  # the serve command's flags are the README's (tests/test_docs.py)
+
+
+def test_a_failing_draft_model_leaves_the_step_without_drafts(tiny_gqa):
+    """The draft model's forward raising: the step runs without drafts, the output is unchanged and the draft's
+    half-written state for the request is dropped."""
+    eng = Engine(tiny_gqa, cfg(speculative=str(tiny_gqa)), start=False)
+    model = eng.drafter.model
+    calls = {"n": 0}
+    orig = model.runner.execute
+
+    def flaky(rows):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("draft forward failed")
+        return orig(rows)
+    model.runner.execute = flaky
+    got = eng.generate([5, 6, 7, 8], SamplingParams.greedy(20, ignore_eos=True))
+    eng.check_invariants()
+    plain = Engine(tiny_gqa, cfg(), start=False)
+    assert got == plain.generate([5, 6, 7, 8], SamplingParams.greedy(20, ignore_eos=True))
+    assert calls["n"] > 3 and eng.stats().spec_accepted_tokens > 0
+    assert model.bm.num_used == 0
+    eng.shutdown()
+    plain.shutdown()

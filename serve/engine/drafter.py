@@ -81,6 +81,8 @@ class Drafter:
             return self.model.propose([((r.seq.request_id, r.seq.epoch), r.seq.token_ids, k) for r, k in wanted])
         except Exception:  # noqa: BLE001 - drafts are an optimisation: serve without them
             log.exception("the draft model failed; this step runs without drafts")
+            for r, _ in wanted:  # what the draft holds for them may be half written: start them afresh
+                self.model.release((r.seq.request_id, r.seq.epoch))
             return [[] for _ in wanted]
 
     def verified(self, key: Hashable, proposed: int, accepted: int) -> None:
