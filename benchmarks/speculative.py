@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +29,7 @@ import httpx
 
 from benchmarks.burst import cpu_flags
 from benchmarks.sweep import chats
+from loadtest.loadgen import parse_prometheus
 from loadtest.serve_bench import running_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,12 +56,10 @@ def code_edits(n: int) -> list[list[dict]]:
 
 
 def spec_counters(url: str) -> dict:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    got = {}
-    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        m = re.search(rf"^vllm:spec_decode_{key}_total\{{[^}}]*\}} (\S+)$", text, re.M)
-        got[key] = float(m.group(1)) if m else 0.0
-    return got
+    """The server's spec-decode counters (vllm:spec_decode_*_total), 0 where absent."""
+    values = parse_prometheus(httpx.get(url + "/metrics", timeout=30).text)
+    return {key: values.get(f"vllm:spec_decode_{key}_total", 0.0)
+            for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
 
 
 def one_user(artifact: Path, overrides: dict, prompts: list[list[dict]], max_tokens: int) -> dict:

@@ -199,10 +199,10 @@ class _ScrapeTimeCollector:
         yield gauge("compressor:token_fill_ratio", "Mean tokens per step / max_num_batched_tokens (serving model).",
                     st.token_fill_ratio if st else 0.0)
         yield gauge("compressor:spec_decode_acceptance_rate", "Drafted tokens accepted / checked (serving model).",
-                    st.spec_accepted_tokens / st.spec_draft_tokens if st and st.spec_draft_tokens else 0.0)
+                    st.spec_acceptance_rate if st else 0.0)
         yield gauge("compressor:spec_decode_tokens_per_check", "Tokens a drafted row produced per forward: accepted "
                     "drafts + the model's own token (serving model).",
-                    (st.spec_accepted_tokens + st.spec_drafts) / st.spec_drafts if st and st.spec_drafts else 0.0)
+                    st.spec_tokens_per_check if st else 0.0)
 
     def _counters(self, sc: _Scrape):
         """Engine counters: retired engines' totals plus the live ones'."""

@@ -103,9 +103,7 @@ class DraftModel:
             rows.append(RunRow(key, self.bm.block_table(s), len(s.ids), new))
             s.ids.extend(new)
             live.append((i, s, k))
-        for step in range(max((k for *_, k in live), default=0)):
-            if not rows:
-                break
+        while rows:  # one batched forward per drafted position; a sequence leaves once it has its k
             logits = self.runner.execute(rows)
             nxt_rows, nxt_live = [], []
             for (i, s, k), lg in zip(live, logits):

@@ -25,21 +25,10 @@ class SpecCounters:
     drafts: int = 0  # rows that carried drafts
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    draft_seconds: float = 0.0  # time spent drafting (a draft model's forwards; lookups are microseconds)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def tokens_per_check(self) -> float:
-        """Tokens a drafted row produced per forward: accepted drafts + the one the target adds."""
-        return (self.accepted_tokens + self.drafts) / self.drafts if self.drafts else 0.0
 
 
 class Drafter:
     def __init__(self, config: ServeConfig, *, draft_model=None):
-        self.method = "prompt_lookup" if config.speculative == "prompt_lookup" else "draft_model"
         self.k_max = config.speculative_tokens
         self.max_rows = config.speculative_max_rows
         self.ngram = config.speculative_ngram
@@ -75,7 +64,7 @@ class Drafter:
     def propose(self, wanted: Sequence[tuple[ScheduledSeq, int]]) -> list[list[int]]:
         """Drafts for each (row, k); [] where the source has none. Never raises: a failing draft model logs and
         drafts nothing, and the step runs without speculation."""
-        if self.method == "prompt_lookup":
+        if self.model is None:  # prompt lookup
             return [prompt_lookup(r.seq.token_ids, k, self.ngram) for r, k in wanted]
         try:
             return self.model.propose([((r.seq.request_id, r.seq.epoch), r.seq.token_ids, k) for r, k in wanted])

@@ -50,18 +50,18 @@ from serve.artifact import read_manifest, refuse_record
 from serve.config import ServeConfig
 from serve.engine.heap import release_free_memory
 from serve.engine.in_flight import InFlightRequest
-from serve.engine.request_handle import RequestHandle, RequestOutput, TokenEvent
 from serve.engine.drafter import make_drafter
+from serve.engine.request_handle import RequestHandle, RequestOutput, TokenEvent
+from serve.engine.runner_factory import make_runner
 from serve.engine.sampling import SamplingError, SamplingParams, sample_token, token_logprobs
-from serve.engine.speculative import accept_drafts
 from serve.engine.scheduler import AdmissionError, Scheduler, SchedulerOutput, SeqStatus, SequenceState
+from serve.engine.speculative import accept_drafts
 from serve.engine.stats import EngineCounters, EngineStats, FinishedRequestSample
 from serve.engine.thread_priority import lower_this_thread
 from serve.engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
 from serve.kv.budget import KVCacheSpec, context_length, kv_layout
 from serve.kv.cache import BlockManager
 from serve.runners.protocol import ModelRunner, RunRow
-from serve.engine.runner_factory import make_runner
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +96,13 @@ class Engine:
         # a finished, cancelled or preempted sequence's K/V is dead for the runner too (RunRow key = id + epoch)
         # (the hook holds the runner, not the engine: no cycle, so a dropped engine frees its weights at once)
         runner, drafter = self.runner, self.drafter
-        if drafter is None:
-            self.block_manager.on_free = lambda seq: runner.release((seq.request_id, seq.epoch))
-        else:
-            def on_free(seq, runner=runner, drafter=drafter):
-                runner.release((seq.request_id, seq.epoch))
-                drafter.release((seq.request_id, seq.epoch))
-            self.block_manager.on_free = on_free
+
+        def on_free(seq) -> None:
+            key = (seq.request_id, seq.epoch)
+            runner.release(key)
+            if drafter is not None:
+                drafter.release(key)
+        self.block_manager.on_free = on_free
         release_free_memory()  # the loader's freed temporaries, ~100 MiB for SmolLM2 (serve/engine/heap.py)
         pool_bytes = num_blocks * spec.bytes_per_block(bs)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)%s; context %d; provider %s",
@@ -270,9 +270,7 @@ class Engine:
     def _add_drafts(self, out: SchedulerOutput, wanted) -> None:
         """Draft for the step's chosen decode rows (outside the lock: a draft model runs here), then give the
         drafts to the scheduler, which grows the rows' blocks if the pool allows without preempting."""
-        t = time.perf_counter()
         drafts = self.drafter.propose(wanted)
-        self.drafter.counters.draft_seconds += time.perf_counter() - t
         with self._lock:
             for (row, _), d in zip(wanted, drafts):
                 self.scheduler.add_drafts(out, row, d)

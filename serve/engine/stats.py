@@ -67,6 +67,16 @@ class EngineStats:
     ttft_s: list[float] = field(default_factory=list, repr=False)  # recent samples (window)
     itl_s: list[float] = field(default_factory=list, repr=False)  # recent samples (window)
 
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Drafted tokens accepted / checked (0 before any draft)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_tokens_per_check(self) -> float:
+        """Tokens a drafted row produced per forward: accepted drafts + the model's own token (0 before any)."""
+        return (self.spec_accepted_tokens + self.spec_drafts) / self.spec_drafts if self.spec_drafts else 0.0
+
 
 class EngineCounters:
     """Running totals and latency samples; the engine updates them with its lock held."""

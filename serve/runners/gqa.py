@@ -347,19 +347,12 @@ class GqaRunner(RunnerBase):
             if len(r.token_ids) < 1:
                 raise RunnerError("a scheduled row has no tokens")
         need = max(r.start + len(r.token_ids) for r in rows)
-        if self.uniform_kernels and sum(len(r.token_ids) == 1 for r in rows) == 1 and \
-                need < self.max_len and len(rows) * (need + 1) <= self.row_tokens:
-            need += 1  # room for the lone decode row's second position (below)
-        self._ensure(len(rows), need)
+        lone = self._lone_decode(rows, need)
+        self._ensure(len(rows), max(need, lone.start + 2) if lone is not None else need)
         out: list[np.ndarray | None] = [None] * len(rows)
         index = {id(r): i for i, r in enumerate(rows)}
-        decode = [r for r in rows if len(r.token_ids) == 1]
-        prefill = [r for r in rows if len(r.token_ids) > 1]
-        if self.uniform_kernels and len(decode) == 1 and 0 < decode[0].start <= min(self.cap, self.max_len) - 2:
-            # (at the context's last position there is no room for it: that one step runs the one-row kernels)
-            # a lone decode row as a two-position chunk (its token twice, the second position's K/V discarded): the
-            # multi-row kernels that prompt chunks and drafted checks run, not ONNX Runtime's one-row ones
-            prefill.append(decode.pop())
+        decode = [r for r in rows if len(r.token_ids) == 1 and r is not lone]
+        prefill = [r for r in rows if len(r.token_ids) > 1 or r is lone]
         if decode:
             self._place_decode(decode)  # reorders `decode` to slot order
             logits = self._run_decode(decode)
@@ -377,14 +370,26 @@ class GqaRunner(RunnerBase):
         for r in prefill:
             slot = self._slot_for_prefill(r, len(decode))
             self._fill(slot, r)
-            if len(r.token_ids) == 1:  # uniform_kernels: see above
-                lg = self._run_prefill(slot, RunRow(r.key, r.block_table, r.start, [r.token_ids[0]] * 2, True, True),
-                                       write=1)[:1]
+            if r is lone:  # its token twice; the second position's K/V is not kept
+                two = RunRow(r.key, r.block_table, r.start, [r.token_ids[0]] * 2, want_logits=True, all_logits=True)
+                lg = self._run_prefill(slot, two, write=1)[:1]
             else:
                 lg = self._run_prefill(slot, r)
             out[index[id(r)]] = lg.copy() if r.all_logits else lg[-1].copy() if r.want_logits else None
         self.step_seconds += time.perf_counter() - t0
         return out
+
+    def _lone_decode(self, rows: Sequence[RunRow], need: int) -> RunRow | None:
+        """serve.uniform_kernels: the step's one decode row, to run as a two-position chunk through the multi-row
+        kernels that prompt chunks and drafted checks run (ONNX Runtime's one-row kernels round otherwise on int8
+        activations); None without one, or without room for its second position (the context's last position)."""
+        if not self.uniform_kernels:
+            return None
+        decode = [r for r in rows if len(r.token_ids) == 1]
+        if len(decode) != 1 or decode[0].start == 0:
+            return None
+        end = decode[0].start + 2
+        return decode[0] if end <= self.max_len and len(rows) * max(need, end) <= self.row_tokens else None
 
     def _bind(self, kv: np.ndarray, input_ids: np.ndarray, seqlens_k: np.ndarray, logits: np.ndarray,
               keep: int | None, total: int | None = None, session=None):
