@@ -13,7 +13,8 @@ Greedy outputs must be identical to ``off`` on every prompt (the text is compare
 
 Under load (``--load``): c users at once, chat prompts, 64 tokens each (``ignore_eos``), 2 requests per user, not
 streamed, speculation on vs off: the back-off (serve.speculative_max_rows) must keep tokens/s at >= 0.97x.
-The server's spec-decode counters (/metrics) give the acceptance rate and tokens per check.
+The server's spec-decode counters (/metrics) give the acceptance rate and tokens per check; each one-user server's
+peak RSS (VmHWM) is recorded beside its tokens/s.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import httpx
 
 from benchmarks.burst import cpu_flags
 from benchmarks.sweep import chats
-from loadtest.loadgen import parse_prometheus
+from loadtest.loadgen import parse_prometheus, read_peak_rss
 from loadtest.serve_bench import running_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +67,7 @@ def one_user(artifact: Path, overrides: dict, prompts: list[list[dict]], max_tok
     """Each prompt streamed in turn on one fresh server: texts, tokens, seconds, the spec counters."""
     import openai
 
-    with running_server(artifact, overrides) as (url, _):
+    with running_server(artifact, overrides) as (url, proc):
         name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
         client.chat.completions.create(model=name, messages=chats(1, seed=99)[0], max_tokens=8, temperature=0)
@@ -85,8 +86,9 @@ def one_user(artifact: Path, overrides: dict, prompts: list[list[dict]], max_tok
             texts.append("".join(parts))
             tokens += usage.completion_tokens
         counters = spec_counters(url)
+        peak = read_peak_rss(proc.pid)
     return {"texts": texts, "tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 2),
-            **counters}
+            "peak_rss_mib": round(peak / 2**20) if peak else None, **counters}
 
 
 def under_load(artifact: Path, overrides: dict, c: int, workload: str = "chat") -> dict:
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             r["tokens_per_check"] = round((r["num_accepted_tokens"] + r["num_drafts"]) / r["num_drafts"], 2) \
                 if r["num_drafts"] else 0.0
             print(f"{wl:9s} {label:14s} {r['tokens_per_s']:7.2f} tok/s  x{r['x_off']:.2f} of off  identical "
-                  f"{sum(same)}/{len(same)}  acceptance {acc:.2f}  tokens/check {r['tokens_per_check']}", flush=True)
+                  f"{sum(same)}/{len(same)}  acceptance {acc:.2f}  tokens/check {r['tokens_per_check']}  "
+                  f"peak RSS {r['peak_rss_mib']} MiB", flush=True)
         res["one_user"][wl] = rows
     for c in args.load:
         rows = {}
