@@ -251,7 +251,8 @@ def test_time_budget_and_early_stop_keep_the_best(tiny_model, other_student, tin
 def test_teacher_topk_cache_runs_the_teacher_once_per_block(tiny_model, other_student, tiny_splits, tmp_path):
     calls = {"n": 0}
     teacher = copy.deepcopy(tiny_model)
-    teacher.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+    # on the body: the fused loss runs the teacher up to its last hidden state, the plain loss through its head
+    teacher.model.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
     tiny_splits = dataclasses.replace(tiny_splits, train=tiny_splits.train[:16])
     epoch = len(tiny_splits.train) // 4  # steps per epoch at batch 4
     cfg = _cfg(steps=2 * epoch, eval_every=1000, checkpoint_every=1000)
@@ -260,9 +261,11 @@ def test_teacher_topk_cache_runs_the_teacher_once_per_block(tiny_model, other_st
     vocab = tiny_model.config.vocab_size
     cached = distill(copy.deepcopy(other_student), teacher, tiny_splits, cfg.model_copy(update={"teacher_topk": vocab}),
                      tmp_path / "cache", progress=False)
-    evals = 2 * math.ceil(len(tiny_splits.eval) / 4)  # before and after
-    assert n_full - evals == 2 * epoch
-    assert calls["n"] - evals == epoch  # the second epoch reuses the cache
+    # evals before and after, and the probe's two forwards (logits; last hidden state) that check the teacher's
+    # logits are its head applied to its last hidden state (compress/distill/fused.py::split_head)
+    other = 2 * math.ceil(len(tiny_splits.eval) / 4) + 2
+    assert n_full - other == 2 * epoch
+    assert calls["n"] - other == epoch  # the second epoch reuses the cache
     # k = vocab keeps everything: the same training, up to float summation order.
     assert [h["loss"] for h in cached.history] == pytest.approx([h["loss"] for h in full.history], rel=1e-4)
 

@@ -23,7 +23,10 @@ from compress.tiny import save_tiny_llama
 def _cfg(**kw) -> DistillConfig:
     base = dict(steps=6, lr=3e-3, batch_size=4, eval_every=3, checkpoint_every=2, early_stop_patience=0,
                 t_start=4.0, t_end=1.0, t_schedule="linear", alpha_start=0.9, alpha_end=0.5,
-                lr_schedule="cosine", warmup_steps=1, device="cpu")
+                lr_schedule="cosine", warmup_steps=1, device="cpu",
+                # fp32: the ranks' 2 + 2 blocks and one process's 4 round differently in bf16 (6e-5 seen), which would
+                # hide a real divergence under the tolerance below
+                amp="off")
     base.update(kw)
     return DistillConfig(**base)
 

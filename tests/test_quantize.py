@@ -15,7 +15,8 @@ from compress.quantize.calibration import find_linears
 from compress.config import QuantizeConfig
 from compress.evaluate.onnx_eval import prefill_logits
 from compress.drivers import lm_for_model, load_lm
-from compress.quantize.quantizer import QuantizeError, Quantizer, has_vnni, quantize_artifact, resolve_reduce_range
+from compress.cpu import has_vnni
+from compress.quantize.quantizer import QuantizeError, Quantizer, quantize_artifact, resolve_reduce_range
 from compress.quantize.smoothquant import apply_smoothquant
 
 

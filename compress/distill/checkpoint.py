@@ -38,7 +38,7 @@ LAST, BEST, REPORT = "last", "best", "report.json"
 # Config keys that do not change the training trajectory: a checkpoint stays valid across them.
 # The rank count is one of them: ranks split a fixed global batch, so the trajectory does not depend on it.
 _RESUME_INDEPENDENT = ("enabled", "max_minutes", "checkpoint_every", "device", "amp", "early_stop_patience",
-                       "nproc_per_node")
+                       "nproc_per_node", "fused_loss", "compile")
 
 
 @dataclass
@@ -57,6 +57,7 @@ class TrainState:
     history: list = field(default_factory=list)
     evals: list = field(default_factory=list)
     stop_reason: str = ""
+    plan: dict = field(default_factory=dict)  # a token budget's plan (compress/distill/plan.py), made before step 1
 
 
 def run_fingerprint(student, splits: DataSplits, cfg) -> str:

@@ -32,6 +32,7 @@ class DistillReport:
     world_size: int = 1  # processes (torchrun ranks) that trained together in the last call
     history: list[dict] = field(default_factory=list)  # per step: step, T, alpha, kd_loss, ce_loss, hidden_loss, loss, lr
     evals: list[dict] = field(default_factory=list)  # per eval: step, perplexity, kl, top1_agreement
+    plan: dict = field(default_factory=dict)  # a token budget's plan: Plan.to_dict() (estimate_seconds, tokens/s, ...)
 
     @property
     def seconds_per_step(self) -> float:
@@ -54,6 +55,8 @@ class DistillReport:
             "distill_early_stopped": float(self.stop_reason == "early_stop"),
             "distill_resumed_from": self.resumed_from,
             "distill_world_size": self.world_size,
+            **({"distill_planned_seconds": self.plan["estimate_seconds"],
+                "distill_planned_tokens_per_second": self.plan["tokens_per_second"]} if self.plan else {}),
         }
 
     def figure(self):

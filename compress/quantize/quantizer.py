@@ -22,7 +22,6 @@ whose tied lm_head gets its own int8 copy behind per-token activations (compress
 from __future__ import annotations
 
 import copy
-import re
 import shutil
 import tempfile
 import time
@@ -36,6 +35,7 @@ import onnx
 from compress.artifact import read_manifest, write_manifest
 from compress.quantize.calibration import ActStats, Linear, find_linears
 from compress.config import QuantizeConfig
+from compress.cpu import has_vnni
 from compress.export.graph_fusion import pack_siblings
 from compress.quantize.kv_int8 import int8_kv_artifact
 from compress.quantize.graph import (QuantizeError, dynamic_per_tensor, insert_dynamic_per_token, insert_qdq, pow2_block,
@@ -50,21 +50,6 @@ MODEL_FILE = "model.onnx"
 SPILL_BYTES = 256 << 20
 
 # ---------------------------------------------------------------- CPU capability
-
-def has_vnni(cpuinfo: str | None = None) -> bool:
-    """True when the CPU has an 8-bit dot-product instruction (x86 VNNI, ARM dotprod).
-
-    Without it ORT's u8 x s8 kernels add pairs of products in int16 and saturate
-    (measured on such a CPU: perplexity 35k-2.1M instead of 17); 7-bit weights avoid that.
-    """
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = set(re.findall(r"[a-z0-9_]+", " ".join(l for l in cpuinfo.splitlines() if l.lower().startswith(("flags", "features")))))
-    return bool(flags & {"avx512_vnni", "avx_vnni", "avxvnni", "amx_int8", "asimddp", "dotprod"})
-
 
 def resolve_reduce_range(cfg: QuantizeConfig) -> bool:
     return (not has_vnni()) if cfg.reduce_range is None else bool(cfg.reduce_range)
