@@ -2,12 +2,15 @@
 AdamW) against today's, lever by lever, in one run, on the same student, batch and sequence length.
 
     .venv/bin/python -m benchmarks.distill_speed                      # SmolLM2-135M, 25 % of the MLP pruned, 4 x 128
-    .venv/bin/python -m benchmarks.distill_speed --steps 12 --batch-size 8 --block-size 256
+    .venv/bin/python -m benchmarks.distill_speed --batch-size 16 --steps 3
+    .venv/bin/python -m benchmarks.distill_speed --only none --plan-tokens 100000 --batch-size 16   # the planner
 
 Every variant trains a fresh copy of the same pruned student from the same weights for ``--warmup`` + ``--steps``
 optimizer steps of the real training step (compress/distill/train.py::train_step); the timed steps are the last
-``--steps``. Printed as tokens/s and as a ratio to the first row; written to benchmarks/results/distill_speed.json
-with the CPU's flags, torch's version and threads.
+``--steps``. Printed as tokens/s and as a ratio to the first row; written to
+benchmarks/results/distill_speed_b<batch>x<block>.json with the CPU's flags, torch's version and threads.
+``--plan-tokens N`` then runs the stage itself (compress/distill/train.py::distill, today's defaults) on a budget of
+N tokens and sets the planner's estimate, made before step 1, beside the measured wall time.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import copy
 import json
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 
@@ -31,7 +35,7 @@ from compress.data import make_splits  # noqa: E402
 from compress.distill.distributed import Rank  # noqa: E402
 from compress.distill.fused import KDBody, TeacherRows, split_head  # noqa: E402
 from compress.distill.loss import TeacherOut  # noqa: E402
-from compress.distill.train import _DataOrder, train_step  # noqa: E402
+from compress.distill.train import _DataOrder, distill, train_step  # noqa: E402
 from compress.models import load_teacher  # noqa: E402
 from compress.prune import prune_model  # noqa: E402
 
@@ -85,6 +89,25 @@ def run_variant(student, teacher, train, cfg: DistillConfig, flags: tuple, warmu
             "tokens_per_second": round(cfg.batch_size * cfg.grad_accum * (train.shape[1] - 1) / per_step, 1)}
 
 
+def plan_check(student, teacher, splits, a) -> dict:
+    """distill() on a budget of a.plan_tokens with today's defaults: the plan made before step 1 against the clock."""
+    work = ROOT / ".cache" / "bench" / "distill_speed_plan"
+    shutil.rmtree(work, ignore_errors=True)
+    cfg = DistillConfig(enabled=True, tokens=a.plan_tokens, batch_size=a.batch_size, device="cpu", max_minutes=600,
+                        early_stop_patience=0, eval_every=10**6, checkpoint_every=10**6)
+    t0 = time.perf_counter()
+    rep = distill(copy.deepcopy(student), teacher, splits, cfg, work, progress=False)
+    wall = time.perf_counter() - t0
+    out = {"tokens": a.plan_tokens, "steps": rep.steps, "planned_seconds": rep.plan["estimate_seconds"],
+           "measured_seconds": round(rep.seconds, 1), "wall_seconds": round(wall, 1),
+           "error": round(rep.plan["estimate_seconds"] / rep.seconds - 1, 3), "plan": rep.plan,
+           "tokens_per_second": round(rep.steps * rep.plan["tokens_per_step"] / rep.train_seconds, 1)}
+    print(f"planner: {a.plan_tokens:,} tokens, {rep.steps} steps: planned {out['planned_seconds']:.0f} s before step 1, "
+          f"measured {out['measured_seconds']:.0f} s ({out['error']:+.1%}); {out['tokens_per_second']:.0f} tokens/s "
+          f"in the steps")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps per variant")
@@ -93,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--mlp-ratio", type=float, default=0.25)
     ap.add_argument("--only", nargs="*", help="variant name prefixes to run (default: all)")
-    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "distill_speed.json")
+    ap.add_argument("--plan-tokens", type=int, default=0, help="also run distill() on this token budget: planned "
+                    "against measured seconds")
+    ap.add_argument("--json", type=Path, help="default: benchmarks/results/distill_speed_b<batch>x<block>.json")
     a = ap.parse_args(argv)
+    a.json = a.json or ROOT / "benchmarks" / "results" / f"distill_speed_b{a.batch_size}x{a.block_size}.json"
 
     teacher, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
     splits = make_splits(tok, "embedded", block_size=a.block_size, train_blocks=64, calib_blocks=8, eval_blocks=4)
@@ -114,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio"] = round(r["tokens_per_second"] / base, 2)
         print(f"{name:<58} {r['seconds_per_step']:6.2f} s/step  {r['tokens_per_second']:7.1f} tok/s  "
               f"{r['ratio']:5.2f}x  (first step {r['first_step_seconds']:.1f} s)", flush=True)
+    planner = plan_check(student, teacher, splits, a) if a.plan_tokens else None
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps({"cpu_flags": flags, "machine": platform.machine(), "torch": torch.__version__,
+    a.json.write_text(json.dumps({"planner": planner, "cpu_flags": flags, "machine": platform.machine(), "torch": torch.__version__,
                                   "threads": torch.get_num_threads(), "batch_size": a.batch_size,
                                   "block_size": a.block_size, "params_student": prep.params_after,
                                   "steps": a.steps, "warmup": a.warmup, "rows": rows}, indent=1))

@@ -244,7 +244,8 @@ class DistillConfig(Section):
     # The corpus alone teaches the corpus: held-out text of another genre recovers far less (docs/distillation.md).
     # chat: the teacher's own conversations in its chat template (generated_blocks of them), the distribution a
     # chat model is used on (what accept's chat set scores).
-    data: Literal["corpus", "generated", "mix", "chat"] = "corpus"
+    # chat_mix: those conversations and the corpus's train blocks together (keeps the corpus's genres while learning chat).
+    data: Literal["corpus", "generated", "mix", "chat", "chat_mix"] = "corpus"
     # data generated, mix or chat: how many samples (or conversations) the teacher writes.
     generated_blocks: int = Field(256, ge=1)
     # data generated or mix: the temperature the teacher samples at.

@@ -14,8 +14,9 @@ EOS is suppressed (every block is ``block_size`` tokens, as the corpus's are). S
 shuffled together by the training loop's data order), ``chat`` (the teacher's own conversations: each block starts
 as the model's chat template opens a user turn, its default system turn included, and the teacher writes the rest
 at ``temperature``: the user's message, the end of the turn, the assistant turn and its answer, and on; special
-tokens the template does not use are suppressed). ``chat`` is the distribution of use for a chat model, and is
-data-free: no prompt of the gate's chat set (compress/evaluate/chatsets/) is read.
+tokens the template does not use are suppressed), ``chat_mix`` (those conversations and the corpus's train blocks,
+shuffled together). ``chat`` is the distribution of use for a chat model, and is data-free: no prompt of the gate's
+chat set (compress/evaluate/chatsets/) is read.
 """
 
 from __future__ import annotations
@@ -118,8 +119,7 @@ def distill_blocks(train: np.ndarray, generated: np.ndarray | None, mode: str) -
     """The blocks the student trains on for ``distill.data`` = mode."""
     if mode == "corpus":
         return train
-    if mode == "chat":
-        mode = "generated"
+    mode = {"chat": "generated", "chat_mix": "mix"}.get(mode, mode)
     if generated is None or not len(generated):
         raise ValueError(f"distill.data {mode!r} needs the teacher's generations (distill.generated_blocks > 0)")
     if generated.shape[1] != train.shape[1]:
@@ -144,7 +144,7 @@ def training_splits(splits: DataSplits, teacher, tokenizer, cfg, cache: str | Pa
     if cache.is_file():
         return DataSplits.load(cache)
     n_eval = len(splits.eval)
-    chat = cfg.data == "chat"
+    chat = cfg.data in ("chat", "chat_mix")
     generated = teacher_generations(
         teacher, cfg.generated_blocks + n_eval, splits.train.shape[1], seed=cfg.seed,
         temperature=cfg.generation_temperature, bos_id=splits.bos_token_id,
