@@ -52,7 +52,7 @@ def drift(baseline: str, model_dir: str, heldout: str, dtype: str) -> dict:
     alone moves (an INT8 candidate's agreement with it cannot be expected above this one's)."""
     from compress.data import load_heldout
     from compress.evaluate.checkpoint_ref import CheckpointReference
-    from tasks.accept import against_baseline
+    from compress.evaluate.verdict import against_baseline
 
     t0 = time.perf_counter()
     base, graph = against_baseline(baseline, baseline, load_heldout(heldout).test,
