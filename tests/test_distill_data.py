@@ -96,3 +96,27 @@ def test_chat_data_is_the_teachers_own_conversations_in_its_template(trained_tin
     assert not np.isin(body, unused).any()  # never a special token the template does not write
     assert len({tuple(r) for r in body}) == 8  # sampled, not one conversation repeated
     assert np.array_equal(DataSplits.load(tmp_path / "train_chat.npz").train, out.train)  # cached for a resume
+
+
+def test_chat_mix_is_the_corpus_and_the_teachers_conversations_and_never_reads_the_gate_prompts(
+        trained_tiny4, tiny_splits, tiny_tokenizer, tmp_path, one_torch_thread, monkeypatch):
+    from compress.evaluate import chat as chat_eval
+
+    def refuse(*a, **k):
+        raise AssertionError("the distillation data read the gate's chat set")
+
+    monkeypatch.setattr(chat_eval, "load_conversations", refuse)
+    monkeypatch.setattr(chat_eval, "load_sets", refuse)
+    cfg = DistillConfig(enabled=True, data="chat_mix", generated_blocks=8)
+    out = training_splits(tiny_splits, trained_tiny4, tiny_tokenizer, cfg, tmp_path / "train_chat_mix.npz",
+                          progress=False)
+    n = len(tiny_splits.train)
+    assert out.train.shape == (n + 8, tiny_splits.train.shape[1])
+    assert np.array_equal(out.train[:n], tiny_splits.train)  # the corpus's train blocks, then the conversations
+    # no 6-token run of any gate prompt appears in what the student trains on
+    monkeypatch.undo()
+    gate = [tiny_tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+            for conv in chat_eval.load_sets(["builtin"]) for m in conv["messages"] if m["role"] == "user"]
+    grams = {tuple(ids[i:i + 6]) for ids in gate for i in range(len(ids) - 5)}
+    seen = {tuple(r[i:i + 6]) for r in out.train[n:] for i in range(len(r) - 5)}
+    assert grams and not grams & seen
