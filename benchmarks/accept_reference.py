@@ -40,8 +40,8 @@ def run(config: str, reference: str, candidate: str, baseline: str, model_dir: s
         mlflow.set_tracking_uri(f"sqlite:///{work}/mlflow.db")  # a store of its own, gone with the folder
         t0 = time.perf_counter()
         with mlflow.start_run() as parent:
-            out = accept_task.fn(cfg, "accept", reference, parent.info.run_id, candidate, baseline, splits, heldout,
-                                 None, model_dir)
+            out = accept_task.fn(cfg, "accept", reference, parent_run_id=parent.info.run_id, candidate=candidate,
+                                 baseline=baseline, splits=splits, heldout=heldout, model_dir=model_dir)
         return {"seconds": time.perf_counter() - t0, "parts": out["seconds"], "accepted": out["accepted"],
                 "reference": out["reference"], "peak_gib": peak_gib(),
                 "figures": {k: out["metrics"].get(k) for k in FIGURES}}

@@ -203,7 +203,7 @@ def check_dask_scheduler(address: str, timeout_s: float = 10.0) -> int:
 
 
 @flow(name="search", validate_parameters=False)
-def search_flow(branch_cfgs: list[PipelineConfig], parent_run_id: str, tracking_uri: str, loaded: dict,
+def search_flow(branch_cfgs: list[PipelineConfig], parent_run_id: str, tracking_uri: str, *, loaded: dict,
                 teacher: dict, gold: dict, k_load: str, k_exp: str, baseline_figures: dict) -> list[dict]:
     """The fan-out: one `search_branch` task per config, submitted to this subflow's task runner at once.
 
@@ -212,7 +212,8 @@ def search_flow(branch_cfgs: list[PipelineConfig], parent_run_id: str, tracking_
     """
     log = get_run_logger()
     futures = [search_branch_task.with_options(task_run_name=f"branch-mlp{b.prune.mlp_ratio:g}").submit(
-        b, parent_run_id, tracking_uri, loaded, teacher, gold, k_load, k_exp, baseline_figures) for b in branch_cfgs]
+        b, parent_run_id, tracking_uri, loaded=loaded, teacher=teacher, gold=gold, k_load=k_load, k_exp=k_exp,
+        baseline_figures=baseline_figures) for b in branch_cfgs]
     results, errors = [], []
     for b, fut in zip(branch_cfgs, futures):
         try:
@@ -245,7 +246,8 @@ def run_search(cfg: PipelineConfig, pid: str, tracking_uri: str, *, loaded: dict
     t0 = time.perf_counter()
     runner = make_task_runner(s)
     branches = search_flow.with_options(task_runner=runner)(
-        branch_cfgs, pid, tracking_uri, loaded, teacher, gold, k_load, k_exp, base["figures"])
+        branch_cfgs, pid, tracking_uri, loaded=loaded, teacher=teacher, gold=gold, k_load=k_load, k_exp=k_exp,
+        baseline_figures=base["figures"])
     fanout_s = time.perf_counter() - t0
     search = summarize_search(branches, teacher["artifact"], loaded["splits"], title=f"pruning search: {cfg.name}")
     for line in search["lines"]:

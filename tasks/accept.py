@@ -34,7 +34,7 @@ def reusable(evaluated: dict | None, baseline: str, splits: str) -> bool:
 
 
 @task(name="accept", cache_key_fn=cache_key_fn, persist_result=True)
-def accept_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, candidate: str,
+def accept_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id: str | None, candidate: str,
                 baseline: str, splits: str, heldout: str, evaluated: dict | None = None,
                 model_dir: str | None = None) -> dict:
     """heldout: the load stage's heldout.npz. evaluated: the quantize stage's `evaluation` of this candidate on

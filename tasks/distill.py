@@ -12,7 +12,7 @@ from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_par
 
 
 @task(name="distill", cache_key_fn=cache_key_fn, persist_result=True)
-def distill_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, teacher_dir: str,
+def distill_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id: str | None, teacher_dir: str,
                  student_dir: str, splits: str, masks: str | None = None,
                  teacher_layers: list[int] | None = None) -> dict:
     # No wipe: checkpoints under folder/ckpt let a killed run continue where it stopped.

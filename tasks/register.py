@@ -23,7 +23,7 @@ from tasks.tracking import child_run
 
 @task(name="register", retries=2, retry_delay_seconds=3)
 def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str, aliases: list[str],
-                  tags: dict, stage: str = "register", metrics: dict | None = None,
+                  tags: dict, *, stage: str = "register", metrics: dict | None = None,
                   params: dict | None = None, same_config_only: bool = True, weights: str = "copy") -> dict:
     """metrics become the version's figures (its source run's metrics); tags say what it is. weights: "copy" uploads
     the graph's weights, "digest" records them, "auto" decides by their size (registry.baseline_weights)."""

@@ -124,7 +124,7 @@ def search_baseline_task(cfg: PipelineConfig, stage: str, key: str, parent_run_i
 
 
 @task(name="search_gate", cache_key_fn=cache_key_fn, persist_result=True)
-def search_gate_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, candidate: str,
+def search_gate_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id: str | None, candidate: str,
                      baseline: str, splits: str, baseline_figures: dict) -> dict:
     """One branch's candidate against the teacher on the selection split, through the gate (`gate_config`)."""
     folder, done = open_stage(cfg, stage, key)
@@ -150,7 +150,7 @@ def search_gate_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: s
 
 
 @task(name="search_branch", cache_policy=NONE)
-def search_branch_task(cfg: PipelineConfig, parent_run_id: str | None, tracking_uri: str, loaded: dict,
+def search_branch_task(cfg: PipelineConfig, parent_run_id: str | None, tracking_uri: str, *, loaded: dict,
                        teacher: dict, gold: dict, k_load: str, k_exp: str, baseline_figures: dict) -> dict:
     """One branch (cfg = `branch_config` of its ratio): the candidate's chain, then its gate. No cache of its own:
     each stage inside caches under its key, so a re-run redoes only what is missing."""

@@ -106,8 +106,9 @@ def test_accept_stage_judges_a_pruned_student_on_quality(tiny, tiny_artifact, ti
     cfg = PipelineConfig.model_validate(overrides)
     mlflow.set_experiment("accept-criteria")
     with mlflow.start_run() as parent:  # the stage logs to a child run, as under the flow
-        out = accept_task.fn(cfg, "accept", "k-quality", parent.info.run_id, str(tmp_path / "student"),
-                             str(tiny_artifact), str(tmp_path / "splits.npz"), str(tmp_path / "heldout.npz"))
+        out = accept_task.fn(cfg, "accept", "k-quality", parent_run_id=parent.info.run_id,
+                             candidate=str(tmp_path / "student"), baseline=str(tiny_artifact),
+                             splits=str(tmp_path / "splits.npz"), heldout=str(tmp_path / "heldout.npz"))
     assert mlflow.active_run() is None
     (child,) = mlflow.search_runs(filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
                                   output_format="list")

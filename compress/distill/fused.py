@@ -20,7 +20,7 @@ the three matmuls run in bf16 and the softmaxes in fp32, as autocast would do th
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -164,16 +164,24 @@ def chunk_rows(seq: int, vocab: int) -> int:
     return -(-seq // -(-seq // most))
 
 
+class _LossSettings(NamedTuple):
+    T: float
+    alpha: float
+    rows: int  # positions per chunk (chunk_rows)
+    compute_dtype: torch.dtype
+    compile_loss: bool
+
+
 class _FusedKD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, teacher: TeacherRows, labels, T: float, alpha: float, rows: int,
-                compute_dtype, compile_loss: bool):
+    def forward(ctx, h, weight, teacher: TeacherRows, labels, s: _LossSettings):
+        T, alpha, rows, compute_dtype = s.T, s.alpha, s.rows, s.compute_dtype
         n, vocab = h.shape[0], weight.shape[0]
         dev = h.device
         hc, wc = h.detach().to(compute_dtype), weight.detach().to(compute_dtype)
         grad_h = torch.empty(h.shape, dtype=h.dtype, device=dev)
         grad_w = None
-        if compile_loss:
+        if s.compile_loss:
             dense = _compiled_dense()
             consts = tuple(torch.tensor(v, dtype=torch.float32, device=dev) for v in (T, alpha, 1.0 / n))
         else:
@@ -208,7 +216,7 @@ class _FusedKD(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         if not bool(grad_loss == 1):  # a loss scaler's factor, or a caller's weight
             grad_h, grad_w = grad_h * grad_loss, grad_w * grad_loss
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None
 
 
 def fused_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: TeacherRows, labels: torch.Tensor, T: float,
@@ -218,8 +226,8 @@ def fused_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: TeacherRo
     positions that are scored, sequence after sequence of ``seq``) and its head ``weight`` [vocab, hidden], against
     ``teacher``'s rows for the same positions and ``labels`` [positions]. Every position counts (training blocks
     carry no padding). The loss's backward gives the hidden states and the head their gradients."""
-    loss, kl, ce = _FusedKD.apply(hidden, weight, teacher, labels, T, alpha, chunk_rows(seq, weight.shape[0]),
-                                  compute_dtype, compile_loss)
+    settings = _LossSettings(T, alpha, chunk_rows(seq, weight.shape[0]), compute_dtype, compile_loss)
+    loss, kl, ce = _FusedKD.apply(hidden, weight, teacher, labels, settings)
     kl_f, ce_f = kl.item(), ce.item()
     return loss, {"kl": kl_f, "kd_loss": T * T * kl_f, "ce_loss": ce_f,
                   "loss": alpha * T * T * kl_f + (1.0 - alpha) * ce_f}
