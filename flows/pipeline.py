@@ -367,6 +367,29 @@ class CandidateRegistration:
     deployed: dict | None
 
 
+def candidate_tags(cfg: PipelineConfig, parent, *, status: str, verdict: dict | None, figures: dict,
+                   blocked: str | None) -> dict:
+    """The candidate version's tags: role, verdict, reasons, and the note the registry's page shows."""
+    pid, exp = parent.info.run_id, parent.info.experiment_id
+    tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash()}
+    # Only tags that say something: the UI shows an empty `promotion_blocked` as a badge.
+    if verdict and verdict["reasons"]:
+        tags["reasons"] = "; ".join(verdict["reasons"])
+    if blocked:
+        tags["promotion_blocked"] = blocked
+    shown = [f"{label} {figures[k]:.4g}" for k, label in VERSION_FIGURES if k in figures]
+    # markdown links to relative routes: the description is read on the UI's own page, whatever its port
+    tags["note"] = (f"{status}: " + ("; ".join(verdict["reasons"]) if verdict and verdict["reasons"]
+                                     else "every check passed" if verdict else "not judged")
+                    + (f" ({', '.join(shown)})" if shown else "")
+                    + f". [Pipeline run]({registry.run_route(exp, pid)})"
+                    + (f", [verdict, checks and plots]({registry.run_route(exp, verdict['run_id'])})"
+                       if verdict and verdict.get("run_id") else "") + ".")
+    if verdict and verdict.get("run_id"):
+        tags["accept_run_id"] = verdict["run_id"]
+    return tags
+
+
 def register_candidate(cfg: PipelineConfig, parent, tracking_uri: str, timer, *, candidate: str,
                        verdict: dict | None, bench: dict | None, baseline_version) -> CandidateRegistration:
     """Register the candidate with its verdict, figures and note; promote it (compare-and-set under the model's
@@ -384,23 +407,7 @@ def register_candidate(cfg: PipelineConfig, parent, tracking_uri: str, timer, *,
     blocked, aliases = decision.blocked, list(decision.aliases)
     if blocked:
         log.warning("promotion blocked: %s", blocked)
-    tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash()}
-    # Only tags that say something: the UI shows an empty `promotion_blocked` as a badge.
-    if verdict and verdict["reasons"]:
-        tags["reasons"] = "; ".join(verdict["reasons"])
-    if blocked:
-        tags["promotion_blocked"] = blocked
-    exp = parent.info.experiment_id
-    shown = [f"{label} {figures[k]:.4g}" for k, label in VERSION_FIGURES if k in figures]
-    # markdown links to relative routes: the description is read on the UI's own page, whatever its port
-    tags["note"] = (f"{status}: " + ("; ".join(verdict["reasons"]) if verdict and verdict["reasons"]
-                                     else "every check passed" if verdict else "not judged")
-                    + (f" ({', '.join(shown)})" if shown else "")
-                    + f". [Pipeline run]({registry.run_route(exp, pid)})"
-                    + (f", [verdict, checks and plots]({registry.run_route(exp, verdict['run_id'])})"
-                       if verdict and verdict.get("run_id") else "") + ".")
-    if verdict and verdict.get("run_id"):
-        tags["accept_run_id"] = verdict["run_id"]
+    tags = candidate_tags(cfg, parent, status=status, verdict=verdict, figures=figures, blocked=blocked)
     card = scorecard(figures, accepted=verdict["accepted"] if verdict else None, baseline=False,
                      size_ratio=size_ratio(verdict))
     card_p = card_params(status, form_of(read_manifest(candidate, verify=False).get("quantization"),
@@ -441,20 +448,126 @@ def register_candidate(cfg: PipelineConfig, parent, tracking_uri: str, timer, *,
     return CandidateRegistration(reg, status, champion_vs, blocked, deployed)
 
 
+def check_search_runner(cfg: PipelineConfig) -> None:
+    """Before any stage: the dask extra's missing-package error, and a word when the scheduler has no workers."""
+    s = cfg.search
+    if s.mlp_ratios and s.task_runner == "dask" and s.dask_address:
+        make_task_runner(s)
+        if check_dask_scheduler(s.dask_address) == 0:
+            get_run_logger().warning("search: the scheduler at %s has no workers yet; the branches wait until one "
+                                     "joins", s.dask_address)
+
+
+@dataclass(frozen=True)
+class TeacherStages:
+    """load -> export -> golden, the stages every run shares; their keys are the candidate chain's roots."""
+
+    k_load: str
+    loaded: dict
+    k_exp: str
+    teacher: dict
+    gold: dict
+
+    @property
+    def int8_export(self) -> bool:
+        """The export wrote quantized weights from the checkpoint: there is no fp32 graph."""
+        return self.teacher.get("weights") in FROM_CHECKPOINT_WEIGHTS
+
+
+def export_key_part(cfg: PipelineConfig, weights: str) -> str:
+    """What of the quantize section shapes an export that writes quantized weights from the checkpoint."""
+    q = cfg.quantize
+    if weights == "int8":
+        return f"int8b{q.weight_block_size}a{q.accuracy_level}"
+    if weights == "int4":
+        return (f"int4b{q.weight_block_size}a{q.accuracy_level}s{int(q.weight_symmetric)}k{q.int4_keep_int8}"
+                f"c{int(q.w4_clip(False))}h{int(q.int4_lm_head)}")
+    return ""
+
+
+def teacher_stages(cfg: PipelineConfig, pid: str, timer: StageTimer) -> TeacherStages:
+    k_load = stage_key(cfg, "load", ["model", "data"], f"data{DATA_FORMAT}")
+    loaded = timer.run("load", submit_stage, load_task, cfg, "load", k_load, parent_run_id=pid)
+    weights, why = resolve_weights(cfg.export.weights, shape_of_folder(
+        loaded["model_dir"], cfg.model.trust_remote_code).params, fp32_needed_by(cfg))
+    get_run_logger().info("export: %s", why)
+    k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}", export_key_part(cfg, weights))
+    teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
+                        model_dir=loaded["model_dir"], weights=weights)
+    k_gold = stage_key(cfg, "golden", ["golden"], k_exp)
+    gold = timer.run("golden", submit_stage, golden_task, cfg, "golden", k_gold, parent_run_id=pid,
+                     model_dir=loaded["model_dir"], artifact=teacher["artifact"])
+    return TeacherStages(k_load, loaded, k_exp, teacher, gold)
+
+
+def register_baseline(cfg: PipelineConfig, pid: str, timer: StageTimer, t: TeacherStages) -> dict:
+    """Registered before the compression stages so a later failure still leaves the baseline. With an INT8 or
+    4-bit export the baseline is the checkpoint itself, recorded by digest (its weights stay put)."""
+    tags = {"role": "baseline", "config_hash": cfg.section_hash()}
+    return timer.run("register_baseline", lambda: register_task(
+        cfg, pid, t.teacher["record"] if t.int8_export else t.teacher["artifact"], ["baseline"], tags,
+        stage="register_baseline", metrics=t.gold["metrics"], params=version_params(cfg, "baseline"),
+        same_config_only=False, weights=cfg.registry.baseline_weights))
+
+
+def judge_candidate(cfg: PipelineConfig, pid: str, timer: StageTimer, t: TeacherStages, chain: dict,
+                    search: dict | None) -> tuple[dict | None, bool]:
+    """The verdict and whether the run was rejected before the accept stage: no quantized form passed on the
+    selection split (compress/quantize/choice.py), or no search branch did. Then the accept stage and the
+    benchmark do not spend their time on a candidate known to fail; the most accurate form or the best branch is
+    registered, as a rejected candidate is, so it can be compared."""
+    quant = chain["quant"]
+    choice = (quant or {}).get("choice") if search is None else None
+    verdict, rejected_early = None, True
+    if choice is not None and choice["chosen"] is None:
+        verdict = quantize_rejection(choice)
+    elif search is not None and search["picked"] is None:
+        verdict = search_rejection(search)
+    else:
+        rejected_early = False
+        if cfg.accept.enabled:
+            k = stage_key(cfg, "accept", ["accept"], chain["cand_key"], t.k_exp,
+                          f"chat{chat_eval.sets_digest(cfg.accept.chat_sets)}")
+            verdict = timer.run("accept", submit_stage, accept_task, cfg, "accept", k, parent_run_id=pid,
+                                candidate=chain["candidate"], baseline=t.teacher["artifact"],
+                                splits=t.loaded["splits"], heldout=t.loaded["heldout"],
+                                evaluated=quant.get("evaluation") if quant else None, model_dir=t.loaded["model_dir"])
+    for reason in (verdict or {}).get("reasons", []):
+        get_run_logger().warning("acceptance: %s", reason)
+    return verdict, rejected_early
+
+
+def benchmark_candidate(cfg: PipelineConfig, pid: str, timer: StageTimer, t: TeacherStages,
+                        chain: dict) -> dict | None:
+    """The candidate against the fp32 teacher on the server, when there is an fp32 graph to serve beside it."""
+    if t.int8_export:
+        w = t.teacher.get("weights")
+        get_run_logger().warning(
+            "benchmark: skipped, the export wrote %s from the checkpoint (export.weights %s) and there is no fp32 "
+            "graph to serve beside it (python -m benchmarks.large_models --serve measures the server at this size)",
+            w.upper(), w)
+        return None
+    k = stage_key(cfg, "benchmark", ["benchmark"], chain["cand_key"], t.k_exp)
+    return timer.run("benchmark", submit_stage, benchmark_task, cfg, "benchmark", k, parent_run_id=pid,
+                     candidate=chain["candidate"], baseline=t.teacher["artifact"])
+
+
+def summary_tail(search: dict | None, chain: dict) -> str:
+    """The search's table, or the quantize stage's forms, under the stage table of summary.md."""
+    if search is not None:
+        return "\n\n" + search_markdown(search)
+    choice = (chain["quant"] or {}).get("choice")
+    return "\n\n" + forms_markdown(choice) if choice is not None else ""
+
+
 def run_pipeline(cfg: PipelineConfig) -> dict:
     log = get_run_logger()
     tracking_uri = registry.configure(cfg.mlflow.tracking_uri, cfg.mlflow.experiment)
     registry.check_reachable(tracking_uri)
-    s = cfg.search
-    if s.mlp_ratios and s.task_runner == "dask" and s.dask_address:
-        make_task_runner(s)  # the dask extra's missing-package error comes first
-        if check_dask_scheduler(s.dask_address) == 0:
-            log.warning("search: the scheduler at %s has no workers yet; the branches wait until one joins",
-                        s.dask_address)
+    check_search_runner(cfg)
     timer = StageTimer()
     registered: list[dict] = []
-    run_name = f"{cfg.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-    with mlflow.start_run(run_name=run_name) as parent:
+    with mlflow.start_run(run_name=f"{cfg.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}") as parent:
         pid = parent.info.run_id
         log.info("MLflow parent run %s (%s)", pid, tracking_uri)
         if registry.sync_champion(cfg.registry.model_name, f"pipeline run {pid}"):
@@ -464,92 +577,34 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         log_params(cfg.model_dump(mode="json"))
         log_json(cfg.model_dump(mode="json"), "config.json")
 
-        k_load = stage_key(cfg, "load", ["model", "data"], f"data{DATA_FORMAT}")
-        loaded = timer.run("load", submit_stage, load_task, cfg, "load", k_load, parent_run_id=pid)
-        weights, why = resolve_weights(cfg.export.weights, shape_of_folder(
-            loaded["model_dir"], cfg.model.trust_remote_code).params, fp32_needed_by(cfg))
-        log.info("export: %s", why)
-        q = cfg.quantize
-        k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}",
-                          f"int8b{q.weight_block_size}a{q.accuracy_level}" if weights == "int8" else
-                          f"int4b{q.weight_block_size}a{q.accuracy_level}s{int(q.weight_symmetric)}k{q.int4_keep_int8}c{int(q.w4_clip(False))}h{int(q.int4_lm_head)}"
-                          if weights == "int4" else "")
-        teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
-                            model_dir=loaded["model_dir"], weights=weights)
-        int8_export = teacher.get("weights") in FROM_CHECKPOINT_WEIGHTS
-        k_gold = stage_key(cfg, "golden", ["golden"], k_exp)
-        gold = timer.run("golden", submit_stage, golden_task, cfg, "golden", k_gold, parent_run_id=pid,
-                         model_dir=loaded["model_dir"], artifact=teacher["artifact"])
-
+        t = teacher_stages(cfg, pid, timer)
         baseline_version = None
         if cfg.registry.register_baseline:
-            # Registered before the compression stages so a later failure still leaves the baseline.
-            tags = {"role": "baseline", "config_hash": cfg.section_hash()}
-            # With an INT8 export the baseline is the checkpoint itself, recorded by digest (its weights stay put).
-            reg = timer.run("register_baseline", lambda: register_task(
-                cfg, pid, teacher["record"] if int8_export else teacher["artifact"], ["baseline"], tags,
-                stage="register_baseline",
-                metrics=gold["metrics"], params=version_params(cfg, "baseline"), same_config_only=False,
-                weights=cfg.registry.baseline_weights))
-            registered.append(reg)
-            baseline_version = reg["version"]
-
-        quant, search = None, None
+            registered.append(register_baseline(cfg, pid, timer, t))
+            baseline_version = registered[-1]["version"]
+        search = None
         if cfg.search.mlp_ratios:
-            cfg, search, chain = run_search(cfg, pid, tracking_uri, loaded=loaded, teacher=teacher, gold=gold,
-                                           k_load=k_load, k_exp=k_exp, timer=timer)
+            cfg, search, chain = run_search(cfg, pid, tracking_uri, loaded=t.loaded, teacher=t.teacher, gold=t.gold,
+                                            k_load=t.k_load, k_exp=t.k_exp, timer=timer)
         else:
-            chain = candidate_chain(cfg, pid, loaded, teacher, gold, k_load=k_load, k_exp=k_exp, run=timer.run)
-        candidate, cand_key, quant = chain["candidate"], chain["cand_key"], chain["quant"]
-
-        verdict, deployed, champion_vs, blocked = None, None, None, None
-        searched_none = search is not None and search["picked"] is None
-        choice = (quant or {}).get("choice") if search is None else None
-        quantized_none = choice is not None and choice["chosen"] is None
-        if quantized_none:
-            # No INT8 form passed on the selection split: rejected here, before the accept stage and the benchmark
-            # spend their time on a form known to fail (compress/quantize/choice.py).
-            verdict = quantize_rejection(choice)
-            for reason in verdict["reasons"]:
-                log.warning("acceptance: %s", reason)
-        elif searched_none:
-            # No branch passed the gate on the selection split: the run is rejected here, without a verdict on
-            # the test split (nothing is to be chosen) or a benchmark; the best branch is registered, as a
-            # rejected candidate is, so it can be compared.
-            verdict = search_rejection(search)
-            for reason in verdict["reasons"]:
-                log.warning("acceptance: %s", reason)
-        elif cfg.accept.enabled:
-            k = stage_key(cfg, "accept", ["accept"], cand_key, k_exp, f"chat{chat_eval.sets_digest(cfg.accept.chat_sets)}")
-            verdict = timer.run("accept", submit_stage, accept_task, cfg, "accept", k, parent_run_id=pid,
-                                candidate=candidate, baseline=teacher["artifact"], splits=loaded["splits"],
-                                heldout=loaded["heldout"], evaluated=quant.get("evaluation") if quant else None,
-                                model_dir=loaded["model_dir"])
-            for reason in verdict["reasons"]:
-                log.warning("acceptance: %s", reason)
-        bench = None
-        compressed = candidate != teacher["artifact"] or int8_export
-        if cfg.benchmark.enabled and int8_export:
-            w = teacher.get("weights")
-            log.warning("benchmark: skipped, the export wrote %s from the checkpoint (export.weights %s) and "
-                        "there is no fp32 graph to serve beside it (python -m benchmarks.large_models --serve "
-                        "measures the server at this size)", w.upper(), w)
-        elif cfg.benchmark.enabled and compressed and not searched_none and not quantized_none:
-            k = stage_key(cfg, "benchmark", ["benchmark"], cand_key, k_exp)
-            bench = timer.run("benchmark", submit_stage, benchmark_task, cfg, "benchmark", k, parent_run_id=pid,
-                              candidate=candidate, baseline=teacher["artifact"])
+            chain = candidate_chain(cfg, pid, t.loaded, t.teacher, t.gold, k_load=t.k_load, k_exp=t.k_exp,
+                                    run=timer.run)
+        candidate = chain["candidate"]
+        verdict, rejected_early = judge_candidate(cfg, pid, timer, t, chain, search)
+        compressed = candidate != t.teacher["artifact"] or t.int8_export
+        bench = benchmark_candidate(cfg, pid, timer, t, chain) if (
+            cfg.benchmark.enabled and compressed and not rejected_early) else None
+        out = None
         if compressed:
             out = register_candidate(cfg, parent, tracking_uri, timer, candidate=candidate, verdict=verdict,
                                      bench=bench, baseline_version=baseline_version)
             registered.append(out.registration)
-            champion_vs, blocked, deployed = out.champion_vs, out.blocked, out.deployed
-
+        champion_vs = out.champion_vs if out else None
         if champion_vs:
             log_json(champion_vs, "versus_champion.json")
         for r in timer.rows:
             log_metrics({f"{r['stage']}_seconds": r["seconds"], **r["metrics"]})
-        tail = ("\n\n" + search_markdown(search) if search is not None else "") + (
-            "\n\n" + forms_markdown(choice) if choice is not None else "")
+        tail = summary_tail(search, chain)
         mlflow.log_text(timer.markdown(cfg, parent, tracking_uri, registered, verdict, champion_vs) + tail,
                         "summary.md")
     ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)
@@ -558,9 +613,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     create_markdown_artifact(markdown=summary, key="compress-summary", description=f"compression run {cfg.name}")
     log.info("\n%s", summary)
     return {"run_id": pid, "tracking_uri": tracking_uri, "stages": timer.rows, "registered": registered,
-            "teacher_artifact": teacher["artifact"], "candidate_artifact": candidate, "golden": gold["metrics"],
-            "verdict": verdict, "benchmark": bench, "deployed": deployed, "promotion_blocked": blocked,
-            "versus_champion": champion_vs,
+            "teacher_artifact": t.teacher["artifact"], "candidate_artifact": candidate, "golden": t.gold["metrics"],
+            "verdict": verdict, "benchmark": bench, "deployed": out.deployed if out else None,
+            "promotion_blocked": out.blocked if out else None, "versus_champion": champion_vs,
             "search": search and {k: search[k] for k in ("rows", "lines", "metrics")},
             "run_url": registry.run_link(ui, parent.info.experiment_id, pid),
             "model_url": registry.model_link(ui, cfg.registry.model_name)}
