@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 
 import pytest
 import torch
@@ -129,8 +130,28 @@ def test_bf16_loss_is_the_fp32_loss_within_the_bound_its_rounding_gives(pair, ti
 
 def _cfg(**kw) -> DistillConfig:
     base = dict(lr=3e-3, batch_size=4, eval_every=4, checkpoint_every=4, early_stop_patience=0, device="cpu",
-                amp="off", t_start=2.0, t_end=1.0)
+                amp="off", t_start=2.0, t_end=1.0, compile="off")
     return DistillConfig(**{**base, **kw})
+
+
+def test_compile_auto_counts_a_token_budget(pair):
+    """distill.compile auto pays back its compile from COMPILE_MIN_TOKENS training tokens, whether the budget is
+    given in steps or in tokens (a 1M-token run once trained uncompiled at half speed: steps kept its default)."""
+    from compress.distill.distributed import Rank
+    from compress.distill.train import COMPILE_MIN_TOKENS, _resolve_compile
+
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler for inductor")
+    cut = KDBody(pair[0])
+    cpu = torch.device("cpu")
+    positions = 127
+    small = DistillConfig(steps=10, batch_size=4, compile="auto")
+    assert small.steps * small.batch_size * positions < COMPILE_MIN_TOKENS
+    assert not _resolve_compile(small, cpu, cut, Rank(), positions)
+    assert _resolve_compile(small.model_copy(update={"tokens": COMPILE_MIN_TOKENS}), cpu, cut, Rank(), positions)
+    assert not _resolve_compile(small.model_copy(update={"tokens": COMPILE_MIN_TOKENS - 1}), cpu, cut, Rank(),
+                                positions)
+    assert _resolve_compile(small.model_copy(update={"compile": "on"}), cpu, cut, Rank(), positions)
 
 
 def test_a_token_budget_is_planned_and_leaves_no_trace(pair, tiny_splits, tmp_path):
