@@ -21,6 +21,7 @@ from prefect.cache_policies import NONE
 
 from compress.config import PipelineConfig
 from compress.evaluate import accept, downstream_scores, evaluate_onnx, resolve_criteria
+from compress.evaluate.gate import selection_limits
 from compress.export import EXPORT_FORMAT, FROM_CHECKPOINT_WEIGHTS
 from compress.quantize import QUANT_FORMAT
 from compress.search import (Candidate, best_rejected, describe, pareto_figure, pareto_front,
@@ -90,17 +91,9 @@ def branch_config(cfg: PipelineConfig, ratio: float) -> PipelineConfig:
 
 
 def gate_config(cfg: PipelineConfig):
-    """The gate's tolerances on the selection split: as accept's, less the held-out source's check (that text
-    is read by the verdict only), each accuracy tolerance narrowed by ``search.selection_margin``."""
-    a, keep = cfg.accept, 1.0 - cfg.search.selection_margin
-    return a.model_copy(update={
-        "max_heldout_perplexity_ratio": None,
-        "max_perplexity_ratio": 1.0 + (a.max_perplexity_ratio - 1.0) * keep,
-        "max_perplexity_delta": None if a.max_perplexity_delta is None else a.max_perplexity_delta * keep,
-        "min_top1_agreement": 1.0 - (1.0 - a.min_top1_agreement) * keep,
-        "max_kl": None if a.max_kl is None else a.max_kl * keep,
-        "max_downstream_drop": None if a.max_downstream_drop is None else a.max_downstream_drop * keep,
-    })
+    """The gate's tolerances on the selection split (compress.evaluate.gate.selection_limits): as accept's, less
+    the held-out source's check, each accuracy tolerance narrowed by ``search.selection_margin``."""
+    return selection_limits(cfg.accept, cfg.search.selection_margin)
 
 
 def _criteria(cfg: PipelineConfig) -> str:

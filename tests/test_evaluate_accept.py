@@ -148,3 +148,51 @@ def test_large_vocabularies_evaluate_in_smaller_batches_with_the_same_figures(ti
     one = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_artifact=tiny_artifact, latency=False)
     assert one["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-6)
     assert one["top1_agreement"] == ref["top1_agreement"] == 1.0 and one["eval_tokens"] == ref["eval_tokens"]
+
+
+def test_every_gate_row_has_one_name_from_limit_to_metric_and_the_docs_table_is_the_code():
+    """A check's name is its metric (gate_<name>) and the tail of its accept.max_/min_ limit; every row with a
+    limit set is measured, checked and reported; docs/architecture.md's gate table lists the same rows."""
+    from pathlib import Path
+
+    from compress.evaluate.gate import CHECKS
+
+    for row in CHECKS:
+        assert row.limit == ("max_" if row.upper else "min_") + row.name, row
+        assert row.limit in AcceptConfig.model_fields, row
+    cfg = AcceptConfig(max_perplexity_delta=1.0, max_kl=0.1, max_heldout_perplexity_ratio=1.2, max_chat_perplexity_ratio=1.1,
+                       min_chat_top1_agreement=0.8, max_chat_judged_ratio=1.2, min_chat_late_divergence_share=0.5,
+                       min_decode_speed_ratio=1.0, max_size_ratio=0.5)
+    cand = {**BASE, "perplexity": 21.0, "top1_agreement": 0.95, "kl_to_reference": 0.05, "heldout_perplexity": 33.0,
+            "downstream_accuracy": 0.5, "chat_perplexity_ratio": 1.05, "chat_top1_agreement": 0.9, "chat_items": 9,
+            "chat_judged_ratio": 1.1, "chat_late_divergence_share": 0.6, "decode_tokens_per_s": 50.0,
+            "size_bytes": 200e6}
+    base = {**BASE, "heldout_perplexity": 30.0, "downstream_accuracy": 0.52}
+    seen = set()
+    for criteria in ("fidelity", "quality"):
+        v = accept(cand, base, cfg, criteria)
+        assert v.accepted, v.reasons
+        names = [c["name"] for c in v.checks]
+        assert names == [r.name for r in CHECKS if criteria in r.criteria]
+        assert all(f"gate_{n}" in v.metrics for n in names)
+        seen.update(names)
+    assert seen == {r.name for r in CHECKS}
+    assert v.metrics["gate_heldout_perplexity_ratio"] == pytest.approx(1.1)
+    assert v.metrics["gate_downstream_drop"] == pytest.approx(0.02)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    table = [line for line in doc.split("## The gate, one table")[1].split("\n## ")[0].splitlines()
+             if line.startswith("| `")]
+    assert [line.split("`")[1] for line in table] == [r.name for r in CHECKS]
+    assert [line.split("`")[3] for line in table] == [r.limit for r in CHECKS]
+
+
+def test_the_selection_gate_narrows_each_accuracy_limit_by_the_margin():
+    from compress.evaluate.gate import selection_limits
+
+    cfg = AcceptConfig(max_perplexity_ratio=1.10, max_perplexity_delta=2.0, min_top1_agreement=0.90, max_kl=0.2,
+                       max_heldout_perplexity_ratio=1.25, max_downstream_drop=0.05, max_size_ratio=0.5)
+    sel = selection_limits(cfg, 0.5)
+    assert sel.max_perplexity_ratio == pytest.approx(1.05) and sel.max_perplexity_delta == pytest.approx(1.0)
+    assert sel.min_top1_agreement == pytest.approx(0.95) and sel.max_kl == pytest.approx(0.1)
+    assert sel.max_downstream_drop == pytest.approx(0.025) and sel.max_heldout_perplexity_ratio is None
+    assert sel.max_size_ratio == 0.5 and sel.max_chat_perplexity_ratio == "auto"  # not accuracy-on-the-split limits

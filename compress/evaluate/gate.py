@@ -19,45 +19,108 @@ from dataclasses import dataclass, field
 from compress.config import AcceptConfig
 
 
-# What each check answers, stated in the verdict beside its numbers (Verdict.checks).
-WHY = {
-    "perplexity_ratio": "how well it predicts held-out text of the corpus's kind, against the baseline (both criteria)",
-    "perplexity_delta": "the same, as an absolute perplexity increase",
-    "top1_agreement": "fidelity: how often it picks the baseline's next token; a quantized model should be the baseline",
-    "kl": "fidelity: how far its next-token distribution is from the baseline's",
-    "heldout_perplexity_ratio": "quality: prediction of another genre (data.heldout_source); training on the corpus "
-                                "can teach the corpus instead of the teacher",
-    "downstream_drop": "quality: multiple-choice continuation accuracy on held-out text (compress/evaluate/downstream.py); "
-                       "a student is a different model, judged on what it does rather than on imitation",
-    "chat_perplexity_ratio": "use: how well it predicts the teacher's answers to held-out chat prompts, rendered with "
-                             "the model's chat template (compress/evaluate/chat.py), against the teacher",
-    "chat_top1_agreement": "use: how often it picks the teacher's next token inside those answers",
-    "chat_judged_ratio": "use: the teacher's perplexity of the candidate's own greedy answers over that of its own; "
-                         "what users read is what the candidate writes, not what it would score",
-    "chat_late_divergence_share": "use: the share of answers that follow the teacher's for at least "
-                                  "accept.chat_divergence_tokens tokens",
-    "throughput_ratio": "speed floor: batch-1 decode tokens/s against the baseline",
-    "size_ratio": "size ceiling: artifact bytes against the baseline",
-}
-
-
-# Which text each check reads: the verdict lists the genres, each must pass (the worst decides, never an average).
-GENRE = {"perplexity_ratio": "test", "perplexity_delta": "test", "top1_agreement": "test", "kl": "test",
-         "heldout_perplexity_ratio": "heldout", "downstream_drop": "downstream", "chat_perplexity_ratio": "chat",
-         "chat_top1_agreement": "chat", "chat_judged_ratio": "chat_judged", "chat_late_divergence_share": "chat_judged",
-         "throughput_ratio": "speed", "size_ratio": "size"}
-
 # accept.*chat* "auto" limits by criteria. A quantized model should be the teacher on its own answers (INT8 of
 # SmolLM2: 1.0xx, agreement 0.9x, docs/evaluation.md); a pruned or distilled student is another model and may
 # lose more, within a stated bound.
 CHAT_LIMITS = {"fidelity": {"max_chat_perplexity_ratio": 1.05, "min_chat_top1_agreement": 0.85, "max_chat_judged_ratio": 1.10},
                "quality": {"max_chat_perplexity_ratio": 1.10, "min_chat_top1_agreement": None, "max_chat_judged_ratio": 1.25}}
 
+BOTH = ("fidelity", "quality")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the gate: the check ``name`` is also its metric (``gate_<name>``) and the suffix of its limit,
+    ``accept.<limit>``; ``upper``: the value must stay at or under the limit (else at or over it)."""
+
+    name: str
+    limit: str
+    upper: bool
+    genre: str  # which text it reads: the verdict lists the genres, each must pass (the worst decides)
+    criteria: tuple[str, ...]  # the accept.criteria it applies under
+    narrow: str | None  # how search.selection_margin narrows it on the selection split: ratio | scale | share
+    why: str  # what it answers, stated in the verdict beside its numbers (Verdict.checks)
+    message: str  # the reason when it fails: str.format over value, limit and the check's own figures
+
+
+# The gate, in the order its reasons are listed. compress/evaluate/gate.py::accept measures and checks every row;
+# the search's selection gate (selection_limits) and the quantize stage's relax loop call the same accept.
+CHECKS: tuple[Check, ...] = (
+    Check("perplexity_ratio", "max_perplexity_ratio", True, "test", BOTH, "ratio",
+          "how well it predicts held-out text of the corpus's kind, against the baseline (both criteria)",
+          "perplexity {c:.4g} is {value:.4f}x the baseline {b:.4g} > max_perplexity_ratio {limit}"),
+    Check("perplexity_delta", "max_perplexity_delta", True, "test", BOTH, "scale",
+          "the same, as an absolute perplexity increase",
+          "perplexity {c:.4g} is {value:+.4g} over the baseline {b:.4g} > max_perplexity_delta {limit}"),
+    Check("top1_agreement", "min_top1_agreement", False, "test", ("fidelity",), "share",
+          "fidelity: how often it picks the baseline's next token; a quantized model should be the baseline",
+          "top-1 agreement {value:.4f} < min_top1_agreement {limit}{unmeasured}"),
+    Check("kl", "max_kl", True, "test", ("fidelity",), "scale",
+          "fidelity: how far its next-token distribution is from the baseline's",
+          "KL to the baseline {value:.4f} nats/token > max_kl {limit}{unmeasured}"),
+    Check("heldout_perplexity_ratio", "max_heldout_perplexity_ratio", True, "heldout", BOTH, None,
+          "quality: prediction of another genre (data.heldout_source); training on the corpus can teach the corpus "
+          "instead of the teacher",
+          "held-out source perplexity is {value:.4f}x the baseline's > max_heldout_perplexity_ratio {limit}"
+          "{unmeasured}"),
+    Check("downstream_drop", "max_downstream_drop", True, "downstream", ("quality",), "scale",
+          "quality: multiple-choice continuation accuracy on held-out text (compress/evaluate/downstream.py); "
+          "a student is a different model, judged on what it does rather than on imitation",
+          "downstream accuracy {c:.3f} is {value:+.3f} below the baseline's {b:.3f} > max_downstream_drop {limit}"
+          "{unmeasured}"),
+    Check("chat_perplexity_ratio", "max_chat_perplexity_ratio", True, "chat", BOTH, None,
+          "use: how well it predicts the teacher's answers to held-out chat prompts, rendered with the model's chat "
+          "template (compress/evaluate/chat.py), against the teacher",
+          "chat: perplexity of the teacher's answers to {n} held-out chat prompts is {value:.4f}x the teacher's "
+          "> max_chat_perplexity_ratio {limit}"),
+    Check("chat_top1_agreement", "min_chat_top1_agreement", False, "chat", BOTH, None,
+          "use: how often it picks the teacher's next token inside those answers",
+          "chat: top-1 agreement with the teacher inside its answers {value:.4f} < min_chat_top1_agreement {limit}"),
+    Check("chat_judged_ratio", "max_chat_judged_ratio", True, "chat_judged", BOTH, None,
+          "use: the teacher's perplexity of the candidate's own greedy answers over that of its own; what users "
+          "read is what the candidate writes, not what it would score",
+          "chat: the teacher finds the candidate's own answers {value:.4f}x as perplexing as its own "
+          "> max_chat_judged_ratio {limit}"),
+    Check("chat_late_divergence_share", "min_chat_late_divergence_share", False, "chat_judged", BOTH, None,
+          "use: the share of answers that follow the teacher's for at least accept.chat_divergence_tokens tokens",
+          "chat: only {value:.3f} of the answers follow the teacher's for {tokens}+ tokens "
+          "< min_chat_late_divergence_share {limit}"),
+    Check("decode_speed_ratio", "min_decode_speed_ratio", False, "speed", BOTH, None,
+          "speed floor: batch-1 decode tokens/s against the baseline",
+          "decode throughput {c:.1f} tok/s is {value:.3f}x the baseline {b:.1f} < min_decode_speed_ratio {limit}"),
+    Check("size_ratio", "max_size_ratio", True, "size", BOTH, None,
+          "size ceiling: artifact bytes against the baseline",
+          "size {mib:.1f} MiB is {value:.3f}x the baseline > max_size_ratio {limit}"),
+)
+CHECK = {c.name: c for c in CHECKS}
+WHY = {c.name: c.why for c in CHECKS}
+GENRE = {c.name: c.genre for c in CHECKS}
+
 
 def chat_limit(cfg: AcceptConfig, name: str, criteria: str) -> float | None:
     """An accept.*chat* limit with "auto" made concrete for the criteria."""
     v = getattr(cfg, name)
     return CHAT_LIMITS[criteria][name] if v == "auto" else v
+
+
+def limit_of(cfg: AcceptConfig, check: Check, criteria: str) -> float | None:
+    """The check's limit under the criteria ("auto" made concrete); None when it is not checked."""
+    if criteria not in check.criteria:
+        return None
+    return chat_limit(cfg, check.limit, criteria)
+
+
+def selection_limits(cfg: AcceptConfig, margin: float) -> AcceptConfig:
+    """The gate's limits on the selection split (the pruning search's gate): each accuracy limit narrowed by
+    ``margin`` (search.selection_margin) as its row says, the held-out source's check dropped (that text is read
+    by the verdict only)."""
+    keep, update = 1.0 - margin, {"max_heldout_perplexity_ratio": None}
+    for c in CHECKS:
+        v = getattr(cfg, c.limit)
+        if c.narrow is None or v is None or v == "auto":
+            continue
+        update[c.limit] = {"ratio": 1.0 + (v - 1.0) * keep, "scale": v * keep, "share": 1.0 - (1.0 - v) * keep}[c.narrow]
+    return cfg.model_copy(update=update)
 
 
 @dataclass
@@ -92,12 +155,62 @@ def resolve_criteria(cfg: AcceptConfig, changed_model: bool) -> str:
     return "quality" if changed_model else "fidelity"
 
 
+def _ratio(c: dict, b: dict, key: str) -> tuple[float, dict]:
+    cv, bv = c.get(key), b.get(key)
+    return (float(cv) / float(bv) if cv is not None and bv else float("nan")), {}
+
+
+def _measure(name: str, c: dict, b: dict, cfg: AcceptConfig) -> tuple[float, dict]:
+    """A check's value and the figures its message names. Metrics a check cannot do without raise KeyError."""
+    nan = float("nan")
+    if name in ("perplexity_ratio", "perplexity_delta"):
+        cp, bp = _num(c, "perplexity", "candidate"), _num(b, "perplexity", "baseline")
+        if name == "perplexity_delta":
+            return cp - bp, {"c": cp, "b": bp}
+        return (cp / bp if bp > 0 else math.inf), {"c": cp, "b": bp}
+    if name in ("top1_agreement", "kl"):
+        return float(c.get("top1_agreement" if name == "top1_agreement" else "kl_to_reference", nan)), {}
+    if name == "heldout_perplexity_ratio":
+        return _ratio(c, b, "heldout_perplexity")
+    if name == "downstream_drop":
+        dc, db = float(c.get("downstream_accuracy", nan)), float(b.get("downstream_accuracy", nan))
+        return db - dc, {"c": dc, "b": db}
+    if name.startswith("chat_"):
+        return float(c.get(name, nan)), {"n": int(c.get("chat_items", 0)), "tokens": cfg.chat_divergence_tokens}
+    if name == "decode_speed_ratio":
+        ct, bt = _num(c, "decode_tokens_per_s", "candidate"), _num(b, "decode_tokens_per_s", "baseline")
+        return (ct / bt if bt > 0 else 0.0), {"c": ct, "b": bt}
+    if name == "size_ratio":
+        cs = _num(c, "size_bytes", "candidate")
+        return cs / _num(b, "size_bytes", "baseline"), {"mib": cs / 2**20}
+    raise ValueError(f"gate: no measure for check {name!r}")
+
+
+# Why a value is missing, added to a failed check's reason.
+UNMEASURED = {"top1_agreement": " (not measured: evaluate with reference_artifact)",
+              "kl": " (not measured: evaluate with reference_artifact)",
+              "heldout_perplexity_ratio": " (not measured: data.heldout_source is none; set one or "
+                                          "accept.max_heldout_perplexity_ratio=null)",
+              "downstream_drop": " (not measured)"}
+# Figures the gate always reports, checked or not.
+ALWAYS = ("perplexity_ratio", "perplexity_delta", "top1_agreement")
+
+
+def _measured(name: str, c: dict) -> bool:
+    """Whether the candidate's figures hold what the check reads: the chat rows only when the chat set ran (the
+    model has a chat template and accept.chat_sets is set), the judged rows only when answers were judged."""
+    if name in ("chat_perplexity_ratio", "chat_top1_agreement"):
+        return "chat_perplexity_ratio" in c
+    if name in ("chat_judged_ratio", "chat_late_divergence_share"):
+        return "chat_perplexity_ratio" in c and "chat_judged_ratio" in c
+    return True
+
+
 def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | None = None) -> Verdict:
-    """Accept when every tolerance of the criteria holds; a NaN or infinite metric always fails.
+    """Accept when every check of the criteria (CHECKS) with a limit holds; a NaN or infinite value always fails.
 
     criteria: fidelity | quality (default: cfg.criteria, auto read as fidelity; the pipeline resolves auto
-    with resolve_criteria). quality reads candidate/baseline "heldout_perplexity" and "downstream_accuracy"
-    when their tolerances are set.
+    with resolve_criteria). Every check that applies and is measured reports its figure as ``gate_<name>``.
     """
     criteria = criteria or (cfg.criteria if cfg.criteria != "auto" else "fidelity")
     if criteria not in ("fidelity", "quality"):
@@ -105,105 +218,29 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
     reasons: list[str] = []
     checks: list[dict] = []
     m: dict[str, float] = {}
-
-    def check(name: str, value: float, limit: float, ok: bool, reason: str) -> None:
-        checks.append({"name": name, "genre": GENRE[name], "value": value, "limit": limit, "passed": bool(ok),
-                       "why": WHY[name]})
+    for row in CHECKS:
+        limit = limit_of(cfg, row, criteria)
+        if not _measured(row.name, candidate) or (limit is None and row.name not in ALWAYS
+                                                  and not row.name.startswith("chat_")):
+            continue
+        value, figures = _measure(row.name, candidate, baseline, cfg)
+        m[f"gate_{row.name}"] = value
+        if row.name == "downstream_drop":
+            m["gate_downstream_accuracy"] = figures["c"]
+        if limit is None:
+            continue
+        ok = math.isfinite(value) and (value <= limit if row.upper else value >= limit)
+        checks.append({"name": row.name, "genre": row.genre, "value": value, "limit": limit, "passed": bool(ok),
+                       "why": row.why})
         if not ok:
-            reasons.append(reason)
-
-    c_ppl, b_ppl = _num(candidate, "perplexity", "candidate"), _num(baseline, "perplexity", "baseline")
-    ratio = c_ppl / b_ppl if b_ppl > 0 else math.inf
-    m["gate_perplexity_ratio"] = ratio
-    m["gate_perplexity_delta"] = c_ppl - b_ppl
-    check("perplexity_ratio", ratio, cfg.max_perplexity_ratio,
-          math.isfinite(c_ppl) and ratio <= cfg.max_perplexity_ratio,
-          f"perplexity {c_ppl:.4g} is {ratio:.4f}x the baseline {b_ppl:.4g} > max_perplexity_ratio {cfg.max_perplexity_ratio}")
-    if cfg.max_perplexity_delta is not None:
-        check("perplexity_delta", c_ppl - b_ppl, cfg.max_perplexity_delta, (c_ppl - b_ppl) <= cfg.max_perplexity_delta,
-              f"perplexity {c_ppl:.4g} is {c_ppl - b_ppl:+.4g} over the baseline {b_ppl:.4g} > max_perplexity_delta {cfg.max_perplexity_delta}")
-    agr = float(candidate.get("top1_agreement", float("nan")))
-    m["gate_top1_agreement"] = agr
-    if criteria == "fidelity":
-        check("top1_agreement", agr, cfg.min_top1_agreement, agr >= cfg.min_top1_agreement,
-              f"top-1 agreement {agr:.4f} < min_top1_agreement {cfg.min_top1_agreement}"
-              + (" (not measured: evaluate with reference_artifact)" if math.isnan(agr) else ""))
-        if cfg.max_kl is not None:
-            kl = float(candidate.get("kl_to_reference", float("nan")))
-            m["gate_kl"] = kl
-            check("kl", kl, cfg.max_kl, kl <= cfg.max_kl,
-                  f"KL to the baseline {kl:.4f} nats/token > max_kl {cfg.max_kl}"
-                  + (" (not measured: evaluate with reference_artifact)" if math.isnan(kl) else ""))
-    if cfg.max_heldout_perplexity_ratio is not None:  # another genre: both criteria, when a limit is set
-        hc, hb = candidate.get("heldout_perplexity"), baseline.get("heldout_perplexity")
-        hr = float(hc) / float(hb) if hc is not None and hb else float("nan")
-        m["gate_heldout_perplexity_ratio"] = hr
-        check("heldout_perplexity_ratio", hr, cfg.max_heldout_perplexity_ratio,
-              hr <= cfg.max_heldout_perplexity_ratio,
-              f"held-out source perplexity is {hr:.4f}x the baseline's > max_heldout_perplexity_ratio "
-              f"{cfg.max_heldout_perplexity_ratio}" + (" (not measured: data.heldout_source is none; set one or "
-                                                       "accept.max_heldout_perplexity_ratio=null)"
-                                                       if math.isnan(hr) else ""))
-    if criteria == "quality":
-        if cfg.max_downstream_drop is not None:
-            dc = float(candidate.get("downstream_accuracy", float("nan")))
-            db = float(baseline.get("downstream_accuracy", float("nan")))
-            m["gate_downstream_accuracy"] = dc
-            m["gate_downstream_drop"] = db - dc
-            check("downstream_drop", db - dc, cfg.max_downstream_drop, db - dc <= cfg.max_downstream_drop,
-                  f"downstream accuracy {dc:.3f} is {db - dc:+.3f} below the baseline's {db:.3f} > max_downstream_drop "
-                  f"{cfg.max_downstream_drop}" + (" (not measured)" if math.isnan(db - dc) else ""))
-    if "chat_perplexity_ratio" in candidate:  # measured: the model has a chat template and accept.chat_sets is set
-        _chat_checks(candidate, cfg, criteria, m, check)
-    if cfg.min_decode_speed_ratio is not None:
-        c_tps = _num(candidate, "decode_tokens_per_s", "candidate")
-        b_tps = _num(baseline, "decode_tokens_per_s", "baseline")
-        tr = c_tps / b_tps if b_tps > 0 else 0.0
-        m["gate_decode_speed_ratio"] = tr
-        check("throughput_ratio", tr, cfg.min_decode_speed_ratio, tr >= cfg.min_decode_speed_ratio,
-              f"decode throughput {c_tps:.1f} tok/s is {tr:.3f}x the baseline {b_tps:.1f} < min_decode_speed_ratio "
-              f"{cfg.min_decode_speed_ratio}")
-    if cfg.max_size_ratio is not None:
-        sr = _num(candidate, "size_bytes", "candidate") / _num(baseline, "size_bytes", "baseline")
-        m["gate_size_ratio"] = sr
-        check("size_ratio", sr, cfg.max_size_ratio, sr <= cfg.max_size_ratio,
-              f"size {candidate['size_bytes'] / 2**20:.1f} MiB is {sr:.3f}x the baseline > max_size_ratio {cfg.max_size_ratio}")
+            unmeasured = UNMEASURED.get(row.name, "") if math.isnan(value) else ""
+            reasons.append(row.message.format(value=value, limit=limit, unmeasured=unmeasured, **figures))
     ratios = {g: m[f"gate_{k}"] for g, k in (("test", "perplexity_ratio"), ("heldout", "heldout_perplexity_ratio"),
                                               ("chat", "chat_perplexity_ratio")) if f"gate_{k}" in m}
     if ratios:  # the genre the candidate does worst on, as a figure (the verdict already needs every genre to pass)
         m["gate_worst_perplexity_ratio"] = max(v if math.isfinite(v) else math.inf for v in ratios.values())
     m["gate_quality_criteria"] = float(criteria == "quality")
     return Verdict(not reasons, reasons, m, criteria, checks)
-
-
-def _chat_checks(c: dict, cfg: AcceptConfig, criteria: str, m: dict, check) -> None:
-    """The chat set's tolerances (compress/evaluate/chat.py figures, each already a ratio to the teacher)."""
-    n = int(c.get("chat_items", 0))
-    r = float(c["chat_perplexity_ratio"])
-    m["gate_chat_perplexity_ratio"] = r
-    if (lim := chat_limit(cfg, "max_chat_perplexity_ratio", criteria)) is not None:
-        check("chat_perplexity_ratio", r, lim, math.isfinite(r) and r <= lim,
-              f"chat: perplexity of the teacher's answers to {n} held-out chat prompts is {r:.4f}x the teacher's "
-              f"> max_chat_perplexity_ratio {lim}")
-    agr = float(c.get("chat_top1_agreement", float("nan")))
-    m["gate_chat_top1_agreement"] = agr
-    if (lim := chat_limit(cfg, "min_chat_top1_agreement", criteria)) is not None:
-        check("chat_top1_agreement", agr, lim, agr >= lim,
-              f"chat: top-1 agreement with the teacher inside its answers {agr:.4f} < min_chat_top1_agreement {lim}")
-    if "chat_judged_ratio" in c:
-        j = float(c["chat_judged_ratio"])
-        m["gate_chat_judged_ratio"] = j
-        if (lim := chat_limit(cfg, "max_chat_judged_ratio", criteria)) is not None:
-            check("chat_judged_ratio", j, lim, math.isfinite(j) and j <= lim,
-                  f"chat: the teacher finds the candidate's own answers {j:.4f}x as perplexing as its own "
-                  f"> max_chat_judged_ratio {lim}")
-        share = float(c["chat_late_divergence_share"])
-        m["gate_chat_late_divergence_share"] = share
-        if cfg.min_chat_late_divergence_share is not None:
-            lim = cfg.min_chat_late_divergence_share
-            check("chat_late_divergence_share", share, lim, share >= lim,
-                  f"chat: only {share:.3f} of the answers follow the teacher's for {cfg.chat_divergence_tokens}+ tokens "
-                  f"< min_chat_late_divergence_share {lim}")
 
 
 def genre_table(checks: list[dict]) -> list[dict]:
