@@ -172,6 +172,54 @@ def step_chunks(order: _DataOrder, step: int, cfg, rank: Rank) -> list[list[int]
     return [ids[c : c + cfg.batch_size] for c in range(0, mine, cfg.batch_size)]
 
 
+def _micro_batch_loss(model, x: torch.Tensor, ids: list[int], *, teacher_for, cfg, T: float, alpha: float,
+                      device: torch.device, amp_dtype, teacher_layers, head, compile_loss: bool):
+    """One micro-batch's loss (to back-propagate) and its parts as floats: the student's forward, the teacher's
+    rows for the same blocks, the KD loss (fused with the head when ``head`` is given) and the hidden-state term."""
+    with_hidden = cfg.hidden_weight > 0
+    with autocast(device, amp_dtype):
+        if head is not None:
+            last, hidden = model(x, with_hidden)
+        else:
+            out = model(input_ids=x, use_cache=False, output_hidden_states=with_hidden)
+            hidden = out.hidden_states
+    t_out = teacher_for(ids, x)
+    if head is not None:
+        loss, parts = fused_kd_loss(last[:, :-1].reshape(-1, last.shape[-1]), head, TeacherRows.of(t_out.logits),
+                                    x[:, 1:].reshape(-1), T, alpha, seq=x.shape[1] - 1,
+                                    compute_dtype=amp_dtype or torch.float32, compile_loss=compile_loss)
+    else:
+        loss, parts = kd_loss(out.logits[:, :-1], t_out.logits, x[:, 1:], None, T, alpha)
+    parts["hidden_loss"] = 0.0
+    if with_hidden:
+        h = hidden_loss(hidden, t_out.hidden, teacher_layers)
+        loss = loss + cfg.hidden_weight * h
+        parts["hidden_loss"] = h.item()
+        parts["loss"] += cfg.hidden_weight * parts["hidden_loss"]
+    return loss, parts
+
+
+def _update(opt: torch.optim.Optimizer, scaler, pairs, cfg, lr: float) -> None:
+    """The optimizer step on the accumulated gradients: pruned gradients zeroed, unscaled, clipped, at ``lr``;
+    pruned weights zeroed again after it."""
+    for p, pruned in pairs:
+        if p.grad is not None:
+            p.grad.masked_fill_(pruned, 0.0)
+    if scaler:
+        scaler.unscale_(opt)
+    if cfg.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.max_grad_norm)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    _apply_masks(pairs)
+
+
 def train_step(i: int, *, model, teacher_for: Callable[[list[int], torch.Tensor], TeacherOut],
                train: np.ndarray, order: _DataOrder, opt: torch.optim.Optimizer, scaler, pairs, cfg, rank: Rank,
                device: torch.device, amp_dtype: torch.dtype | None,
@@ -191,7 +239,6 @@ def train_step(i: int, *, model, teacher_for: Callable[[list[int], torch.Tensor]
     T, alpha, lr = temperature_at(i, cfg.steps, cfg), alpha_at(i, cfg.steps, cfg), lr_at(i, cfg.steps, cfg) * lr_scale
     model.train()
     sums = {"kd_loss": 0.0, "ce_loss": 0.0, "hidden_loss": 0.0, "loss": 0.0}
-    with_hidden = cfg.hidden_weight > 0
     chunks = step_chunks(order, i, cfg, rank)
     mine = per_rank_blocks(cfg, rank.world)
     for c, ids in enumerate(chunks):
@@ -199,47 +246,16 @@ def train_step(i: int, *, model, teacher_for: Callable[[list[int], torch.Tensor]
         x = torch.as_tensor(train[ids], dtype=torch.long, device=device)
         sync = c == len(chunks) - 1 or not rank.distributed
         with (contextlib.nullcontext() if sync else model.no_sync()):
-            with autocast(device, amp_dtype):
-                if head is not None:
-                    last, hidden = model(x, with_hidden)
-                else:
-                    out = model(input_ids=x, use_cache=False, output_hidden_states=with_hidden)
-                    hidden = out.hidden_states
-            t_out = teacher_for(ids, x)
-            if head is not None:
-                loss, parts = fused_kd_loss(last[:, :-1].reshape(-1, last.shape[-1]), head, TeacherRows.of(t_out.logits),
-                                            x[:, 1:].reshape(-1), T, alpha, seq=x.shape[1] - 1,
-                                            compute_dtype=amp_dtype or torch.float32,
+            loss, parts = _micro_batch_loss(model, x, ids,
+                                            teacher_for=teacher_for, cfg=cfg, T=T, alpha=alpha, device=device,
+                                            amp_dtype=amp_dtype, teacher_layers=teacher_layers, head=head,
                                             compile_loss=compile_loss)
-            else:
-                loss, parts = kd_loss(out.logits[:, :-1], t_out.logits, x[:, 1:], None, T, alpha)
-            parts["hidden_loss"] = 0.0
-            if with_hidden:
-                h = hidden_loss(hidden, t_out.hidden, teacher_layers)
-                loss = loss + cfg.hidden_weight * h
-                parts["hidden_loss"] = h.item()
-                parts["loss"] += cfg.hidden_weight * parts["hidden_loss"]
             (scaler.scale(loss / share) if scaler else loss / share).backward()
         for k in sums:
             sums[k] += parts[k] / share
     if rank.distributed:
         sums = dict(zip(sums, distributed.mean(rank, list(sums.values()), device)))
-    for p, pruned in pairs:
-        if p.grad is not None:
-            p.grad.masked_fill_(pruned, 0.0)
-    if scaler:
-        scaler.unscale_(opt)
-    if cfg.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.max_grad_norm)
-    for g in opt.param_groups:
-        g["lr"] = lr
-    if scaler:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
-    opt.zero_grad(set_to_none=True)
-    _apply_masks(pairs)
+    _update(opt, scaler, pairs, cfg, lr)
     return {"T": T, "alpha": alpha, **sums, "lr": lr}
 
 
