@@ -162,21 +162,11 @@ class ReferencePass:
         self.close()
 
 
-def evaluate_onnx(
-    artifact_dir: str | Path,
-    eval_blocks: np.ndarray,
-    reference_artifact: str | Path | None = None,
-    *, golden: Sequence | None = None,
-    batch_size: int = 4,
-    decode_steps: int = 32,
-    decode_prompt_len: int = 32,
-    latency: bool = True,
-    threads: int | None = None,
-    reference_top1: np.ndarray | None = None,
-    reference: ReferencePass | None = None,
-    lm=None,
-    _spool: ReferencePass | None = None,
-) -> dict[str, float]:
+def evaluate_onnx(artifact_dir: str | Path, eval_blocks: np.ndarray, reference_artifact: str | Path | None = None, *,
+                  golden: Sequence | None = None, batch_size: int = 4, decode_steps: int = 32,
+                  decode_prompt_len: int = 32, latency: bool = True, threads: int | None = None,
+                  reference_top1: np.ndarray | None = None, reference: ReferencePass | None = None, lm=None,
+                  _spool: ReferencePass | None = None) -> dict[str, float]:
     """Perplexity, top-1 agreement and KL vs a reference artifact, golden greedy-prefix match, size, decode latency.
 
     golden: [(prompt_ids, expected greedy ids)] or [{"prompt_ids", "greedy_ids"}]; the score is the mean
@@ -196,39 +186,18 @@ def evaluate_onnx(
     own_ref = reference is None and reference_artifact is not None
     if own_ref:
         reference = ReferencePass(reference_artifact, eval_blocks, batch_size, threads, latency=False)
-    if reference is not None:
-        reference.check(eval_blocks, int(man0["vocab_size"]), artifact_dir)
-        batch_size = reference.batch_size  # its spooled batches line up with this run's
-    else:
-        batch_size = logits_batch(batch_size, eval_blocks.shape[1], int(man0["vocab_size"]))
+    batch_size = _batch_for(reference, eval_blocks, batch_size, int(man0["vocab_size"]), artifact_dir)
     ref_iter = reference.batches() if reference is not None else None
     t0 = time.perf_counter()
-    if lm is None:
-        path, _, lm = _load(artifact_dir, threads)
-    elif golden or latency:
+    if lm is not None and (golden or latency):
         raise EvaluateError("evaluate_onnx with a loaded lm measures no golden match or latency; pass neither")
-    else:
-        path = Path(artifact_dir) / man0.get("onnx_file", "model.onnx")
+    path, _, lm = _load(artifact_dir, threads) if lm is None else \
+        (Path(artifact_dir) / man0.get("onnx_file", "model.onnx"), None, lm)
     load_s = time.perf_counter() - t0
-    nll, count, agree, kl = 0.0, 0, 0, 0.0
-    t0 = time.perf_counter()
     if reference_top1 is not None and np.shape(reference_top1) != eval_blocks.shape:
         raise EvaluateError(f"reference_top1 has shape {np.shape(reference_top1)}, eval_blocks {eval_blocks.shape}")
-    for i, logits in enumerate(lm.prefill_batches(eval_blocks, batch_size)):
-        ids = eval_blocks[i * batch_size : i * batch_size + len(logits)]
-        s, am = _nll_and_argmax(logits, ids)
-        nll += s
-        count += ids[:, 1:].size
-        if reference_top1 is not None and ref_iter is None:
-            agree += int((np.asarray(reference_top1)[i * batch_size : i * batch_size + len(logits), :-1] == am).sum())
-        if ref_iter is not None:
-            ref = next(ref_iter)  # the scored positions only, as for perplexity
-            agree += int((ref.argmax(-1) == am).sum())
-            kl += _kl_sum(ref, logits[:, :-1])
-            del ref
-        if _spool is not None:
-            _spool._save(i, logits)
-        del logits  # not alive beside the next batch's while the generator computes it
+    t0 = time.perf_counter()
+    nll, count, agree, kl = _score_blocks(lm, eval_blocks, batch_size, ref_iter, reference_top1, _spool)
     prefill_s = time.perf_counter() - t0
     if own_ref:
         reference.close()
@@ -245,18 +214,61 @@ def evaluate_onnx(
     if ref_iter is not None:
         out["kl_to_reference"] = kl / max(count, 1)
     if golden:
-        scores = []
-        for prompt, expected in _golden_pairs(golden):
-            got = lm.greedy(prompt, len(expected))
-            lcp = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-            scores.append(lcp / max(len(expected), 1))
-        out["golden_prefix_match"] = float(np.mean(scores))
+        out["golden_prefix_match"] = _golden_match(lm, golden)
     if latency and decode_steps > 1:
-        prompt = eval_blocks[0][: max(1, min(decode_prompt_len, eval_blocks.shape[1]))].tolist()
-        times: list[float] = []
-        lm.greedy(prompt, decode_steps + 1, step_seconds=times)
-        times = times[2:] if len(times) > 4 else times  # first steps pay allocation
-        ms = 1000.0 * float(np.median(times))
+        ms = _decode_ms(lm, eval_blocks[0][: max(1, min(decode_prompt_len, eval_blocks.shape[1]))].tolist(),
+                        decode_steps)
         out["decode_ms_per_token"] = ms
         out["decode_tokens_per_s"] = 1000.0 / ms if ms > 0 else float("inf")
     return out
+
+
+def _decode_ms(lm, prompt: list[int], steps: int) -> float:
+    """Median ms per greedy decode step after ``prompt`` (the first steps, which pay allocation, left out)."""
+    times: list[float] = []
+    lm.greedy(prompt, steps + 1, step_seconds=times)
+    times = times[2:] if len(times) > 4 else times
+    return 1000.0 * float(np.median(times))
+
+
+def _batch_for(reference: ReferencePass | None, eval_blocks: np.ndarray, batch_size: int, vocab: int,
+               artifact_dir) -> int:
+    """The reference's batch size, its spooled batches lining up with this run's (after checking that it covers
+    these blocks and vocabulary), or one whose logits fit memory."""
+    if reference is None:
+        return logits_batch(batch_size, eval_blocks.shape[1], vocab)
+    reference.check(eval_blocks, vocab, artifact_dir)
+    return reference.batch_size
+
+
+def _score_blocks(lm, eval_blocks: np.ndarray, batch_size: int, ref_iter, reference_top1,
+                  spool: ReferencePass | None) -> tuple[float, int, int, float]:
+    """Summed NLL, scored positions, top-1 agreements and summed KL over ``eval_blocks``, batch by batch against
+    the reference's spooled batches (or its argmax ``reference_top1``); each batch's logits spooled when asked."""
+    nll, count, agree, kl = 0.0, 0, 0, 0.0
+    for i, logits in enumerate(lm.prefill_batches(eval_blocks, batch_size)):
+        ids = eval_blocks[i * batch_size : i * batch_size + len(logits)]
+        s, am = _nll_and_argmax(logits, ids)
+        nll += s
+        count += ids[:, 1:].size
+        if reference_top1 is not None and ref_iter is None:
+            agree += int((np.asarray(reference_top1)[i * batch_size : i * batch_size + len(logits), :-1] == am).sum())
+        if ref_iter is not None:
+            ref = next(ref_iter)  # the scored positions only, as for perplexity
+            agree += int((ref.argmax(-1) == am).sum())
+            kl += _kl_sum(ref, logits[:, :-1])
+            del ref
+        if spool is not None:
+            spool._save(i, logits)
+        del logits  # not alive beside the next batch's while the generator computes it
+    return nll, count, agree, kl
+
+
+def _golden_match(lm, golden) -> float:
+    """The mean share of each expected greedy continuation reproduced before the first mismatch."""
+    scores = []
+    for prompt, expected in _golden_pairs(golden):
+        got = lm.greedy(prompt, len(expected))
+        lcp = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        scores.append(lcp / max(len(expected), 1))
+    return float(np.mean(scores))
