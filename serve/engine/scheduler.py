@@ -256,33 +256,22 @@ class Scheduler:
                     return False
             return True
 
-        # 1. decodes, oldest first
-        for seq in list(self.running):
-            if budget <= 0 or len(rows) >= self.max_batch_size:
-                break
-            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
-                continue
-            if not fits(seq.num_computed + 1):
-                row_blocked = True
-                continue
-            if grow(seq, 1):
-                rows[id(seq)] = ScheduledSeq(seq, seq.num_computed, 1)
-                budget -= 1
-                longest = max(longest, seq.num_computed + 1)
-        # 2. running prefills continue
-        for seq in list(self.running):
-            if budget <= 0 or len(rows) >= self.max_batch_size:
-                break
-            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed <= 1 or id(seq) in rows:
-                continue
-            n = min(seq.num_uncomputed, budget)
-            if not fits(seq.num_computed + n):
-                row_blocked = True
-                continue
-            if grow(seq, n):
-                rows[id(seq)] = ScheduledSeq(seq, seq.num_computed, n)
-                budget -= n
-                longest = max(longest, seq.num_computed + n)
+        # 1. decodes, oldest first; 2. running prefills continue
+        for decoding in (True, False):
+            for seq in list(self.running):
+                if budget <= 0 or len(rows) >= self.max_batch_size:
+                    break
+                left = seq.num_uncomputed
+                if seq.status is not SeqStatus.RUNNING or left < 1 or (left == 1) != decoding or id(seq) in rows:
+                    continue
+                n = 1 if decoding else min(left, budget)
+                if not fits(seq.num_computed + n):
+                    row_blocked = True
+                    continue
+                if grow(seq, n):
+                    rows[id(seq)] = ScheduledSeq(seq, seq.num_computed, n)
+                    budget -= n
+                    longest = max(longest, seq.num_computed + n)
         # 3. admissions
         if not preempted_any and not row_blocked:
             budget = self._admit(rows, budget, longest)
