@@ -177,6 +177,32 @@ def _projections(plan: StructuredPlan, teacher_idx: int, n_rep: int, hd: int) ->
 
 
 @torch.no_grad()
+def _refit(t_proj, s_layer, name: str, keep: torch.Tensor, t_in: list[torch.Tensor], *, ridge: float,
+           token_weight: str, student_inputs: list | None) -> tuple[float, float]:
+    """Re-fit the student's projection ``name`` of ``s_layer`` (in place) to reproduce the teacher's ``t_proj``
+    outputs on the teacher's inputs ``t_in``, from the kept input channels of those (``student_inputs`` None) or
+    from the student's own inputs (the student layer run on each (hidden, layer args) of ``student_inputs``).
+    Returns the relative output error before and after."""
+    s_proj = s_layer.get_submodule(name)
+    fit = _Fit(t_proj.weight.detach(), keep, token_weight)
+    if student_inputs is None:
+        for x_t in t_in:
+            fit.add(x_t, x_t[..., keep.to(x_t.device)])
+    else:
+        s_in: list[torch.Tensor] = []
+        hk = _capture_inputs(s_proj, s_in)
+        try:
+            for h, args in student_inputs:
+                _run_layer(s_layer, h, *args)
+        finally:
+            hk.remove()
+        for x_t, x_s in zip(t_in, s_in):
+            fit.add(x_t, x_s)
+    w, e_cut, e_new = fit.solve(s_proj.weight.detach(), ridge)
+    s_proj.weight.copy_(w)
+    return e_cut, e_new
+
+
 def reconstruct(teacher, student, plan: StructuredPlan, blocks: np.ndarray, ridge: float = 0.5,
                 inputs: str = "teacher", batch_size: int = 4, *, token_weight: str = "relative") -> ReconstructionReport:
     """Re-fit, in place, student's o_proj / down_proj of every layer the plan cut (teacher unchanged).
@@ -215,23 +241,10 @@ def reconstruct(teacher, student, plan: StructuredPlan, blocks: np.ndarray, ridg
             continue
         s_layer = s_layers[s_idx[i]]
         for name, keep in projs:
-            t_proj, s_proj = t_layer.get_submodule(name), s_layer.get_submodule(name)
-            fit = _Fit(t_proj.weight.detach(), keep, token_weight)
-            if inputs == "teacher":
-                for x_t in t_in[name]:
-                    fit.add(x_t, x_t[..., keep.to(x_t.device)])
-            else:
-                s_in: list[torch.Tensor] = []
-                hk = _capture_inputs(s_proj, s_in)
-                try:
-                    for h, pb in zip(h_s, per_batch):
-                        _run_layer(s_layer, h, *pb[i])
-                finally:
-                    hk.remove()
-                for x_t, x_s in zip(t_in[name], s_in):
-                    fit.add(x_t, x_s)
-            w, e_cut, e_new = fit.solve(s_proj.weight.detach(), ridge)
-            s_proj.weight.copy_(w)
+            e_cut, e_new = _refit(t_layer.get_submodule(name), s_layer, name, keep, t_in[name], ridge=ridge,
+                                  token_weight=token_weight,
+                                  student_inputs=[(h, pb[i]) for h, pb in zip(h_s, per_batch)]
+                                  if inputs == "student" else None)
             report.rows.append({"layer": s_idx[i], "proj": name.split(".")[-1], "rel_err_cut": e_cut,
                                 "rel_err_refit": e_new})
         if inputs == "student":  # teacher inputs need no student activations: one pass in all
