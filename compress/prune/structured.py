@@ -199,6 +199,34 @@ def _weight_norm_scores(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 @torch.no_grad()
+def _neuron_hook(acc: torch.Tensor):
+    """Adds each down_proj input channel's sum of squares (an MLP neuron's activation energy) into ``acc``."""
+    def fn(mod, args):
+        x = args[0].float()
+        acc.add_(x.pow(2).sum(dim=tuple(range(x.dim() - 1))).double())
+    return fn
+
+
+def _group_hook(acc: torch.Tensor, o_proj_weight: torch.Tensor, n_kv: int, width: int):
+    """Adds each KV group's output energy through o_proj (its heads' slice of the weight) into ``acc``."""
+    w = o_proj_weight.float().reshape(-1, n_kv, width)  # [hidden, g, k]
+
+    def fn(mod, args):
+        x = args[0].float().reshape(-1, n_kv, width)  # [tokens, g, k]
+        acc.add_(torch.einsum("tgk,hgk->tgh", x, w).pow(2).sum(dim=(0, 2)).double())
+    return fn
+
+
+def _influence_hook(bi: torch.Tensor, i: int):
+    """Adds layer ``i``'s Block Influence (1 - cosine of its input and output hidden states, per token) to bi[i]."""
+    def fn(mod, args, kwargs, out):
+        h_in = args[0] if args else kwargs["hidden_states"]
+        h_out = out[0] if isinstance(out, tuple) else out
+        cos = torch.nn.functional.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
+        bi[i] += (1 - cos).sum().double()
+    return fn
+
+
 def collect_importance(model, blocks: np.ndarray, method: str = "activation", batch_size: int = 4,
                        layer_scores: bool = True) -> Importance:
     """Score every MLP neuron, KV group and layer from one pass over the (calib) blocks.
@@ -221,37 +249,14 @@ def collect_importance(model, blocks: np.ndarray, method: str = "activation", ba
     bi = torch.zeros(L, dtype=torch.float64, device=dev)
     hooks = []
 
-    def mlp_hook(i):
-        def fn(mod, args):
-            x = args[0].float()
-            neuron_sq[i] += x.pow(2).sum(dim=tuple(range(x.dim() - 1))).double()
-        return fn
-
-    def attn_hook(i, layer):
-        w = layer.self_attn.o_proj.weight.float().reshape(-1, n_kv, n_rep * hd)  # [hidden, g, k]
-
-        def fn(mod, args):
-            x = args[0].float()
-            x = x.reshape(-1, n_kv, n_rep * hd)  # [tokens, g, k]
-            y = torch.einsum("tgk,hgk->tgh", x, w)
-            group_sq[i] += y.pow(2).sum(dim=(0, 2)).double()
-        return fn
-
-    def layer_hook(i):
-        def fn(mod, args, kwargs, out):
-            h_in = args[0] if args else kwargs["hidden_states"]
-            h_out = out[0] if isinstance(out, tuple) else out
-            cos = torch.nn.functional.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
-            bi[i] += (1 - cos).sum().double()
-        return fn
-
     try:
         for i, layer in enumerate(layers):
             if layer_scores:
-                hooks.append(layer.register_forward_hook(layer_hook(i), with_kwargs=True))
+                hooks.append(layer.register_forward_hook(_influence_hook(bi, i), with_kwargs=True))
             if method == "activation":
-                hooks.append(layer.mlp.down_proj.register_forward_pre_hook(mlp_hook(i)))
-                hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(attn_hook(i, layer)))
+                hooks.append(layer.mlp.down_proj.register_forward_pre_hook(_neuron_hook(neuron_sq[i])))
+                hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(
+                    _group_hook(group_sq[i], layer.self_attn.o_proj.weight, n_kv, n_rep * hd)))
         model.eval()
         for s in range(0, len(blocks), batch_size):
             x = torch.as_tensor(blocks[s : s + batch_size], dtype=torch.long, device=dev)
