@@ -468,6 +468,34 @@ def _layer_attention(model, g: _Graph, max_positions: int, head_dim: int) -> lis
     return out
 
 
+def _last_positions(g: _Graph, x: str) -> str:
+    """x's last logits_to_keep positions (0 = every position): the runner asks for 1 on a prefill chunk, which skips
+    the lm_head over the other positions ([n, vocab] per chunk; ~20% of a SmolLM2 prefill)."""
+    (start,) = g.node("Neg", ["logits_to_keep"], ["/model/logits_start"], "/model/logits_start")
+    g.init("/model/slice_end", np.array([np.iinfo(np.int64).max], np.int64))
+    g.init("/model/slice_axis", np.array([1], np.int64))
+    (x,) = g.node("Slice", [x, start, "/model/slice_end", "/model/slice_axis"], ["/model/last_positions"],
+                  "/model/last_positions")
+    return x
+
+
+def _gqa_io(names: dict, kv_heads: int, head_dim: int, vocab: int) -> tuple[list, list]:
+    """The gqa layout's graph inputs (ids, seqlens_k, total_sequence_length, the past K/V buffers, logits_to_keep)
+    and outputs (logits, present K/V)."""
+    f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
+              helper.make_tensor_value_info("seqlens_k", i32, ["batch"]),
+              helper.make_tensor_value_info("total_sequence_length", i32, [])]
+    inputs += [helper.make_tensor_value_info(n, f32, ["batch", kv_heads, "max_len", head_dim])
+               for n in names["inputs"] if n.startswith("past_key_values.")]
+    # A required input: ORT's IOBinding cannot bind an overridable initializer ("not in the def list").
+    inputs.append(helper.make_tensor_value_info("logits_to_keep", i64, [1]))
+    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "seq", vocab])]
+    outputs += [helper.make_tensor_value_info(n, f32, ["batch", kv_heads, "present_len", head_dim])
+                for n in names["outputs"][1:]]
+    return inputs, outputs
+
+
 def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True,
                     data_path: Path | None = None, int8: tuple[int, int] | None = None,
                     int4: Int4Plan | None = None) -> onnx.ModelProto:
@@ -504,31 +532,11 @@ def build_gqa_model(model, max_positions: int | None = None, fuse: bool = True,
             num_heads=H, kv_num_heads=KV, do_rotary=1, rotary_interleaved=0, **kw)
         return out
 
-    def last_positions(g: _Graph, x: str) -> str:
-        # logits_to_keep (0 = every position): the runner asks for 1 on a prefill chunk, which skips
-        # the lm_head over the other positions ([n, vocab] per chunk; ~20% of a SmolLM2 prefill).
-        (start,) = g.node("Neg", ["logits_to_keep"], ["/model/logits_start"], "/model/logits_start")
-        g.init("/model/slice_end", np.array([np.iinfo(np.int64).max], np.int64))
-        g.init("/model/slice_axis", np.array([1], np.int64))
-        (x,) = g.node("Slice", [x, start, "/model/slice_end", "/model/slice_axis"], ["/model/last_positions"],
-                      "/model/last_positions")
-        return x
-
     try:
-        _decoder(model, g, attention, last_positions)
+        _decoder(model, g, attention, _last_positions)
     finally:
         g.close()
-    f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
-    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
-              helper.make_tensor_value_info("seqlens_k", i32, ["batch"]),
-              helper.make_tensor_value_info("total_sequence_length", i32, [])]
-    inputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "max_len", D]) for n in names["inputs"]
-               if n.startswith("past_key_values.")]
-    # A required input: ORT's IOBinding cannot bind an overridable initializer ("not in the def list").
-    inputs.append(helper.make_tensor_value_info("logits_to_keep", i64, [1]))
-    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "seq", vocab])]
-    outputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "present_len", D]) for n in names["outputs"][1:]]
-    m = _model(g, inputs, outputs, "gqa_decoder")
+    m = _model(g, *_gqa_io(names, KV, D, vocab), "gqa_decoder")
     if fuse:
         fuse_decoder(m, qkv_only=True)
     return m
