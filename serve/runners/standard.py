@@ -85,6 +85,35 @@ class _PastBuffer:
         self.shape_key = (0, -1)
         self.rows = []
 
+    def _reshape(self, b_cap: int, P: int) -> None:
+        """The buffers as [n_kv, b_cap, heads, P, head_dim]: grown (by a quarter at least, within the limit, a peer
+        released first when both would not fit), every slot's rows forgotten."""
+        limit, per_pos = self.limit, self.n_kv * self.heads * self.head_dim
+        need = per_pos * b_cap * P
+        if need > self.flat.size:
+            size = max(need, int(self.flat.size * 1.25))
+            if limit is not None:
+                size = min(size, limit * per_pos)
+                peer = self.peer
+                if peer is not None and peer.flat.size and size + peer.flat.size > limit * per_pos:
+                    peer.release()  # its rows are in the pool too: the next call re-gathers them
+                self.flat = np.zeros(0, dtype=self.dtype)  # the old buffer goes before the new one comes
+            self.flat = kv_zeros((size,), self.dtype)
+        self.view = self.flat[:need].reshape(self.n_kv, b_cap, self.heads, P, self.head_dim)
+        self.shape_key = (b_cap, P)
+        self.rows = [(None, 0)] * b_cap
+        self.reshapes += 1
+
+    def _slots(self, rows: Sequence[RunRow]) -> list[int]:
+        """A slot in [0, len(rows)) per row: a sequence keeps the slot it had if that slot is in range; the others
+        take the remaining slots in order."""
+        B = len(rows)
+        prev = {key: slot for slot, (key, _) in enumerate(self.rows) if key is not None and slot < B}
+        slots: list[int | None] = [prev.get(r.key) for r in rows]
+        taken = {s for s in slots if s is not None}
+        free = iter(s for s in range(B) if s not in taken)
+        return [s if s is not None else next(free) for s in slots]
+
     def prepare(self, rows: Sequence[RunRow], pool: np.ndarray) -> tuple[list[int], int]:
         """Place rows into buffer slots and make their pasts valid. Returns (slot per row, P)."""
         bs = self.bs
@@ -102,34 +131,8 @@ class _PastBuffer:
         if limit is not None and b_cap * P > limit:
             b_cap = B  # fewer spare slots rather than more memory
         if (b_cap, P) != self.shape_key:
-            per_pos = self.n_kv * self.heads * self.head_dim
-            need = per_pos * b_cap * P
-            if need > self.flat.size:
-                size = max(need, int(self.flat.size * 1.25))
-                if limit is not None:
-                    size = min(size, limit * per_pos)
-                    peer = self.peer
-                    if peer is not None and peer.flat.size and size + peer.flat.size > limit * per_pos:
-                        peer.release()  # its rows are in the pool too: the next call re-gathers them
-                    self.flat = np.zeros(0, dtype=self.dtype)  # the old buffer goes before the new one comes
-                self.flat = kv_zeros((size,), self.dtype)
-            self.view = self.flat[:need].reshape(self.n_kv, b_cap, self.heads, P, self.head_dim)
-            self.shape_key = (b_cap, P)
-            self.rows = [(None, 0)] * b_cap
-            self.reshapes += 1
-        # Keep a sequence in the slot it had if that slot is in [0, B); others take the remaining slots.
-        prev = {key: (slot, valid) for slot, (key, valid) in enumerate(self.rows) if key is not None and slot < B}
-        slots: list[int | None] = [None] * B
-        taken = set()
-        for i, r in enumerate(rows):
-            hit = prev.get(r.key)
-            if hit is not None:
-                slots[i] = hit[0]
-                taken.add(hit[0])
-        free = iter(s for s in range(B) if s not in taken)
-        for i in range(B):
-            if slots[i] is None:
-                slots[i] = next(free)
+            self._reshape(b_cap, P)
+        slots = self._slots(rows)
         view = self.view
         for i, r in enumerate(rows):
             slot = slots[i]
