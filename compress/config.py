@@ -492,11 +492,7 @@ class AcceptConfig(Section):
     @field_validator("chat_sets")
     @classmethod
     def _chat_sets_exist(cls, v: list[str]) -> list[str]:
-        for entry in v:
-            if entry != "builtin" and not (Path(entry).is_file() and entry.endswith(".jsonl")):
-                raise ValueError(f"{entry!r} is not a local .jsonl file; list 'builtin' and/or .jsonl files of "
-                                 f"{{\"messages\": [...]}} conversations, or [] to switch chat evaluation off")
-        return v
+        return check_chat_sets(v)
 
     @field_validator("max_chat_perplexity_ratio", "max_chat_judged_ratio")
     @classmethod
@@ -562,6 +558,19 @@ class RegistryConfig(Section):
 AUTO_MLP_RATIOS = (0.1, 0.25, 0.35)
 
 
+def check_chat_sets(v: list[str]) -> list[str]:
+    """Chat set entries: the package's named sets (builtin = the gate's, selection = the search's) or local .jsonl
+    files."""
+    for entry in v:
+        if entry not in CHAT_SET_NAMES and not (Path(entry).is_file() and entry.endswith(".jsonl")):
+            raise ValueError(f"{entry!r} is not a local .jsonl file; list 'builtin', 'selection' and/or .jsonl files "
+                             f"of {{\"messages\": [...]}} conversations, or [] to switch chat evaluation off")
+    return v
+
+
+CHAT_SET_NAMES = ("builtin", "selection")  # compress/evaluate/chat.py::NAMED_SETS
+
+
 class SearchConfig(Section):
     """A pruning search (flows/pipeline.py, docs/scaling.md): one branch per MLP ratio, prune -> distill -> INT8 ->
     gate on the selection split, run in parallel; the fastest accepted candidate goes on to the verdict."""
@@ -584,6 +593,16 @@ class SearchConfig(Section):
     # A branch chosen on the split it was gated on looks better there than on the verdict's text; a borderline
     # branch is then not the one sent on (docs/scaling.md).
     selection_margin: float = Field(0.0, ge=0, lt=1)
+    # Chat sets the branches are also scored on, in the model's chat template, when it has one: the selection gate
+    # then checks the chat limits there and the Pareto front is decode tokens/s against the chat perplexity ratio.
+    # selection = compress/evaluate/chatsets/selection.jsonl (24 prompts the gate never reads). Never the gate's own
+    # accept.chat_sets: a branch chosen on the prompts the verdict reads would be tuned on them. [] = no chat scoring.
+    chat_sets: list[str] = Field(default_factory=lambda: ["selection"])
+
+    @field_validator("chat_sets")
+    @classmethod
+    def _chat_sets_exist(cls, v: list[str]) -> list[str]:
+        return check_chat_sets(v)
 
     @field_validator("mlp_ratios", mode="before")
     @classmethod
@@ -665,6 +684,10 @@ class PipelineConfig(Section):
         if not self.accept.enabled:
             raise ValueError("search.mlp_ratios needs accept.enabled: true: the search keeps the fastest candidate "
                              "the gate accepts")
+        shared = sorted(set(self.search.chat_sets) & set(self.accept.chat_sets))
+        if shared:
+            raise ValueError(f"search.chat_sets {shared} are also accept.chat_sets: a branch picked on the prompts the "
+                             f"verdict reads is tuned on them; use 'selection' or another file for the search")
         return self
 
     def section_hash(self, *sections: str) -> str:
@@ -676,7 +699,7 @@ class PipelineConfig(Section):
             del dump["export"]["opset"]
         search = dump.pop("search")
         if search["mlp_ratios"]:
-            dump["search"] = {"mlp_ratios": search["mlp_ratios"]}
+            dump["search"] = {"mlp_ratios": search["mlp_ratios"], "chat_sets": search["chat_sets"]}
         picked = {s: dump[s] for s in sections} if sections else dump
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 

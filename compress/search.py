@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 # (figure, direction) of the front: every one of them is "lower is better".
 OBJECTIVES: tuple[tuple[str, str], ...] = (("size_bytes", "min"), ("ms_per_token", "min"),
                                            ("perplexity_ratio", "min"))
+# Where the branches were scored on a chat set (search.chat_sets): decode speed against the chat perplexity ratio,
+# the trade a chat model is deployed on.
+CHAT_OBJECTIVES: tuple[tuple[str, str], ...] = (("ms_per_token", "min"), ("chat_perplexity_ratio", "min"))
 
 
 @dataclass
@@ -30,6 +33,7 @@ class Candidate:
     reasons: list[str] = field(default_factory=list)
     artifact: str | None = None
     error: str | None = None  # the branch failed; its figures are NaN
+    chat_perplexity_ratio: float = math.nan  # on search.chat_sets, against the teacher (NaN: not scored)
 
     @property
     def name(self) -> str:
@@ -54,6 +58,12 @@ def _dominates(a: Candidate, b: Candidate, objectives) -> bool:
             return False
         better = better or va < vb
     return better
+
+
+def front_objectives(cands: list[Candidate]) -> tuple[tuple[str, str], ...]:
+    """CHAT_OBJECTIVES when every measured candidate has a chat figure, else OBJECTIVES."""
+    pool = [c for c in cands if c.measured()]
+    return CHAT_OBJECTIVES if pool and all(math.isfinite(c.chat_perplexity_ratio) for c in pool) else OBJECTIVES
 
 
 def pareto_front(cands: list[Candidate], objectives=OBJECTIVES) -> list[Candidate]:
@@ -92,12 +102,13 @@ def describe(c: Candidate) -> str:
 def search_table(cands: list[Candidate], front: list[Candidate] | None = None,
                  picked: Candidate | None = None) -> list[dict]:
     """One row per candidate (the MLflow table and search.json): ratio, size, speed, quality, accepted, front, pick."""
-    front = pareto_front(cands) if front is None else front
+    front = pareto_front(cands, front_objectives(cands)) if front is None else front
     rows = []
     for c in sorted(cands, key=lambda c: c.ratio):
         rows.append({"candidate": c.name, "mlp_ratio": c.ratio, "size_mb": c.size_bytes / 2**20,
                      "size_bytes": c.size_bytes, "ms_per_token": c.ms_per_token, "tokens_per_s": c.tokens_per_s,
                      "perplexity_ratio": c.perplexity_ratio, "top1_agreement": c.top1_agreement,
+                     "chat_perplexity_ratio": c.chat_perplexity_ratio,
                      "accepted": bool(c.accepted), "on_front": any(c is f for f in front),
                      "picked": picked is c, "reasons": "; ".join(c.reasons), "error": c.error or "",
                      "artifact": c.artifact or ""})
@@ -116,28 +127,35 @@ def pareto_figure(cands: list[Candidate], picked: Candidate | None = None, title
     import matplotlib.pyplot as plt
 
     pool = [c for c in cands if c.measured()]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    panels = ((axes[0], "size_bytes", "min", lambda c: c.size_bytes / 2**20, "size (MiB)"),
-              (axes[1], "ms_per_token", "min", lambda c: c.tokens_per_s, "decode tokens/s (batch 1)"))
-    for ax, key, direction, y, label in panels:
-        front = sorted(pareto_front(pool, ((key, direction), ("perplexity_ratio", "min"))),
-                       key=lambda c: c.perplexity_ratio)
+    chat = front_objectives(cands) == CHAT_OBJECTIVES
+    fig, axes = plt.subplots(1, 3 if chat else 2, figsize=(15 if chat else 10, 4.2))
+    ppl = ("perplexity_ratio", "perplexity ratio to the teacher (selection split; lower is better)")
+    panels = [(axes[0], "size_bytes", lambda c: c.size_bytes / 2**20, "size (MiB)", ppl),
+              (axes[1], "ms_per_token", lambda c: c.tokens_per_s, "decode tokens/s (batch 1)", ppl)]
+    if chat:
+        panels.append((axes[2], "ms_per_token", lambda c: c.tokens_per_s, "decode tokens/s (batch 1)",
+                       ("chat_perplexity_ratio", "chat perplexity ratio to the teacher (search.chat_sets)")))
+    for ax, key, y, label, (xkey, xlabel) in panels:
+        x = lambda c, xkey=xkey: getattr(c, xkey)  # noqa: E731
+        front = sorted(pareto_front(pool, ((key, "min"), (xkey, "min"))), key=x)
         if front:
-            ax.step([c.perplexity_ratio for c in front], [y(c) for c in front], where="post", color="tab:orange",
-                    lw=1.5, label="Pareto front")
+            ax.step([x(c) for c in front], [y(c) for c in front], where="post", color="tab:orange", lw=1.5,
+                    label="Pareto front")
         for c in pool:
-            ax.scatter([c.perplexity_ratio], [y(c)], s=60, color="tab:blue" if c.accepted else "white",
-                       edgecolors="tab:blue", zorder=3)
-            ax.annotate(c.name, (c.perplexity_ratio, y(c)), textcoords="offset points", xytext=(5, 4), fontsize=8)
+            ax.scatter([x(c)], [y(c)], s=60, color="tab:blue" if c.accepted else "white", edgecolors="tab:blue",
+                       zorder=3)
+            ax.annotate(c.name, (x(c), y(c)), textcoords="offset points", xytext=(5, 4), fontsize=8)
         if picked is not None and picked.measured():
-            ax.scatter([picked.perplexity_ratio], [y(picked)], s=220, facecolors="none", edgecolors="tab:red",
+            ax.scatter([x(picked)], [y(picked)], s=220, facecolors="none", edgecolors="tab:red",
                        lw=2, zorder=4, label=f"picked ({picked.name})")
         ax.scatter([], [], s=60, color="tab:blue", label="accepted")
         ax.scatter([], [], s=60, color="white", edgecolors="tab:blue", label="rejected")
-        ax.set_xlabel("perplexity ratio to the teacher (selection split; lower is better)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if chat:
+        axes[2].set_title("speed vs chat (upper-left is better)", fontsize=10)
     axes[0].set_title("size vs quality (lower-left is better)", fontsize=10)
     axes[1].set_title("speed vs quality (upper-left is better)", fontsize=10)
     fig.suptitle(title)

@@ -24,7 +24,7 @@ from compress.evaluate import accept, downstream_scores, evaluate_onnx, resolve_
 from compress.evaluate.gate import selection_limits
 from compress.export import EXPORT_FORMAT, FROM_CHECKPOINT_WEIGHTS
 from compress.quantize import QUANT_FORMAT
-from compress.search import (Candidate, best_rejected, describe, pareto_figure, pareto_front,
+from compress.search import (Candidate, best_rejected, describe, front_objectives, pareto_figure, pareto_front,
                              pick_fastest_accepted, search_table)
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_key, stage_logger, submit_stage
 from tasks.distill import distill_task
@@ -96,6 +96,26 @@ def gate_config(cfg: PipelineConfig):
     return selection_limits(cfg.accept, cfg.search.selection_margin)
 
 
+CHAT_FIGURES = ("chat_perplexity_ratio", "chat_top1_agreement", "chat_judged_ratio", "chat_late_divergence_share",
+                "chat_items")
+
+
+def search_chat_figures(cfg: PipelineConfig, candidate: str, baseline: str) -> dict[str, float]:
+    """A branch's chat figures on search.chat_sets (never the gate's prompts; compress/config.py refuses that), in
+    the model's chat template, against the teacher; {} when the sets are [] or the model has no chat template. The
+    teacher's answers are cached beside the accept stage's, per teacher files and prompts."""
+    from compress.evaluate import chat as chat_eval
+    from tasks.common import workdir
+
+    if not cfg.search.chat_sets or not chat_eval.has_chat_template(baseline):
+        return {}
+    a = cfg.accept
+    prompts = chat_eval.render(baseline, chat_eval.load_sets(cfg.search.chat_sets, "search.chat_sets"))
+    chat = chat_eval.evaluate_chat(candidate, baseline, prompts, None, a.chat_divergence_tokens, a.chat_max_new_tokens,
+                                   progress=False, cache_dir=workdir(cfg) / "chat_targets")
+    return {k: float(chat[k]) for k in CHAT_FIGURES if k in chat}
+
+
 def _criteria(cfg: PipelineConfig) -> str:
     return resolve_criteria(cfg.accept, cfg.prune.enabled or cfg.distill.enabled)
 
@@ -131,6 +151,7 @@ def search_gate_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id
         acfg = gate_config(cfg)
         if criteria == "quality" and acfg.max_downstream_drop is not None:
             cand.update(downstream_scores(candidate, sel, None, acfg.downstream_items, seed=cfg.data.seed))
+        cand.update(search_chat_figures(cfg, candidate, baseline))
         verdict = accept(cand, baseline_figures, acfg, criteria)
         metrics = {"search_mlp_ratio": cfg.prune.mlp_ratio, "search_accepted": float(verdict.accepted),
                    **{f"search_{k}": v for k, v in cand.items()},
@@ -158,7 +179,9 @@ def search_branch_task(cfg: PipelineConfig, parent_run_id: str | None, tracking_
         return out
 
     chain = candidate_chain(cfg, parent_run_id, loaded, teacher, gold, k_load=k_load, k_exp=k_exp, run=run)
-    k = stage_key(cfg, "search_gate", ["accept"], chain["cand_key"], k_exp)
+    from compress.evaluate.chat import sets_digest
+
+    k = stage_key(cfg, "search_gate", ["accept"], chain["cand_key"], k_exp, f"chat{sets_digest(cfg.search.chat_sets)}")
     gate = run("search_gate", submit_stage, search_gate_task, cfg, "search_gate", k, parent_run_id=parent_run_id,
                candidate=chain["candidate"], baseline=teacher["artifact"], splits=loaded["splits"],
                baseline_figures=baseline_figures)
@@ -175,6 +198,7 @@ def branch_candidate(branch: dict, ms_per_token: float | None) -> Candidate:
                      perplexity_ratio=branch["gate"]["metrics"]["search_gate_perplexity_ratio"],
                      accepted=bool(branch["gate"]["accepted"]),
                      top1_agreement=cand.get("top1_agreement", math.nan), reasons=list(branch["gate"]["reasons"]),
+                     chat_perplexity_ratio=cand.get("chat_perplexity_ratio", math.nan),
                      artifact=branch["chain"]["candidate"])
 
 
@@ -203,7 +227,7 @@ def summarize_search(branches: list[dict], teacher_artifact: str, splits: str, t
     measured = {f"mlp{b['ratio']:g}": b["chain"]["candidate"] for b in branches if not b.get("error")}
     speed = time_candidates({"teacher": teacher_artifact, **measured}, splits) if measured else {}
     cands = [branch_candidate(b, speed.get(f"mlp{b['ratio']:g}")) for b in branches]
-    front = pareto_front(cands)
+    front = pareto_front(cands, front_objectives(cands))
     picked = pick_fastest_accepted(cands)
     best = picked or best_rejected(cands)
     rows = search_table(cands, front, picked)

@@ -194,6 +194,9 @@ def test_search_fans_out_on_a_dask_local_cluster_and_picks_the_fastest_accepted(
     picked = [r for r in rows if r["picked"]]
     assert len(picked) == 1 and picked[0] == min(accepted, key=lambda r: r["ms_per_token"])
     assert all(r["size_bytes"] > 0 and r["ms_per_token"] > 0 and r["perplexity_ratio"] > 0 for r in rows)
+    # The tiny model has a chat template: each branch was scored on search.chat_sets (the selection set, never the
+    # gate's prompts) and the front is decode speed against that chat ratio.
+    assert all(math.isfinite(r["chat_perplexity_ratio"]) and r["chat_perplexity_ratio"] > 0 for r in rows)
     assert rows[1]["size_bytes"] < rows[0]["size_bytes"]  # half the MLP neurons gone: a smaller INT8 artifact
     # The pick went on to the verdict on the test split and was registered as a single candidate is.
     assert out["verdict"]["accepted"] and out["candidate_artifact"] == picked[0]["artifact"]
@@ -277,3 +280,46 @@ def test_search_with_no_accepted_candidate_is_rejected_naming_the_best(dask_sear
     best = min((r for r in out["search"]["rows"]), key=lambda r: r["perplexity_ratio"])
     assert math.isclose(figs["selection_perplexity_ratio"], best["perplexity_ratio"])
     assert not any(r["accepted"] for r in out["search"]["rows"])
+
+
+def test_with_chat_figures_the_front_is_speed_against_the_chat_ratio_and_the_plot_shows_it():
+    from compress.search import CHAT_OBJECTIVES, front_objectives
+
+    cands = smollm2_like()
+    assert front_objectives(cands) != CHAT_OBJECTIVES  # not scored on chat: size, speed, perplexity
+    for c, chat in zip(cands, (1.20, 1.30, 1.60, 1.90, 1.35), strict=True):
+        c.chat_perplexity_ratio = chat
+    assert front_objectives(cands) == CHAT_OBJECTIVES
+    front = pareto_front(cands, CHAT_OBJECTIVES)
+    fastest = min(cands, key=lambda c: c.ms_per_token)
+    best_chat = min(cands, key=lambda c: c.chat_perplexity_ratio)
+    assert fastest in front and best_chat in front
+    assert all(not any(o.ms_per_token <= c.ms_per_token and o.chat_perplexity_ratio <= c.chat_perplexity_ratio
+                       and o is not c for o in cands) for c in front)
+    assert search_table(cands)[0]["chat_perplexity_ratio"] == pytest.approx(1.20)
+    fig = pareto_figure(cands, pick_fastest_accepted(cands))
+    assert len(fig.axes) == 3 and "chat" in fig.axes[2].get_xlabel()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_the_search_never_scores_on_the_gates_own_chat_prompts():
+    import json as _json
+    from pathlib import Path
+
+    from compress.config import ConfigError, load_config
+    from compress.evaluate.chat import NAMED_SETS
+
+    with pytest.raises(ConfigError, match=r"search.chat_sets \['builtin'\] are also accept.chat_sets"):
+        load_config("configs/tiny.yaml", ["search.mlp_ratios=[0.25]", "search.chat_sets=[builtin]"])
+    assert load_config("configs/tiny.yaml", ["search.mlp_ratios=[0.25]"]).search.chat_sets == ["selection"]
+
+    def turns(path):
+        return {m["content"] for line in Path(path).read_text().splitlines() if line.strip()
+                for m in _json.loads(line)["messages"]}
+
+    selection = turns(NAMED_SETS["selection"])
+    assert len(selection) == 24
+    assert not selection & turns(NAMED_SETS["builtin"])
+    assert not selection & turns(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "chat_second.jsonl")

@@ -49,6 +49,9 @@ from compress.evaluate.generate import Generated, evaluation_engine, generate_on
 CHAT_FORMAT = 2
 BUILTIN = "builtin"
 BUILTIN_SET = Path(__file__).parent / "chatsets" / "use.jsonl"
+# The pruning search scores its branches here, never on the gate's own prompts (search.chat_sets).
+SELECTION = "selection"
+NAMED_SETS = {BUILTIN: BUILTIN_SET, SELECTION: Path(__file__).parent / "chatsets" / "selection.jsonl"}
 
 
 class ChatEvalError(ValueError):
@@ -56,15 +59,15 @@ class ChatEvalError(ValueError):
 
 
 # -- the conversations --------------------------------------------------------------------------------------------
-def load_conversations(spec: str) -> list[dict]:
+def load_conversations(spec: str, field: str = "accept.chat_sets") -> list[dict]:
     """``builtin`` or a local .jsonl file, one conversation a line: {"messages": [{"role", "content"}, ...]} with an
     optional "kind" (a label for the per-kind table). The last message is a user turn (the teacher answers it) or
     an assistant turn (the reference answer scored as it is)."""
-    path = BUILTIN_SET if spec == BUILTIN else Path(spec)
-    where = f"accept.chat_sets entry {spec!r}"
+    path = NAMED_SETS.get(spec) or Path(spec)
+    where = f"{field} entry {spec!r}"
     if not path.is_file():
         raise ChatEvalError(f"{where}: no such file; give a local .jsonl of {{\"messages\": [...]}} conversations, "
-                            f"'{BUILTIN}', or remove it")
+                            f"'{BUILTIN}', '{SELECTION}', or remove it")
     out = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -87,8 +90,8 @@ def load_conversations(spec: str) -> list[dict]:
     return out
 
 
-def load_sets(specs: list[str]) -> list[dict]:
-    return [c for s in specs for c in load_conversations(s)]
+def load_sets(specs: list[str], field: str = "accept.chat_sets") -> list[dict]:
+    return [c for s in specs for c in load_conversations(s, field)]
 
 
 def sets_digest(specs: list[str]) -> str:
@@ -96,7 +99,7 @@ def sets_digest(specs: list[str]) -> str:
     h = hashlib.sha256()
     for s in specs:
         h.update(s.encode())
-        p = BUILTIN_SET if s == BUILTIN else Path(s)
+        p = NAMED_SETS.get(s) or Path(s)
         h.update(p.read_bytes() if p.is_file() else b"missing")
     return h.hexdigest()[:16]
 
