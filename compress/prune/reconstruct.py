@@ -203,6 +203,7 @@ def _refit(t_proj, s_layer, name: str, keep: torch.Tensor, t_in: list[torch.Tens
     return e_cut, e_new
 
 
+@torch.no_grad()
 def reconstruct(teacher, student, plan: StructuredPlan, blocks: np.ndarray, ridge: float = 0.5,
                 inputs: str = "teacher", batch_size: int = 4, *, token_weight: str = "relative") -> ReconstructionReport:
     """Re-fit, in place, student's o_proj / down_proj of every layer the plan cut (teacher unchanged).

@@ -198,7 +198,6 @@ def _weight_norm_scores(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return neurons, groups
 
 
-@torch.no_grad()
 def _neuron_hook(acc: torch.Tensor):
     """Adds each down_proj input channel's sum of squares (an MLP neuron's activation energy) into ``acc``."""
     def fn(mod, args):
@@ -227,6 +226,7 @@ def _influence_hook(bi: torch.Tensor, i: int):
     return fn
 
 
+@torch.no_grad()
 def collect_importance(model, blocks: np.ndarray, method: str = "activation", batch_size: int = 4,
                        layer_scores: bool = True) -> Importance:
     """Score every MLP neuron, KV group and layer from one pass over the (calib) blocks.
