@@ -106,3 +106,21 @@ def test_fake_quantize_rounds_the_tied_table_once_and_hooks_the_inputs():
     assert torch.equal(emb, _round_blocks(before, 32, signed_max=False))  # not rounded a second time as the head
     for h in hooks:
         h.remove()
+
+
+def test_each_failed_golden_threshold_is_a_line_naming_the_prompt_and_the_position():
+    from compress.evaluate.golden import PromptResult, _prompt_failures
+
+    r = PromptResult("hello", max_abs_error=0.5, off_count=3, positions=12, top1_agreement=0.75, greedy_prefix=2,
+                     greedy_len=8, first_bad_position=5)
+    t = dict(max_abs_error=1e-2, off_threshold=1e-2, max_off_count=0, min_top1_agreement=1.0, min_prefix_match=1.0)
+    lines = _prompt_failures("prompt 0 'hello'", r, t, worst=7, prompt_len=4,
+                             against=lambda: "the graph's own prefill argmax (its token 0.3 below it, more than 0.1)")
+    assert lines == [
+        "prompt 0 'hello': max abs logit error 0.5 > 0.01, first diverging position 5 (worst 7) of 12",
+        "prompt 0 'hello': 3 top-k logits off by > 0.01 (allowed 0)",
+        "prompt 0 'hello': top-1 agreement 0.750 < 1.0, first diverging position 5",
+        "prompt 0 'hello': greedy continuation diverges from the graph's own prefill argmax (its token 0.3 below it, "
+        "more than 0.1) at generated token 2 (position 6); matched 2/8"]
+    ok = PromptResult("hello", 0.0, 0, 12, 1.0, 8, 8, None)
+    assert _prompt_failures("p", ok, t, worst=0, prompt_len=4, against=lambda: 1 / 0) == []  # not asked for

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -166,6 +167,26 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _prompt_failures(name: str, r: PromptResult, t: dict, *, worst: int, against: Callable[[], str],
+                     prompt_len: int) -> list[str]:
+    """One prompt's failed thresholds (``t``: compare_onnx's), each a line naming the prompt and the position;
+    against() names what its greedy continuation was held to."""
+    out = []
+    if r.max_abs_error > t["max_abs_error"]:
+        out.append(f"{name}: max abs logit error {r.max_abs_error:.3g} > {t['max_abs_error']:g}, "
+                   f"first diverging position {r.first_bad_position} (worst {worst}) of {r.positions}")
+    if r.off_count > t["max_off_count"]:
+        out.append(f"{name}: {r.off_count} top-k logits off by > {t['off_threshold']:g} "
+                   f"(allowed {t['max_off_count']})")
+    if r.top1_agreement < t["min_top1_agreement"]:
+        out.append(f"{name}: top-1 agreement {r.top1_agreement:.3f} < {t['min_top1_agreement']}, "
+                   f"first diverging position {r.first_bad_position}")
+    if r.prefix_match < t["min_prefix_match"]:
+        out.append(f"{name}: greedy continuation diverges from {against()} at generated token {r.greedy_prefix} "
+                   f"(position {prompt_len + r.greedy_prefix}); matched {r.greedy_prefix}/{r.greedy_len}")
+    return out
+
+
 def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_abs_error: float = 1e-2, *, off_threshold: float = 1e-2,
                  max_off_count: int = 0, min_top1_agreement: float = 1.0, min_prefix_match: float = 1.0,
                  check_batched: bool = True, pad_id: int = 0, decode_against: str = "golden",
@@ -219,31 +240,29 @@ def compare_onnx(lm: LanguageModelDriver | str | Path, golden: GoldenSet, max_ab
         r = PromptResult(prompt, float(err.max()), int((err > off_threshold).sum()), int(len(seq)),
                          float(top1_ok.mean()), lcp, len(golden.continuations[i]), int(bad[0]) if len(bad) else None)
         rows.append(r)
-        name = f"prompt {i} {prompt[:40]!r}"
-        if r.max_abs_error > max_abs_error:
-            pos = int(per_pos.argmax())
-            failures.append(f"{name}: max abs logit error {r.max_abs_error:.3g} > {max_abs_error:g}, "
-                            f"first diverging position {r.first_bad_position} (worst {pos}) of {len(seq)}")
-        if r.off_count > max_off_count:
-            failures.append(f"{name}: {r.off_count} top-k logits off by > {off_threshold:g} (allowed {max_off_count})")
-        if r.top1_agreement < min_top1_agreement:
-            failures.append(f"{name}: top-1 agreement {r.top1_agreement:.3f} < {min_top1_agreement}, "
-                            f"first diverging position {r.first_bad_position}")
-        if r.prefix_match < min_prefix_match:
-            against = (f"the graph's own prefill argmax (its token {gap:.3g} below it, more than {decode_tolerance:g})"
-                       if decode_against == "self" else "the reference's")
-            failures.append(f"{name}: greedy continuation diverges from {against} at generated token {lcp} "
-                            f"(position {len(golden.prompt_ids[i]) + lcp}); matched {lcp}/{r.greedy_len}")
+        against = (lambda gap=gap: f"the graph's own prefill argmax (its token {gap:.3g} below it, more than "
+                   f"{decode_tolerance:g})") if decode_against == "self" else (lambda: "the reference's")
+        failures += _prompt_failures(f"prompt {i} {prompt[:40]!r}", r, thresholds, worst=int(per_pos.argmax()),
+                                     against=against, prompt_len=len(golden.prompt_ids[i]))
     if check_batched and len(golden.prompts) > 1:
-        seqs = [golden.sequence(i) for i in range(len(golden.prompts))]
-        for i, batched in enumerate(lm.logits_left_padded(seqs, pad_id)):
-            d = float(np.abs(batched - single_logits[i]).max())
-            rows[i].batched_max_abs_error = d
-            if d > path_tolerance:
-                pos = int(np.abs(batched - single_logits[i]).max(-1).argmax())
-                failures.append(f"prompt {i} {golden.prompts[i][:40]!r}: left-padded batch differs from the "
-                                f"single run by {d:.3g} at position {pos}")
+        failures += _batched_failures(lm, golden, rows, single_logits, pad_id, path_tolerance)
     return GoldenReport(rows, thresholds, failures)
+
+
+def _batched_failures(lm, golden: GoldenSet, rows: list[PromptResult], single_logits: list[np.ndarray], pad_id: int,
+                      tolerance: float) -> list[str]:
+    """Every prompt run again in one left-padded batch: its logits against its single run's (recorded in its row),
+    a failure line for each further off than ``tolerance``."""
+    failures = []
+    seqs = [golden.sequence(i) for i in range(len(golden.prompts))]
+    for i, batched in enumerate(lm.logits_left_padded(seqs, pad_id)):
+        d = float(np.abs(batched - single_logits[i]).max())
+        rows[i].batched_max_abs_error = d
+        if d > tolerance:
+            pos = int(np.abs(batched - single_logits[i]).max(-1).argmax())
+            failures.append(f"prompt {i} {golden.prompts[i][:40]!r}: left-padded batch differs from the "
+                            f"single run by {d:.3g} at position {pos}")
+    return failures
 
 
 def _own_argmax_prefix(lm, prompt_ids: list[int], cont: list[int], suppressed: list[int],
