@@ -216,6 +216,48 @@ class CalibrationResult:
     extra: dict = field(default_factory=dict)
 
 
+def _copied(first_pass: dict[str, ActStats], tensors: list[str]) -> dict[str, ActStats]:
+    """Pass-1 statistics of ``tensors`` from a calibration cache, as fresh objects to update."""
+    return {t: ActStats(first_pass[t].cmin.copy(), first_pass[t].cmax.copy(), sample=first_pass[t].sample)
+            for t in tensors}
+
+
+def _min_max_pass(sess, reader, tensors: list[str], stats: dict[str, ActStats], stride: int) -> None:
+    """Pass 1 over the reader's batches: per-channel min/max into ``stats``, and every ``stride``-th token row kept
+    (0: none), strided across batches."""
+    row0 = 0  # global index of the batch's first row
+    for feed in reader:
+        outs = sess.run(tensors, feed)
+        for t, x in zip(tensors, outs):
+            x2 = x.reshape(-1, x.shape[-1])
+            mn, mx = x2.min(0), x2.max(0)
+            st = stats.get(t)
+            if st is None:
+                st = stats[t] = ActStats(mn, mx)
+            else:
+                np.minimum(st.cmin, mn, out=st.cmin)
+                np.maximum(st.cmax, mx, out=st.cmax)
+            if stride:
+                rows = x2[(-row0) % stride :: stride].astype(np.float32)
+                st.sample = rows.copy() if st.sample is None else np.concatenate([st.sample, rows])
+        row0 += outs[0].reshape(-1, outs[0].shape[-1]).shape[0] if outs else 0
+        del outs
+
+
+def _histogram_pass(sess, reader, tensors: list[str], stats: dict[str, ActStats]) -> None:
+    """Pass 2: each tensor's HIST_BINS histogram of x * inv_scale over [lo, hi] into ``stats``."""
+    for feed in reader:
+        outs = sess.run(tensors, feed)
+        for t, x in zip(tensors, outs):
+            st = stats[t]
+            v = x.reshape(-1, x.shape[-1])
+            if st.inv_scale is not None:
+                v = v * st.inv_scale
+            h, _ = np.histogram(v, bins=HIST_BINS, range=(st.lo, st.hi))
+            st.hist += h
+        del outs
+
+
 def collect_stats(
     model: onnx.ModelProto,
     tensors: list[str],
@@ -243,7 +285,7 @@ def collect_stats(
     blocks = np.asarray(blocks)
     stride = max(1, blocks.size // sample_rows) if sample_rows else 0
     if first_pass is not None and not histogram:
-        fp = {t: ActStats(first_pass[t].cmin.copy(), first_pass[t].cmax.copy(), sample=first_pass[t].sample) for t in tensors}
+        fp = _copied(first_pass, tensors)
         sha = hashlib.sha256(np.ascontiguousarray(np.asarray(blocks, np.int64)).tobytes()).hexdigest()
         return CalibrationResult(fp, len(blocks), sha, time.perf_counter() - t0, 0)
     calib = calibration_model(model, tensors)
@@ -254,27 +296,11 @@ def collect_stats(
     reader = PrefillReader(blocks, names, num_kv_heads, head_dim, batch_size)
     stats: dict[str, ActStats] = {}
     if first_pass is not None:
-        stats = {t: ActStats(first_pass[t].cmin.copy(), first_pass[t].cmax.copy(), sample=first_pass[t].sample) for t in tensors}
+        stats = _copied(first_pass, tensors)
         reader._hash.update(np.ascontiguousarray(reader.blocks).tobytes())
         reader.blocks_fed = len(reader.blocks)
         reader._pos = len(reader.blocks)
-    row0 = 0  # global index of the batch's first row, so sampling strides across batches
-    for feed in reader:
-        outs = sess.run(tensors, feed)
-        for t, x in zip(tensors, outs):
-            x2 = x.reshape(-1, x.shape[-1])
-            mn, mx = x2.min(0), x2.max(0)
-            st = stats.get(t)
-            if st is None:
-                st = stats[t] = ActStats(mn, mx)
-            else:
-                np.minimum(st.cmin, mn, out=st.cmin)
-                np.maximum(st.cmax, mx, out=st.cmax)
-            if stride:
-                rows = x2[(-row0) % stride :: stride].astype(np.float32)
-                st.sample = rows.copy() if st.sample is None else np.concatenate([st.sample, rows])
-        row0 += outs[0].reshape(-1, outs[0].shape[-1]).shape[0] if outs else 0
-        del outs
+    _min_max_pass(sess, reader, tensors, stats, stride)
     sha, fed = reader.sha256, reader.blocks_fed
     passes = 1 if first_pass is None else 0
     if histogram:
@@ -284,16 +310,7 @@ def collect_stats(
             st.lo, st.hi = st.range_after(st.inv_scale)
             st.hist = np.zeros(HIST_BINS, np.int64)
         reader.rewind()
-        for feed in reader:
-            outs = sess.run(tensors, feed)
-            for t, x in zip(tensors, outs):
-                st = stats[t]
-                v = x.reshape(-1, x.shape[-1])
-                if st.inv_scale is not None:
-                    v = v * st.inv_scale
-                h, _ = np.histogram(v, bins=HIST_BINS, range=(st.lo, st.hi))
-                st.hist += h
-            del outs
+        _histogram_pass(sess, reader, tensors, stats)
         passes += 1
     return CalibrationResult(stats, fed, sha, time.perf_counter() - t0, passes)
 
