@@ -141,6 +141,38 @@ def _graph_maps(model: onnx.ModelProto) -> tuple[dict, dict[str, onnx.NodeProto]
     return _init_map(model), {o: n for n in g.node for o in n.output}, consumers_of(g)
 
 
+def _fold_target(prod, inits: dict, channels: int, linear_by_output: dict, consumers: dict) -> tuple | None:
+    """Where 1/s folds in upstream of a smoothed input: ("norm", slot, gamma initializer) when its producer has a
+    per-channel initializer, ("up_proj", slot, Linear) when a Mul's other factor is an up projection read only
+    there; None when neither."""
+    for slot, name in enumerate(prod.input):
+        t = inits.get(name)
+        if t is not None and len(t.dims) == 1 and t.dims[0] == channels:
+            return ("norm", slot, name)
+    if prod.op_type == "Mul":
+        for slot, name in enumerate(prod.input):
+            up = linear_by_output.get(name)
+            if up is not None and len(consumers.get(name, [])) == 1:
+                return ("up_proj", slot, up)
+    return None
+
+
+def _fold(model: onnx.ModelProto, inits: dict, by_node: dict, *, fold: tuple, prod, tensor: str, s: np.ndarray,
+          group: list[Linear], ws: list[np.ndarray]) -> None:
+    """x / s folded upstream (into the norm's gamma or the up projection's columns) and s into the rows of every
+    linear of ``group`` that reads x: the product is unchanged."""
+    if fold[0] == "norm":
+        gamma = tensor_array(inits[fold[2]])
+        _replace_init(model, inits, fold[2], f"{tensor}_smooth_gamma", gamma / s, prod, fold[1])
+    else:
+        up_node = by_node[fold[2].node]
+        w_up = tensor_array(inits[up_node.input[1]])
+        _replace_init(model, inits, up_node.input[1], f"{up_node.input[1]}_smooth_cols", w_up / s[None, :], up_node, 1)
+    for l, w in zip(group, ws):
+        node = by_node[l.node]
+        _replace_init(model, inits, node.input[1], f"{node.input[1]}_smooth_rows", w * s[:, None], node, 1)
+
+
 def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict[str, ActStats], alpha: float | str,
                       *, reduce_range: bool = False, grid: tuple[float, ...] = ALPHA_GRID, per_token: bool = False,
                       chooser: Callable[[ActStats, list[np.ndarray]], tuple[np.ndarray, float, float] | None] | None = None,
@@ -179,45 +211,20 @@ def apply_smoothquant(model: onnx.ModelProto, linears: list[Linear], stats: dict
         # every reader of x must be one of the smoothed linears, or it would see x / s
         if any(c.name not in group_nodes for c in consumers.get(tensor, [])):
             continue
-        C = st.cmax.shape[0]
-        fold = None
-        for slot, name in enumerate(prod.input):
-            t = inits.get(name)
-            if t is not None and len(t.dims) == 1 and t.dims[0] == C:
-                fold = ("norm", slot, name)
-                break
-        if fold is None and prod.op_type == "Mul":
-            for slot, name in enumerate(prod.input):
-                up = linear_by_output.get(name)
-                if up is not None and len(consumers.get(name, [])) == 1:
-                    fold = ("up_proj", slot, up)
-                    break
+        fold = _fold_target(prod, inits, st.cmax.shape[0], linear_by_output, consumers)
         if fold is None:
             continue
         ws = [tensor_array(inits[by_node[l.node].input[1]]) for l in group]
         if chooser is not None:
             picked = chooser(st, ws)
-            if picked is None:
-                continue  # scaling does not help this tensor
-            s, a_used, err = picked
         else:
             chosen = _alpha_for(st, ws, alpha, reduce_range, per_token, grid)
-            if chosen is None:
-                continue  # smoothing does not help this tensor
-            a_used, err = chosen
-            s = smoothing_scales(st.absmax, ws, a_used)
+            picked = None if chosen is None else (smoothing_scales(st.absmax, ws, chosen[0]), *chosen)
+        if picked is None:
+            continue  # scaling does not help this tensor
+        s, a_used, err = picked
         kind = fold[0]
-        if kind == "norm":
-            gamma = tensor_array(inits[fold[2]])
-            _replace_init(model, inits, fold[2], f"{tensor}_smooth_gamma", gamma / s, prod, fold[1])
-        else:
-            up: Linear = fold[2]
-            up_node = by_node[up.node]
-            w_up = tensor_array(inits[up_node.input[1]])
-            _replace_init(model, inits, up_node.input[1], f"{up_node.input[1]}_smooth_cols", w_up / s[None, :], up_node, 1)
-        for l, w in zip(group, ws):
-            node = by_node[l.node]
-            _replace_init(model, inits, node.input[1], f"{node.input[1]}_smooth_rows", w * s[:, None], node, 1)
+        _fold(model, inits, by_node, fold=fold, prod=prod, tensor=tensor, s=s, group=group, ws=ws)
         inv[tensor] = (1.0 / s).astype(np.float32)
         report.append(SmoothedTensor(tensor, kind, [l.module for l in group], float(st.absmax.max()), float((st.absmax / s).max()), a_used, err))
     return inv, report
