@@ -135,24 +135,7 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
     for n in g.node:
         if n.name in todo:
             by_input.setdefault(n.input[0], []).append(n)
-    consts_added: set[str] = set(inits)  # a second call (the tied lm_head) reuses the first call's constants
-
-    def const(name: str, arr: np.ndarray) -> str:
-        if name not in consts_added:
-            g.initializer.append(numpy_helper.from_array(arr, name))
-            consts_added.add(name)
-        return name
-
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
-
-    def row_max(x: str, out: str, name: str) -> onnx.NodeProto:
-        # ReduceMax takes its axes as an input from opset 18 on, as an attribute before (the gqa graph is opset 17).
-        if opset >= 18:
-            return helper.make_node("ReduceMax", [x, const("ptq_axis_last", np.array([-1], np.int64))], [out],
-                                    keepdims=1, name=name)
-        return helper.make_node("ReduceMax", [x], [out], axes=[-1], keepdims=1, name=name)
-
-    inv127 = np.array(1.0 / 127.0, np.float32)
+    consts = _Consts(model)
     new_nodes = []
     drop: set[str] = set()
     for n in g.node:
@@ -164,14 +147,7 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
         if group is None:
             continue  # packed into its group's first linear
         p = f"{a}_ptq"
-        new_nodes += [
-            helper.make_node("Abs", [a], [f"{p}_abs"], name=f"{p}_Abs"),
-            row_max(f"{p}_abs", f"{p}_amax", f"{p}_ReduceMax"),
-            helper.make_node("Max", [f"{p}_amax", const("ptq_eps", np.array(1e-8, np.float32))], [f"{p}_m"], name=f"{p}_Max"),
-            helper.make_node("Div", [a, f"{p}_m"], [f"{p}_unit"], name=f"{p}_Div"),
-            helper.make_node("QuantizeLinear", [f"{p}_unit", const("ptq_inv127", inv127), const("ptq_zp128", np.array(128, np.uint8))],
-                             [f"{p}_q"], name=f"{p}_Quantize"),
-        ]
+        new_nodes += _row_quantize(a, p, consts)
         for m in group:  # one integer product each, all reading the shared quantized input
             q, scale = _weight_qdq(tensor_array(inits[m.input[1]]), per_channel, reduce_range)
             qn, sn = f"{m.input[1]}_quantized", f"{m.input[1]}_scale"
@@ -180,13 +156,55 @@ def insert_dynamic_per_token(model: onnx.ModelProto, linears: list[Linear], per_
             drop.add(m.input[1])
             o = m.output[0]
             new_nodes += [
-                helper.make_node("MatMulIntegerToFloat", [f"{p}_q", qn, const("ptq_inv127", inv127), sn,
-                                                          const("ptq_zp128", np.array(128, np.uint8))],
+                helper.make_node("MatMulIntegerToFloat", [f"{p}_q", qn, consts.inv127, sn, consts.zp128],
                                  [f"{o}_unit"], name=f"{m.name}_MatMulIntegerToFloat", domain=_MS_DOMAIN),
                 helper.make_node("Mul", [f"{o}_unit", f"{p}_m"], [o], name=f"{m.name}_MulRow"),
             ]
     _replace_nodes(g, new_nodes, drop)
     _ensure_ms_opset(model)
+
+
+class _Consts:
+    """The per-token quantization's shared constants, added to the graph once (a second call, the tied lm_head,
+    reuses the first call's)."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.graph = model.graph
+        self.have = {i.name for i in model.graph.initializer}
+        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
+
+    @property
+    def inv127(self) -> str:
+        return self.get("ptq_inv127", np.array(1.0 / 127.0, np.float32))
+
+    @property
+    def zp128(self) -> str:
+        return self.get("ptq_zp128", np.array(128, np.uint8))
+
+    def get(self, name: str, arr: np.ndarray) -> str:
+        if name not in self.have:
+            self.graph.initializer.append(numpy_helper.from_array(arr, name))
+            self.have.add(name)
+        return name
+
+
+def _row_quantize(a: str, p: str, consts: _Consts) -> list[onnx.NodeProto]:
+    """x -> m = max(max|x| over the last axis, eps) as {p}_m and QuantizeLinear(x / m, 1/127, 128) as {p}_q."""
+    if consts.opset >= 18:  # ReduceMax takes its axes as an input from opset 18 on (the gqa graph is opset 17)
+        row_max = helper.make_node("ReduceMax", [f"{p}_abs", consts.get("ptq_axis_last", np.array([-1], np.int64))],
+                                   [f"{p}_amax"], keepdims=1, name=f"{p}_ReduceMax")
+    else:
+        row_max = helper.make_node("ReduceMax", [f"{p}_abs"], [f"{p}_amax"], axes=[-1], keepdims=1,
+                                   name=f"{p}_ReduceMax")
+    return [
+        helper.make_node("Abs", [a], [f"{p}_abs"], name=f"{p}_Abs"),
+        row_max,
+        helper.make_node("Max", [f"{p}_amax", consts.get("ptq_eps", np.array(1e-8, np.float32))], [f"{p}_m"],
+                         name=f"{p}_Max"),
+        helper.make_node("Div", [a, f"{p}_m"], [f"{p}_unit"], name=f"{p}_Div"),
+        helper.make_node("QuantizeLinear", [f"{p}_unit", consts.inv127, consts.zp128], [f"{p}_q"],
+                         name=f"{p}_Quantize"),
+    ]
 
 
 def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accuracy_level: int = 4,
