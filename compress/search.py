@@ -2,7 +2,8 @@
 
 Plain functions of numbers (no Prefect, no MLflow): flows/pipeline.py fans the branches out and hands their
 figures here. A candidate is better when it is smaller, faster (decode ms/token) and closer to the teacher
-(perplexity ratio on the selection split); the front is the set no other candidate beats on all three. The
+(perplexity ratio on the selection split); the front is the set no other candidate beats on all three (when the
+branches were scored on a chat set, search.chat_sets: faster and closer on chat, CHAT_OBJECTIVES). The
 pick is the fastest candidate the gate accepted (ties: the smaller), whatever the front: speed is what the
 search is for and the gate already said the quality is enough.
 """
