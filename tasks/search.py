@@ -26,7 +26,7 @@ from compress.export import EXPORT_FORMAT, FROM_CHECKPOINT_WEIGHTS
 from compress.quantize import QUANT_FORMAT
 from compress.search import (Candidate, best_rejected, describe, front_objectives, pareto_figure, pareto_front,
                              pick_fastest_accepted, search_table)
-from tasks.common import cache_key_fn, mark_done, open_stage, stage_key, stage_logger, submit_stage
+from tasks.common import cache_key_fn, mark_done, open_stage, stage_key, stage_logger, submit_stage, workdir
 from tasks.distill import distill_task
 from tasks.export import export_task
 from tasks.golden import golden_task
@@ -104,15 +104,10 @@ def search_chat_figures(cfg: PipelineConfig, candidate: str, baseline: str) -> d
     """A branch's chat figures on search.chat_sets (never the gate's prompts; compress/config.py refuses that), in
     the model's chat template, against the teacher; {} when the sets are [] or the model has no chat template. The
     teacher's answers are cached beside the accept stage's, per teacher files and prompts."""
-    from compress.evaluate import chat as chat_eval
-    from tasks.common import workdir
+    from compress.evaluate.verdict import chat_figures
 
-    if not cfg.search.chat_sets or not chat_eval.has_chat_template(baseline):
-        return {}
-    a = cfg.accept
-    prompts = chat_eval.render(baseline, chat_eval.load_sets(cfg.search.chat_sets, "search.chat_sets"))
-    chat = chat_eval.evaluate_chat(candidate, baseline, prompts, None, a.chat_divergence_tokens, a.chat_max_new_tokens,
-                                   progress=False, cache_dir=workdir(cfg) / "chat_targets")
+    chat, _ = chat_figures(cfg, candidate, baseline, workdir(cfg) / "chat_targets", setting="search.chat_sets",
+                           progress=False)
     return {k: float(chat[k]) for k in CHAT_FIGURES if k in chat}
 
 

@@ -77,18 +77,21 @@ def reference_of(cfg: PipelineConfig, model_dir: str | None, baseline: str | Non
 
 
 def chat_figures(cfg: PipelineConfig, candidate: str, baseline: str, cache_dir: str | Path | None, check=None,
-                 reference: CheckpointReference | None = None) -> tuple[dict, str]:
-    """The chat set's figures of the candidate against the baseline (the teacher), and a note saying what was
-    scored or why nothing was. The teacher's side is cached in ``cache_dir``."""
-    a = cfg.accept
-    if not a.chat_sets:
-        return {}, "not scored: accept.chat_sets is []"
+                 reference: CheckpointReference | None = None, *, setting: str = "accept.chat_sets",
+                 progress: bool = True) -> tuple[dict, str]:
+    """The chat figures of the candidate against the baseline (the teacher) on the sets of ``setting``
+    (accept.chat_sets, or search.chat_sets for a search branch), and a note saying what was scored or why nothing
+    was. The teacher's side is cached in ``cache_dir``."""
+    a, sets = cfg.accept, getattr(getattr(cfg, setting.split(".")[0]), "chat_sets")
+    if not sets:
+        return {}, f"not scored: {setting} is []"
     if not chat_eval.has_chat_template(baseline):
-        return {}, "not scored: the model has no chat template (set accept.chat_sets: [] to say so)"
-    prompts = chat_eval.render(baseline, chat_eval.load_sets(a.chat_sets))
+        return {}, f"not scored: the model has no chat template (set {setting}: [] to say so)"
+    prompts = chat_eval.render(baseline, chat_eval.load_sets(sets, setting))
     chat = chat_eval.evaluate_chat(candidate, baseline, prompts, None, a.chat_divergence_tokens,
-                                   a.chat_max_new_tokens, check=check, cache_dir=cache_dir, reference=reference)
-    return chat, (f"{len(prompts)} conversations of {', '.join(a.chat_sets)}; teacher answers "
+                                   a.chat_max_new_tokens, check=check, cache_dir=cache_dir, reference=reference,
+                                   progress=progress)
+    return chat, (f"{len(prompts)} conversations of {', '.join(sets)}; teacher answers "
                   f"{'reused from cache' if chat['teacher_cached'] else 'generated'}")
 
 
