@@ -42,9 +42,9 @@ def run(config: str, reference: str, candidate: str, baseline: str, model_dir: s
         with mlflow.start_run() as parent:
             out = accept_task.fn(cfg, "accept", reference, parent_run_id=parent.info.run_id, candidate=candidate,
                                  baseline=baseline, splits=splits, heldout=heldout, model_dir=model_dir)
-        return {"seconds": time.perf_counter() - t0, "parts": out["seconds"], "accepted": out["accepted"],
-                "reference": out["reference"], "peak_gib": peak_gib(),
-                "figures": {k: out["metrics"].get(k) for k in FIGURES}}
+        return {"seconds": time.perf_counter() - t0, "parts": out.seconds, "accepted": out.accepted,
+                "reference": out.reference, "peak_gib": peak_gib(),
+                "figures": {k: out.metrics.get(k) for k in FIGURES}}
 
 
 def drift(baseline: str, model_dir: str, heldout: str, dtype: str) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -25,8 +25,7 @@ from compress.artifact import read_manifest
 from compress.config import ConfigError, PipelineConfig, load_config, project_root
 from compress.data import DATA_FORMAT
 from compress.evaluate import chat as chat_eval
-from compress.evaluate.gate import Verdict
-from compress.export import EXPORT_FORMAT, FROM_CHECKPOINT_WEIGHTS, fp32_needed_by, resolve_weights
+from compress.export import EXPORT_FORMAT, fp32_needed_by, resolve_weights
 from compress.memory import shape_of_folder
 from compress.scorecard import card_params, form_of, scorecard
 from compress.search import describe
@@ -40,8 +39,9 @@ from tasks.export import export_task
 from tasks.golden import golden_task
 from tasks.load import load_task
 from tasks.register import register_task
-from tasks.search import (branch_config, candidate_chain, search_baseline_task, search_branch_task,
-                          summarize_search)
+from tasks.results import Benchmarked, Judged, Registered
+from tasks.search import (Branch, Chain, SearchSummary, TeacherStages, branch_config, candidate_chain,
+                          search_baseline_task, search_branch_task, stage_row, summarize_search)
 from tasks.tracking import flatten, log_json, log_metrics, log_params
 
 
@@ -65,11 +65,11 @@ class StageTimer:
     def run(self, name: str, fn, *args, **kwargs):
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
-        self.rows.append({"stage": name, "seconds": time.perf_counter() - t0, "metrics": (out or {}).get("metrics", {})})
+        self.rows.append(stage_row(name, time.perf_counter() - t0, out))
         return out
 
-    def markdown(self, cfg: PipelineConfig, run, tracking_uri: str, registered: list[dict],
-                 verdict: dict | None = None, champion_vs: dict | None = None, ui: str | None = None) -> str:
+    def markdown(self, cfg: PipelineConfig, run, tracking_uri: str, registered: list[Registered],
+                 verdict: Judged | None = None, champion_vs: dict | None = None, ui: str | None = None) -> str:
         """The run summary; ``ui`` None: for MLflow's own pages (relative links), else their address (Prefect)."""
         route = registry.run_route(run.info.experiment_id, run.info.run_id)
         link = f"[open the run]({route})" if ui is None else registry.outside_link(ui or None, route)
@@ -82,9 +82,8 @@ class StageTimer:
                              if isinstance(r["metrics"].get(k), (int, float)))
             lines.append(f"| {r['stage']} | {r['seconds']:.1f} | {figs} |")
         if verdict is not None:
-            lines += ["", f"**Acceptance: {'accepted' if verdict['accepted'] else 'rejected'}** "
-                      f"(criteria: {verdict.get('criteria', 'fidelity')})"]
-            lines += [f"- {r}" for r in verdict["reasons"]]
+            lines += ["", f"**Acceptance: {verdict.status}** (criteria: {verdict.criteria})"]
+            lines += [f"- {r}" for r in verdict.reasons]
             lines += genre_markdown(verdict)
         if champion_vs and champion_vs["rows"]:
             lines += ["", f"Against champion v{champion_vs['version']} (registered figures):", "",
@@ -95,24 +94,24 @@ class StageTimer:
                 lines.append("(the champion has no chat-set figures: registered before they were measured)")
         if registered:
             lines += ["", "| model | version | aliases |", "|---|---|---|"]
-            lines += [f"| {r['name']} | {r['version']} | {', '.join(r['aliases'])} |" for r in registered]
+            lines += [f"| {r.name} | {r.version} | {', '.join(r.aliases)} |" for r in registered]
         return "\n".join(lines)
 
 
-def genre_markdown(verdict: dict) -> list[str]:
+def genre_markdown(verdict: Judged) -> list[str]:
     """Every genre's checks with values and limits: the verdict needs each to pass (the worst decides)."""
-    if not verdict.get("checks"):
+    if not verdict.checks:
         return []
     lines = ["", "| genre | check | value | limit | passed |", "|---|---|---:|---:|---|"]
     lines += [f"| {c.get('genre', '')} | {c['name']} | {c['value']:.4g} | {c['limit']:.4g} | "
-              f"{'yes' if c['passed'] else '**no**'} |" for c in verdict["checks"]]
-    if verdict.get("chat_note"):
-        lines += ["", f"chat set: {verdict['chat_note']}"]
-    if verdict.get("reference") == "checkpoint":
+              f"{'yes' if c['passed'] else '**no**'} |" for c in verdict.checks]
+    if verdict.chat_note:
+        lines += ["", f"chat set: {verdict.chat_note}"]
+    if verdict.reference == "checkpoint":
         lines += ["", "judged against the source checkpoint as stored (accept.reference), not the fp32 graph"]
-    if verdict.get("seconds"):
+    if verdict.seconds:
         lines += ["", "accept stage seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
-                                                        for k, v in verdict["seconds"].items())]
+                                                        for k, v in verdict.seconds.items())]
     return lines
 
 
@@ -120,33 +119,6 @@ def genre_markdown(verdict: dict) -> list[str]:
 VERSION_FIGURES = (("gate_perplexity_ratio", "perplexity ratio"), ("gate_top1_agreement", "top-1 agreement"),
                    ("gate_chat_perplexity_ratio", "chat perplexity ratio"), ("gate_chat_judged_ratio", "judged ratio"),
                    ("gate_size_ratio", "size ratio"))
-SIDE_FIGURES = ("heldout_", "selection_")  # beside the verdict's: the held-out source's, the selection split's
-
-
-def model_figures(verdict: dict) -> dict:
-    """A candidate's figures: its evaluation on the test split (the verdict's) under plain names, the gate's
-    own figures, and the held-out source's and the selection split's figures beside them (heldout_*, selection_*)."""
-    figs = {k: v for k, v in verdict["candidate"].items() if isinstance(v, (int, float))}
-    figs.update({k: v for k, v in verdict["metrics"].items() if k.startswith(("gate_",) + SIDE_FIGURES)})
-    return figs
-
-
-def size_ratio(verdict: dict | None) -> float | None:
-    """The candidate's graph bytes over the baseline's, from the verdict's figures."""
-    if not verdict:
-        return None
-    c, b = verdict["candidate"].get("size_bytes"), verdict["baseline"].get("size_bytes")
-    return c / b if c and b else None
-
-
-def baseline_figures(verdict: dict) -> dict:
-    """The baseline's figures under the candidate's names (plain = test split; heldout_perplexity, ...)."""
-    figs = {k: v for k, v in verdict["baseline"].items() if isinstance(v, (int, float))}
-    figs.update({f"{p}perplexity": verdict["metrics"][f"{p}baseline_perplexity"] for p in SIDE_FIGURES
-                 if f"{p}baseline_perplexity" in verdict["metrics"]})
-    return figs
-
-
 VERSION_PARAM_SECTIONS = ("export", "prune", "distill", "quantize", "accept")
 
 
@@ -203,8 +175,8 @@ def check_dask_scheduler(address: str, timeout_s: float = 10.0) -> int:
 
 
 @flow(name="search", validate_parameters=False)
-def search_flow(branch_cfgs: list[PipelineConfig], parent_run_id: str, tracking_uri: str, *, loaded: dict,
-                teacher: dict, gold: dict, k_load: str, k_exp: str, baseline_figures: dict) -> list[dict]:
+def search_flow(branch_cfgs: list[PipelineConfig], parent_run_id: str, tracking_uri: str, *, t: TeacherStages,
+                baseline_figures: dict) -> list[Branch]:
     """The fan-out: one `search_branch` task per config, submitted to this subflow's task runner at once.
 
     A branch that raises is a failed candidate (its error in the table); when every branch fails the first
@@ -212,8 +184,7 @@ def search_flow(branch_cfgs: list[PipelineConfig], parent_run_id: str, tracking_
     """
     log = get_run_logger()
     futures = [search_branch_task.with_options(task_run_name=f"branch-mlp{b.prune.mlp_ratio:g}").submit(
-        b, parent_run_id, tracking_uri, loaded=loaded, teacher=teacher, gold=gold, k_load=k_load, k_exp=k_exp,
-        baseline_figures=baseline_figures) for b in branch_cfgs]
+        b, parent_run_id, tracking_uri, t=t, baseline_figures=baseline_figures) for b in branch_cfgs]
     results, errors = [], []
     for b, fut in zip(branch_cfgs, futures):
         try:
@@ -221,14 +192,14 @@ def search_flow(branch_cfgs: list[PipelineConfig], parent_run_id: str, tracking_
         except Exception as e:  # one branch's failure is that candidate's, not the search's
             log.warning("search branch mlp%g failed: %s: %s", b.prune.mlp_ratio, type(e).__name__, e)
             errors.append(e)
-            results.append({"ratio": b.prune.mlp_ratio, "error": f"{type(e).__name__}: {e}"})
+            results.append(Branch(ratio=b.prune.mlp_ratio, error=f"{type(e).__name__}: {e}"))
     if len(errors) == len(branch_cfgs):
         raise errors[0]
     return results
 
 
-def run_search(cfg: PipelineConfig, pid: str, tracking_uri: str, *, loaded: dict, teacher: dict, gold: dict,
-               k_load: str, k_exp: str, timer: StageTimer) -> tuple[PipelineConfig, dict, dict]:
+def run_search(cfg: PipelineConfig, pid: str, tracking_uri: str, *, t: TeacherStages,
+               timer: StageTimer) -> tuple[PipelineConfig, SearchSummary, Chain]:
     """Fan the ratios out, log the search to the parent run, and return (the pick's config, the search, its chain).
 
     The pick's config is `cfg` with prune.mlp_ratio = the picked ratio (the best rejected one's when none passed):
@@ -236,9 +207,9 @@ def run_search(cfg: PipelineConfig, pid: str, tracking_uri: str, *, loaded: dict
     """
     log = get_run_logger()
     s = cfg.search
-    k_base = stage_key(cfg, "search_baseline", ["accept"], k_exp)
+    k_base = stage_key(cfg, "search_baseline", ["accept"], t.k_exp)
     base = timer.run("search_baseline", submit_stage, search_baseline_task, cfg, "search_baseline", k_base,
-                     parent_run_id=pid, baseline=teacher["artifact"], splits=loaded["splits"])
+                     parent_run_id=pid, baseline=t.teacher.artifact, splits=t.loaded.splits)
     branch_cfgs = [branch_config(cfg, r) for r in s.mlp_ratios]
     where = s.dask_address or (f"a LocalCluster of {s.workers} workers" if s.task_runner == "dask"
                                 else f"{s.workers} threads")
@@ -246,31 +217,30 @@ def run_search(cfg: PipelineConfig, pid: str, tracking_uri: str, *, loaded: dict
     t0 = time.perf_counter()
     runner = make_task_runner(s)
     branches = search_flow.with_options(task_runner=runner)(
-        branch_cfgs, pid, tracking_uri, loaded=loaded, teacher=teacher, gold=gold, k_load=k_load, k_exp=k_exp,
-        baseline_figures=base["figures"])
+        branch_cfgs, pid, tracking_uri, t=t, baseline_figures=base.figures)
     fanout_s = time.perf_counter() - t0
-    search = summarize_search(branches, teacher["artifact"], loaded["splits"], title=f"pruning search: {cfg.name}")
-    for line in search["lines"]:
+    search = summarize_search(branches, t.teacher.artifact, t.loaded.splits, title=f"pruning search: {cfg.name}")
+    for line in search.lines:
         log.info("search: %s", line)
     timer.rows.append({"stage": "search", "seconds": time.perf_counter() - t0,
-                       "metrics": {**search["metrics"], "search_fanout_seconds": fanout_s}})
-    chosen = search["picked"] or search["best"]
+                       "metrics": {**search.metrics, "search_fanout_seconds": fanout_s}})
+    chosen = search.picked or search.best
     if chosen is None:
         raise RuntimeError("search: no branch produced a candidate")  # unreachable: search_flow raised already
-    branch = next(b for b in branches if b["ratio"] == chosen.ratio)
+    branch = next(b for b in branches if b.ratio == chosen.ratio)
     # The chosen branch's stages, under their own names: the parent run carries the same figures as a
     # single-candidate run (their seconds are the branch's, spent side by side with the others).
-    timer.rows.extend(r for r in branch["rows"] if r["stage"] != "search_gate")
-    log.info("search: %s %s", "picked" if search["picked"] else "none accepted; best", describe(chosen))
-    return branch_config(cfg, chosen.ratio), {**search, "branch": branch}, branch["chain"]
+    timer.rows.extend(r for r in branch.rows if r["stage"] != "search_gate")
+    log.info("search: %s %s", "picked" if search.picked else "none accepted; best", describe(chosen))
+    return branch_config(cfg, chosen.ratio), replace(search, branch=branch), branch.chain
 
 
-def search_markdown(search: dict) -> str:
+def search_markdown(search: SearchSummary) -> str:
     """The search's table for the run summary (the same rows as the search.json artifact)."""
     lines = ["## Search (selection split; speed timed side by side)", "",
              "| candidate | size MiB | ms/token | tokens/s | perplexity ratio | top-1 agreement | accepted | front | picked |",
              "|---|---:|---:|---:|---:|---:|---|---|---|"]
-    for r in search["rows"]:
+    for r in search.rows:
         if r["error"]:
             lines.append(f"| {r['candidate']} | failed: {r['error']} |||||||| ")
             continue
@@ -280,22 +250,21 @@ def search_markdown(search: dict) -> str:
     return "\n".join(lines)
 
 
-def search_rejection(search: dict) -> dict:
+def search_rejection(search: SearchSummary) -> Judged:
     """A rejected verdict for a search no branch passed: its reasons name the best candidate's figures."""
-    best, gate = search["best"], search["branch"]["gate"]
-    reasons = [f"no search candidate passed the gate on the selection split ({len(search['candidates'])} tried); "
+    best, gate = search.best, search.branch.gate
+    reasons = [f"no search candidate passed the gate on the selection split ({len(search.candidates)} tried); "
                f"best {describe(best)}"]
     # Every figure under selection_*: the plain names of a registered version are the test split's, and no
     # verdict on the test split ran.
-    metrics = {f"selection_{k}": v for k, v in gate["candidate"].items() if isinstance(v, (int, float))}
-    metrics.update({f"selection_{k[len('search_gate_'):]}": v for k, v in gate["metrics"].items()
-                    if k.startswith("search_gate_")})
-    metrics["selection_decode_ms_per_token"] = best.ms_per_token  # timed beside the other candidates
-    return Verdict(False, reasons, metrics, gate["criteria"], gate["checks"]).record(
-        candidate={}, baseline={}, split="selection")
+    side = {f"selection_{k}": v for k, v in gate.candidate.items() if isinstance(v, (int, float))}
+    side.update({f"selection_{name}": v for name, v in gate.gate_figures().items()})
+    side["selection_decode_ms_per_token"] = best.ms_per_token  # timed beside the other candidates
+    return Judged(accepted=False, reasons=reasons, criteria=gate.criteria, checks=gate.checks, metrics=side,
+                  side=side, split="selection")
 
 
-def quantize_rejection(choice: dict) -> dict:
+def quantize_rejection(choice: dict) -> Judged:
     """A rejected verdict for a quantize stage none of whose forms passed the gate on the selection split: the run
     stops there (the accept stage would judge, on the test split, a form already known to fail). Its reasons name
     every form's failed checks; the most accurate form is the registered, rejected candidate."""
@@ -303,9 +272,10 @@ def quantize_rejection(choice: dict) -> dict:
                f"accurate is registered as the rejected candidate"]
     reasons += [f"{a['form']} with {a['kv_label']}: {a['failed']}" for a in choice["attempts"]]
     best = min(choice["attempts"], key=lambda a: a["perplexity_ratio"])
-    metrics = {"selection_perplexity_ratio": best["perplexity_ratio"], "selection_top1_agreement": best["top1_agreement"],
-               "selection_perplexity": best["perplexity"]}
-    return Verdict(False, reasons, metrics, "fidelity").record(candidate={}, baseline={}, split="selection")
+    side = {"selection_perplexity_ratio": best["perplexity_ratio"], "selection_top1_agreement": best["top1_agreement"],
+            "selection_perplexity": best["perplexity"]}
+    return Judged(accepted=False, reasons=reasons, criteria="fidelity", checks=[], metrics=side, side=side,
+                  split="selection")
 
 
 def forms_markdown(choice: dict) -> str:
@@ -360,89 +330,89 @@ class CandidateRegistration:
     """What registering a compressed candidate did: its version, the verdict tag, how it compares with the
     champion, why it was not promoted (None when it was, or was not to be), and the deploy flow's result."""
 
-    registration: dict
+    registration: Registered
     status: str  # accepted | rejected | unchecked
     champion_vs: dict | None
     blocked: str | None
     deployed: dict | None
 
 
-def candidate_tags(cfg: PipelineConfig, parent, *, status: str, verdict: dict | None, figures: dict,
+def candidate_tags(cfg: PipelineConfig, parent, *, status: str, verdict: Judged | None, figures: dict,
                    blocked: str | None) -> dict:
     """The candidate version's tags: role, verdict, reasons, and the note the registry's page shows."""
     pid, exp = parent.info.run_id, parent.info.experiment_id
     tags = {"role": "candidate", "verdict": status, "config_hash": cfg.section_hash()}
     # Only tags that say something: the UI shows an empty `promotion_blocked` as a badge.
-    if verdict and verdict["reasons"]:
-        tags["reasons"] = "; ".join(verdict["reasons"])
+    if verdict and verdict.reasons:
+        tags["reasons"] = "; ".join(verdict.reasons)
     if blocked:
         tags["promotion_blocked"] = blocked
     shown = [f"{label} {figures[k]:.4g}" for k, label in VERSION_FIGURES if k in figures]
     # markdown links to relative routes: the description is read on the UI's own page, whatever its port
-    tags["note"] = (f"{status}: " + ("; ".join(verdict["reasons"]) if verdict and verdict["reasons"]
+    tags["note"] = (f"{status}: " + ("; ".join(verdict.reasons) if verdict and verdict.reasons
                                      else "every check passed" if verdict else "not judged")
                     + (f" ({', '.join(shown)})" if shown else "")
                     + f". [Pipeline run]({registry.run_route(exp, pid)})"
-                    + (f", [verdict, checks and plots]({registry.run_route(exp, verdict['run_id'])})"
-                       if verdict and verdict.get("run_id") else "") + ".")
-    if verdict and verdict.get("run_id"):
-        tags["accept_run_id"] = verdict["run_id"]
+                    + (f", [verdict, checks and plots]({registry.run_route(exp, verdict.run_id)})"
+                       if verdict and verdict.run_id else "") + ".")
+    if verdict and verdict.run_id:
+        tags["accept_run_id"] = verdict.run_id
     return tags
 
 
 def register_candidate(cfg: PipelineConfig, parent, tracking_uri: str, timer, *, candidate: str,
-                       verdict: dict | None, bench: dict | None, baseline_version) -> CandidateRegistration:
+                       verdict: Judged | None, bench: Benchmarked | None, baseline_version) -> CandidateRegistration:
     """Register the candidate with its verdict, figures and note; promote it (compare-and-set under the model's
     promotion lock, flows/promotion.py) when decide_promotion says so."""
     log = get_run_logger()
     pid = parent.info.run_id
     champion_vs, deployed = None, None
     status = verdict_status(verdict)
-    figures = {**(model_figures(verdict) if verdict else {}),
-               **({f"bench_{k}": v for k, v in {**bench["candidate"], **bench["ratios"]}.items()} if bench else {})}
-    if verdict and verdict.get("candidate"):  # which is better on what, shown for every judged candidate
+    figures = {**(verdict.figures() if verdict else {}),
+               **({f"bench_{k}": v for k, v in {**bench.candidate, **bench.ratios}.items()} if bench else {})}
+    if verdict and verdict.candidate:  # which is better on what, shown for every judged candidate
         champion_vs = compare_with_champion(cfg, figures)
-    decision = decide_promotion(status, cfg.registry.promote, bench["promotion_blocked"] if bench else None,
+    decision = decide_promotion(status, cfg.registry.promote, bench.promotion_blocked if bench else None,
                                 champion_vs, cfg.registry.promote_when_worse)
     blocked, aliases = decision.blocked, list(decision.aliases)
     if blocked:
         log.warning("promotion blocked: %s", blocked)
     tags = candidate_tags(cfg, parent, status=status, verdict=verdict, figures=figures, blocked=blocked)
-    card = scorecard(figures, accepted=verdict["accepted"] if verdict else None, baseline=False,
-                     size_ratio=size_ratio(verdict))
+    card = scorecard(figures, accepted=verdict.accepted if verdict else None, baseline=False,
+                     size_ratio=verdict.size_ratio() if verdict else None)
     card_p = card_params(status, form_of(read_manifest(candidate, verify=False).get("quantization"),
                                          pruned=cfg.prune.enabled), cfg.benchmark.concurrency if bench else None)
     reg = timer.run("register", lambda: register_task(cfg, pid, candidate, aliases, tags, metrics={**figures, **card},
                                                       params={**version_params(cfg, "candidate", status), **card_p}))
-    if not reg["reused"]:
-        registry.describe(cfg.registry.model_name, reg["version"])
-        if verdict and verdict.get("run_id"):  # the verdict and its plot where the version's run shows them
-            registry.attach_from_run(cfg.registry.model_name, reg["version"], verdict["run_id"],
+    if not reg.reused:
+        registry.describe(cfg.registry.model_name, reg.version)
+        if verdict and verdict.run_id:  # the verdict and its plot where the version's run shows them
+            registry.attach_from_run(cfg.registry.model_name, reg.version, verdict.run_id,
                                      ["verdict.json", "chat_by_kind.png"])
     if baseline_version is not None and (verdict or bench):
         # The baseline's own figures under the same names, so the UI's Compare lines them up.
-        base = baseline_figures(verdict) if verdict else {}
-        base.update({f"bench_{k}": v for k, v in (bench["baseline"] if bench else {}).items()})
+        base = verdict.baseline_figures() if verdict else {}
+        base.update({f"bench_{k}": v for k, v in (bench.baseline if bench else {}).items()})
         base.update(scorecard(base, accepted=None, baseline=True, size_ratio=1.0))
         registry.log_figures(cfg.registry.model_name, baseline_version, base,
                              card_params("baseline", form_of(None), cfg.benchmark.concurrency if bench else None))
     if decision.promote:
-        server_url = cfg.registry.server_url or local_server_url(cfg, reg["name"])
+        server_url = cfg.registry.server_url or local_server_url(cfg, reg.name)
         # compare-and-set: judged again under the model's promotion lock if another run moved the champion
         deployed, blocked = promote_if_still_best(
-            tracking_uri, reg["name"], champion_vs, lambda: compare_with_champion(cfg, figures),
+            tracking_uri, reg.name, champion_vs, lambda: compare_with_champion(cfg, figures),
             cfg.registry.promote_when_worse,
-            lambda: deploy_flow(model_name=reg["name"], version=reg["version"], server_url=server_url,
+            lambda: deploy_flow(model_name=reg.name, version=reg.version, server_url=server_url,
                                 tracking_uri=tracking_uri))
         if blocked:
             log.warning("promotion blocked: %s", blocked)
-            registry.set_tags(reg["name"], reg["version"], {"promotion_blocked": blocked})
+            registry.set_tags(reg.name, reg.version, {"promotion_blocked": blocked})
         else:
             if server_url is None:
                 deployed["smoke"] = (f"skipped (no server at http://{cfg.serve.host}:{cfg.serve.port} serves "
-                                     f"{reg['name']} from this registry; set registry.server_url to smoke-test "
+                                     f"{reg.name} from this registry; set registry.server_url to smoke-test "
                                      f"another)")
-            reg["aliases"] = reg["aliases"] + ["champion"]
+            reg = replace(reg, aliases=reg.aliases + ["champion"])
             log.info("deployed: %s", deployed)
     mlflow.set_tags({"verdict": status, **({"promotion_blocked": blocked} if blocked else {})})
     return CandidateRegistration(reg, status, champion_vs, blocked, deployed)
@@ -456,22 +426,6 @@ def check_search_runner(cfg: PipelineConfig) -> None:
         if check_dask_scheduler(s.dask_address) == 0:
             get_run_logger().warning("search: the scheduler at %s has no workers yet; the branches wait until one "
                                      "joins", s.dask_address)
-
-
-@dataclass(frozen=True)
-class TeacherStages:
-    """load -> export -> golden, the stages every run shares; their keys are the candidate chain's roots."""
-
-    k_load: str
-    loaded: dict
-    k_exp: str
-    teacher: dict
-    gold: dict
-
-    @property
-    def int8_export(self) -> bool:
-        """The export wrote quantized weights from the checkpoint: there is no fp32 graph."""
-        return self.teacher.get("weights") in FROM_CHECKPOINT_WEIGHTS
 
 
 def export_key_part(cfg: PipelineConfig, weights: str) -> str:
@@ -489,74 +443,74 @@ def teacher_stages(cfg: PipelineConfig, pid: str, timer: StageTimer) -> TeacherS
     k_load = stage_key(cfg, "load", ["model", "data"], f"data{DATA_FORMAT}")
     loaded = timer.run("load", submit_stage, load_task, cfg, "load", k_load, parent_run_id=pid)
     weights, why = resolve_weights(cfg.export.weights, shape_of_folder(
-        loaded["model_dir"], cfg.model.trust_remote_code).params, fp32_needed_by(cfg))
+        loaded.model_dir, cfg.model.trust_remote_code).params, fp32_needed_by(cfg))
     get_run_logger().info("export: %s", why)
     k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}", export_key_part(cfg, weights))
     teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
-                        model_dir=loaded["model_dir"], weights=weights)
+                        model_dir=loaded.model_dir, weights=weights)
     k_gold = stage_key(cfg, "golden", ["golden"], k_exp)
     gold = timer.run("golden", submit_stage, golden_task, cfg, "golden", k_gold, parent_run_id=pid,
-                     model_dir=loaded["model_dir"], artifact=teacher["artifact"])
+                     model_dir=loaded.model_dir, artifact=teacher.artifact)
     return TeacherStages(k_load, loaded, k_exp, teacher, gold)
 
 
-def register_baseline(cfg: PipelineConfig, pid: str, timer: StageTimer, t: TeacherStages) -> dict:
+def register_baseline(cfg: PipelineConfig, pid: str, timer: StageTimer, t: TeacherStages) -> Registered:
     """Registered before the compression stages so a later failure still leaves the baseline. With an INT8 or
     4-bit export the baseline is the checkpoint itself, recorded by digest (its weights stay put)."""
     tags = {"role": "baseline", "config_hash": cfg.section_hash()}
     return timer.run("register_baseline", lambda: register_task(
-        cfg, pid, t.teacher["record"] if t.int8_export else t.teacher["artifact"], ["baseline"], tags,
-        stage="register_baseline", metrics=t.gold["metrics"], params=version_params(cfg, "baseline"),
+        cfg, pid, t.teacher.record if t.teacher.from_checkpoint else t.teacher.artifact, ["baseline"], tags,
+        stage="register_baseline", metrics=t.gold.metrics, params=version_params(cfg, "baseline"),
         same_config_only=False, weights=cfg.registry.baseline_weights))
 
 
-def judge_candidate(cfg: PipelineConfig, pid: str, timer: StageTimer, t: TeacherStages, chain: dict,
-                    search: dict | None) -> tuple[dict | None, bool]:
+def judge_candidate(cfg: PipelineConfig, pid: str, timer: StageTimer, t: TeacherStages, chain: Chain,
+                    search: SearchSummary | None) -> tuple[Judged | None, bool]:
     """The verdict and whether the run was rejected before the accept stage: no quantized form passed on the
     selection split (compress/quantize/choice.py), or no search branch did. Then the accept stage and the
     benchmark do not spend their time on a candidate known to fail; the most accurate form or the best branch is
     registered, as a rejected candidate is, so it can be compared."""
-    quant = chain["quant"]
-    choice = (quant or {}).get("choice") if search is None else None
+    quant = chain.quant
+    choice = quant.choice if quant is not None and search is None else None
     verdict, rejected_early = None, True
     if choice is not None and choice["chosen"] is None:
         verdict = quantize_rejection(choice)
-    elif search is not None and search["picked"] is None:
+    elif search is not None and search.picked is None:
         verdict = search_rejection(search)
     else:
         rejected_early = False
         if cfg.accept.enabled:
-            k = stage_key(cfg, "accept", ["accept"], chain["cand_key"], t.k_exp,
+            k = stage_key(cfg, "accept", ["accept"], chain.cand_key, t.k_exp,
                           f"chat{chat_eval.sets_digest(cfg.accept.chat_sets)}")
             verdict = timer.run("accept", submit_stage, accept_task, cfg, "accept", k, parent_run_id=pid,
-                                candidate=chain["candidate"], baseline=t.teacher["artifact"],
-                                splits=t.loaded["splits"], heldout=t.loaded["heldout"],
-                                evaluated=quant.get("evaluation") if quant else None, model_dir=t.loaded["model_dir"])
-    for reason in (verdict or {}).get("reasons", []):
+                                candidate=chain.candidate, baseline=t.teacher.artifact,
+                                splits=t.loaded.splits, heldout=t.loaded.heldout,
+                                evaluated=quant.evaluation if quant else None, model_dir=t.loaded.model_dir)
+    for reason in verdict.reasons if verdict else []:
         get_run_logger().warning("acceptance: %s", reason)
     return verdict, rejected_early
 
 
 def benchmark_candidate(cfg: PipelineConfig, pid: str, timer: StageTimer, t: TeacherStages,
-                        chain: dict) -> dict | None:
+                        chain: Chain) -> Benchmarked | None:
     """The candidate against the fp32 teacher on the server, when there is an fp32 graph to serve beside it."""
-    if t.int8_export:
-        w = t.teacher.get("weights")
+    if t.teacher.from_checkpoint:
+        w = t.teacher.weights
         get_run_logger().warning(
             "benchmark: skipped, the export wrote %s from the checkpoint (export.weights %s) and there is no fp32 "
             "graph to serve beside it (python -m benchmarks.large_models --serve measures the server at this size)",
             w.upper(), w)
         return None
-    k = stage_key(cfg, "benchmark", ["benchmark"], chain["cand_key"], t.k_exp)
+    k = stage_key(cfg, "benchmark", ["benchmark"], chain.cand_key, t.k_exp)
     return timer.run("benchmark", submit_stage, benchmark_task, cfg, "benchmark", k, parent_run_id=pid,
-                     candidate=chain["candidate"], baseline=t.teacher["artifact"])
+                     candidate=chain.candidate, baseline=t.teacher.artifact)
 
 
-def summary_tail(search: dict | None, chain: dict) -> str:
+def summary_tail(search: SearchSummary | None, chain: Chain) -> str:
     """The search's table, or the quantize stage's forms, under the stage table of summary.md."""
     if search is not None:
         return "\n\n" + search_markdown(search)
-    choice = (chain["quant"] or {}).get("choice")
+    choice = chain.quant.choice if chain.quant is not None else None
     return "\n\n" + forms_markdown(choice) if choice is not None else ""
 
 
@@ -566,7 +520,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     registry.check_reachable(tracking_uri)
     check_search_runner(cfg)
     timer = StageTimer()
-    registered: list[dict] = []
+    registered: list[Registered] = []
     with mlflow.start_run(run_name=f"{cfg.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}") as parent:
         pid = parent.info.run_id
         log.info("MLflow parent run %s (%s)", pid, tracking_uri)
@@ -581,17 +535,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         baseline_version = None
         if cfg.registry.register_baseline:
             registered.append(register_baseline(cfg, pid, timer, t))
-            baseline_version = registered[-1]["version"]
+            baseline_version = registered[-1].version
         search = None
         if cfg.search.mlp_ratios:
-            cfg, search, chain = run_search(cfg, pid, tracking_uri, loaded=t.loaded, teacher=t.teacher, gold=t.gold,
-                                            k_load=t.k_load, k_exp=t.k_exp, timer=timer)
+            cfg, search, chain = run_search(cfg, pid, tracking_uri, t=t, timer=timer)
         else:
-            chain = candidate_chain(cfg, pid, t.loaded, t.teacher, t.gold, k_load=t.k_load, k_exp=t.k_exp,
-                                    run=timer.run)
-        candidate = chain["candidate"]
+            chain = candidate_chain(cfg, pid, t, run=timer.run)
+        candidate = chain.candidate
         verdict, rejected_early = judge_candidate(cfg, pid, timer, t, chain, search)
-        compressed = candidate != t.teacher["artifact"] or t.int8_export
+        compressed = candidate != t.teacher.artifact or t.teacher.from_checkpoint
         bench = benchmark_candidate(cfg, pid, timer, t, chain) if (
             cfg.benchmark.enabled and compressed and not rejected_early) else None
         out = None
@@ -612,11 +564,13 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     summary = timer.markdown(cfg, parent, tracking_uri, registered, verdict, champion_vs, ui=ui or "") + tail
     create_markdown_artifact(markdown=summary, key="compress-summary", description=f"compression run {cfg.name}")
     log.info("\n%s", summary)
-    return {"run_id": pid, "tracking_uri": tracking_uri, "stages": timer.rows, "registered": registered,
-            "teacher_artifact": t.teacher["artifact"], "candidate_artifact": candidate, "golden": t.gold["metrics"],
-            "verdict": verdict, "benchmark": bench, "deployed": out.deployed if out else None,
+    # The outcome as JSON: what `prefect` shows, what a direct call gets (flows/outcome.py)
+    return {"run_id": pid, "tracking_uri": tracking_uri, "stages": timer.rows,
+            "registered": [r.to_json() for r in registered], "teacher_artifact": t.teacher.artifact,
+            "candidate_artifact": candidate, "golden": t.gold.metrics, "verdict": verdict and verdict.to_json(),
+            "benchmark": bench and bench.to_json(), "deployed": out.deployed if out else None,
             "promotion_blocked": out.blocked if out else None, "versus_champion": champion_vs,
-            "search": search and {k: search[k] for k in ("rows", "lines", "metrics")},
+            "search": search and {"rows": search.rows, "lines": search.lines, "metrics": search.metrics},
             "run_url": registry.run_link(ui, parent.info.experiment_id, pid),
             "model_url": registry.model_link(ui, cfg.registry.model_name)}
 

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from compress.registry import store_lock
+from tasks.results import Judged
 
 
 @contextmanager
@@ -44,9 +45,9 @@ class Promotion:
     blocked: str | None
 
 
-def verdict_status(verdict: dict | None) -> str:
+def verdict_status(verdict: Judged | None) -> str:
     """unchecked (no gate ran), accepted or rejected: the candidate version's ``verdict`` tag."""
-    return "unchecked" if verdict is None else ("accepted" if verdict["accepted"] else "rejected")
+    return "unchecked" if verdict is None else verdict.status
 
 
 def decide_promotion(status: str, promote: bool, bench_blocked: str | None, champion_vs: dict | None,

@@ -18,6 +18,7 @@ from compress.evaluate import chat_limit
 from compress.evaluate.verdict import judge
 from tasks.common import cache_key_fn, mark_done, open_stage, workdir
 from tasks.load import load_splits
+from tasks.results import Judged, judged
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
 
 def _same(a: str, b: str) -> bool:
@@ -36,11 +37,11 @@ def reusable(evaluated: dict | None, baseline: str, splits: str) -> bool:
 @task(name="accept", cache_key_fn=cache_key_fn, persist_result=True)
 def accept_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id: str | None, candidate: str,
                 baseline: str, splits: str, heldout: str, evaluated: dict | None = None,
-                model_dir: str | None = None) -> dict:
+                model_dir: str | None = None) -> Judged:
     """heldout: the load stage's heldout.npz. evaluated: the quantize stage's `evaluation` of this candidate on
     the selection split, or None (quantize off, or no loop ran). model_dir: the source checkpoint's folder, the
     reference when accept.reference resolves to it."""
-    folder, done = open_stage(cfg, stage, key)
+    folder, done = open_stage(cfg, stage, key, Judged)
     if done is not None:
         return done
     with child_run(parent_run_id, stage) as run:
@@ -60,5 +61,8 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id: str
                                                                             "max_chat_judged_ratio")]
             log_figure(chat_eval.plot_by_kind(chat, *limits), "chat_by_kind.png")
         log_json(j.record(chat=chat, split="test"), "verdict.json")
-    return mark_done(folder, j.record(metrics=j.metrics, chat_by_kind=chat.get("by_kind", {}),
-                                      run_id=run.info.run_id if run is not None else None))
+    return mark_done(folder, judged(verdict, metrics=j.metrics, candidate=j.candidate, baseline=j.baseline, side=j.side,
+                                    genres=j.genres, heldout_source=j.heldout_source, selection=j.selection,
+                                    evaluated_in=j.evaluated_in, seconds=j.seconds, reference=j.reference,
+                                    chat_note=j.chat_note, chat_by_kind=chat.get("by_kind", {}),
+                                    run_id=run.info.run_id if run is not None else None))

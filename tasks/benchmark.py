@@ -7,8 +7,6 @@ Every figure is also reported as a ratio to the baseline measured in the same ru
 
 from __future__ import annotations
 
-import math
-
 from prefect import task
 
 from compress.config import PipelineConfig
@@ -16,17 +14,14 @@ from loadtest.batch1 import compare_with_genai, genai_metrics
 from loadtest.serve_bench import benchmark_artifact, ratios
 from loadtest.workloads import fit_to_context, make_workload
 from tasks.common import cache_key_fn, mark_done, open_stage
+from tasks.results import Benchmarked, finite
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
-
-
-def _clean(d: dict) -> dict:
-    return {k: v for k, v in d.items() if isinstance(v, (int, float)) and not math.isnan(v)}
 
 
 @task(name="benchmark", cache_key_fn=cache_key_fn, persist_result=True)
 def benchmark_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, candidate: str,
-                   baseline: str) -> dict:
-    folder, done = open_stage(cfg, stage, key)
+                   baseline: str) -> Benchmarked:
+    folder, done = open_stage(cfg, stage, key, Benchmarked)
     if done is not None:
         return done
     b = cfg.benchmark
@@ -40,8 +35,8 @@ def benchmark_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str
             results[label] = res
             if run is not None:
                 log_figure(res.figure(title=f"{label}: KV usage and RSS over time"), f"bench_{label}_memory.png")
-        base, cand = _clean(results["baseline"].metrics()), _clean(results["candidate"].metrics())
-        rat = _clean(ratios(cand, base))
+        base, cand = finite(results["baseline"].metrics()), finite(results["candidate"].metrics())
+        rat = finite(ratios(cand, base))
         metrics = {**{f"bench_{k}": v for k, v in cand.items()}, **{f"bench_{k}": v for k, v in rat.items()},
                    **{f"baseline_bench_{k}": v for k, v in base.items()}}
         genai = None
@@ -59,5 +54,5 @@ def benchmark_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str
     blocked = None
     if floor is not None and not tput >= floor:
         blocked = f"server throughput {tput:.3f}x the baseline < benchmark.min_server_throughput_ratio {floor}"
-    return mark_done(folder, {"metrics": metrics, "candidate": cand, "baseline": base, "ratios": rat,
-                              "promotion_blocked": blocked, "genai": genai})
+    return mark_done(folder, Benchmarked(metrics=metrics, candidate=cand, baseline=base, ratios=rat,
+                                         promotion_blocked=blocked, genai=genai))

@@ -5,6 +5,9 @@ key is a hash of the stage's inputs and the config sections it reads; Prefect's
 cache hits only while that folder is complete, so a re-run after a failure (or a
 deleted folder) redoes exactly the stages whose outputs are missing.
 
+A DONE.json holds the stage's typed result (tasks/results.py); one written in another format is not reused:
+the stage computes again.
+
 Two runs that reach the same key at once (a cron run and one on demand) take turns: the first to
 create <key>.lock beside the folder computes, the other waits for it and reuses its DONE.json. A lock
 whose process is gone on this host is broken; one of this process is its own (a retry after a failure).
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 from compress.config import PipelineConfig, project_root
+from tasks.results import RESULTS_FORMAT, R, ResultFormatError, StageResult
 
 DONE = "DONE.json"
 
@@ -47,8 +51,13 @@ def is_done(folder: Path) -> bool:
     return (folder / DONE).is_file()
 
 
-def read_done(folder: Path) -> dict:
-    return json.loads((folder / DONE).read_text())
+def read_done(folder: Path, kind: type[R]) -> R | None:
+    """The stage's result as ``kind``; None (with a word in the log) when its DONE.json is of another format."""
+    try:
+        return kind.from_json(json.loads((folder / DONE).read_text()))
+    except (ResultFormatError, ValueError) as e:
+        stage_logger().warning("%s: the finished result is not reused (%s); computing the stage again", folder, e)
+        return None
 
 
 def fresh(folder: Path) -> Path:
@@ -59,17 +68,20 @@ def fresh(folder: Path) -> Path:
     return folder
 
 
-def open_stage(cfg: PipelineConfig, stage: str, key: str, wipe: bool = True) -> tuple[Path, dict | None]:
-    """The stage's folder and, when it finished before, its result; else the folder made ready to compute
-    (emptied, or kept with wipe=False for a stage that resumes from what it left there), with this process holding
-    its lock until mark_done. Waits while another live process computes the same key, then reuses its result."""
+def open_stage(cfg: PipelineConfig, stage: str, key: str, kind: type[R], *,
+               wipe: bool = True) -> tuple[Path, R | None]:
+    """The stage's folder and, when it finished before, its result (a ``kind``); else the folder made ready to
+    compute (emptied, or kept with wipe=False for a stage that resumes from what it left there), with this process
+    holding its lock until mark_done. Waits while another live process computes the same key, then reuses its
+    result."""
     folder = stage_dir(cfg, stage, key)
-    if is_done(folder):
-        return folder, read_done(folder)
+    if is_done(folder) and (done := read_done(folder, kind)) is not None:
+        return folder, done
     take_lock(folder)
-    if is_done(folder):  # the run we waited for finished it
+    if is_done(folder) and (done := read_done(folder, kind)) is not None:  # the run we waited for finished it
         release_lock(folder)
-        return folder, read_done(folder)
+        return folder, done
+    (folder / DONE).unlink(missing_ok=True)  # of another format: computed again
     if wipe:
         fresh(folder)
     else:
@@ -77,10 +89,10 @@ def open_stage(cfg: PipelineConfig, stage: str, key: str, wipe: bool = True) -> 
     return folder, None
 
 
-def mark_done(folder: Path, result: dict) -> dict:
+def mark_done(folder: Path, result: StageResult) -> StageResult:
     # written beside, then renamed: a reader sees no DONE.json or a whole one
     tmp = folder / f".{DONE}.{os.getpid()}"
-    tmp.write_text(json.dumps(result, indent=2, default=str))
+    tmp.write_text(json.dumps(result.to_json(), indent=2, default=str))
     tmp.replace(folder / DONE)
     release_lock(folder)
     return result
@@ -167,7 +179,7 @@ def cache_key_fn(context, parameters) -> str:
     """
     folder = stage_dir(parameters["cfg"], parameters["stage"], parameters["key"])
     where = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
-    return f"{parameters['stage']}-{parameters['key']}-{where}"
+    return f"{parameters['stage']}-{parameters['key']}-{where}-r{RESULTS_FORMAT}"
 
 
 def submit_stage(task, cfg: PipelineConfig, stage: str, key: str, **kwargs):

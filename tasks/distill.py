@@ -7,6 +7,7 @@ from prefect import task
 from compress.config import PipelineConfig
 from compress.memory import check_distill_memory, shape_of_folder
 from tasks.common import cache_key_fn, mark_done, open_stage
+from tasks.results import Distilled
 from tasks.load import load_model, load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
 
@@ -14,9 +15,9 @@ from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_par
 @task(name="distill", cache_key_fn=cache_key_fn, persist_result=True)
 def distill_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id: str | None, teacher_dir: str,
                  student_dir: str, splits: str, masks: str | None = None,
-                 teacher_layers: list[int] | None = None) -> dict:
+                 teacher_layers: list[int] | None = None) -> Distilled:
     # No wipe: checkpoints under folder/ckpt let a killed run continue where it stopped.
-    folder, done = open_stage(cfg, stage, key, wipe=False)
+    folder, done = open_stage(cfg, stage, key, Distilled, wipe=False)
     if done is not None:
         return done
     from safetensors.torch import load_file
@@ -63,4 +64,4 @@ def distill_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id: st
         if run is not None:
             log_figure(report.figure(), "distill_curves.png")
             log_json({k: v for k, v in metrics.items()}, "distill_report.json")
-    return mark_done(folder, {"model_dir": str(out), "metrics": metrics})
+    return mark_done(folder, Distilled(model_dir=str(out), metrics=metrics))

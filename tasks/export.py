@@ -10,6 +10,7 @@ from compress.artifact import write_checkpoint_record
 from compress.export import FROM_CHECKPOINT_WEIGHTS
 from compress.room import check_room, export_bytes, int8_bytes
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_logger
+from tasks.results import Exported
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params
 
@@ -28,10 +29,10 @@ def _int4_plan(model, q):
 
 @task(name="export", cache_key_fn=cache_key_fn, persist_result=True)
 def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str,
-                weights: str = "float32") -> dict:
+                weights: str = "float32") -> Exported:
     """weights (export.weights, resolved): float32, the fp32 graph; int8 (or int4), the weight-only INT8 (4-bit) graph
     written from the checkpoint, and beside it a record of the checkpoint by digest (the run's baseline version)."""
-    folder, done = open_stage(cfg, stage, key)
+    folder, done = open_stage(cfg, stage, key, Exported)
     if done is not None:
         return done
     from compress.export import build_artifact, build_gqa_artifact, choose_exporter
@@ -80,4 +81,4 @@ def export_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
             import mlflow
 
             mlflow.log_artifact(str(art / "manifest.json"))
-    return mark_done(folder, {"artifact": str(art), "metrics": metrics, "weights": weights, "record": record})
+    return mark_done(folder, Exported(artifact=str(art), weights=weights, record=record, metrics=metrics))

@@ -11,15 +11,16 @@ from compress.config import PipelineConfig
 from compress.export.weights import Int4Plan, written_int8
 from compress.memory import check_stage_memory, shape_of_folder
 from tasks.common import cache_key_fn, mark_done, open_stage
+from tasks.results import Golden
 from tasks.load import load_model
 from tasks.tracking import child_run, log_metrics, log_params
 
 
 @task(name="golden", cache_key_fn=cache_key_fn, persist_result=True)
 def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str,
-                artifact: str, reference_golden: str | None = None) -> dict:
+                artifact: str, reference_golden: str | None = None) -> Golden:
     """Fails the run when the export does not reproduce its own torch model; drift vs a reference is reported only."""
-    folder, done = open_stage(cfg, stage, key)
+    folder, done = open_stage(cfg, stage, key, Golden)
     if done is not None:
         return done
     import mlflow
@@ -58,4 +59,4 @@ def golden_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | 
             mlflow.log_table(report.table(), artifact_file="golden_report.json")
             mlflow.log_artifacts(str(folder), "golden")
         report.raise_if_failed()
-    return mark_done(folder, {"golden": str(folder), "metrics": metrics, "failures": report.failures})
+    return mark_done(folder, Golden(golden=str(folder), failures=report.failures, metrics=metrics))

@@ -11,6 +11,7 @@ from prefect import task
 from compress.config import PipelineConfig
 from compress.data import DataSplits, splits_from_config
 from tasks.common import cache_key_fn, mark_done, open_stage
+from tasks.results import Loaded
 from tasks.tracking import child_run, log_metrics, log_params
 
 
@@ -29,8 +30,8 @@ def load_model(model_dir: str, cfg: PipelineConfig, dtype="float32"):
 
 
 @task(name="load", cache_key_fn=cache_key_fn, persist_result=True, retries=1, retry_delay_seconds=5)
-def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None) -> dict:
-    folder, done = open_stage(cfg, stage, key)
+def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None) -> Loaded:
+    folder, done = open_stage(cfg, stage, key, Loaded)
     if done is not None:
         return done
     from compress.models import model_info, resolve_source
@@ -47,5 +48,5 @@ def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | No
         metrics = {**{k: v for k, v in splits.summary().items() if isinstance(v, (int, float))},
                    "teacher_num_parameters": info["num_parameters"]}
         log_metrics(metrics)
-    return mark_done(folder, {"model_dir": model_dir, "splits": str(path), "heldout": str(heldout), "info": info,
-                              "metrics": metrics})
+    return mark_done(folder, Loaded(model_dir=model_dir, splits=str(path), heldout=str(heldout), info=info,
+                                    metrics=metrics))

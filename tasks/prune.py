@@ -7,14 +7,15 @@ from prefect import task
 from compress.config import PipelineConfig
 from compress.memory import check_prune_memory, shape_of_folder
 from tasks.common import cache_key_fn, mark_done, open_stage
+from tasks.results import Pruned
 from tasks.load import load_model, load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params, log_rows
 
 
 @task(name="prune", cache_key_fn=cache_key_fn, persist_result=True)
 def prune_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str,
-               splits: str) -> dict:
-    folder, done = open_stage(cfg, stage, key)
+               splits: str) -> Pruned:
+    folder, done = open_stage(cfg, stage, key, Pruned)
     if done is not None:
         return done
     import torch
@@ -48,5 +49,5 @@ def prune_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | N
             if sens is not None:
                 log_rows(sens.table(), "sensitivity.json")
                 log_figure(sens.figure(), "sensitivity.png")
-    return mark_done(folder, {"model_dir": str(out), "masks": masks_path, "teacher_layers": report.teacher_layers,
-                              "metrics": metrics})
+    return mark_done(folder, Pruned(model_dir=str(out), masks=masks_path, teacher_layers=report.teacher_layers,
+                                    metrics=metrics))

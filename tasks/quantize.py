@@ -12,17 +12,18 @@ from compress.config import PipelineConfig
 from compress.memory import Shape, check_stage_memory
 from compress.room import check_room, int8_bytes
 from tasks.common import cache_key_fn, mark_done, open_stage
+from tasks.results import Quantized
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
 
 
 @task(name="quantize", cache_key_fn=cache_key_fn, persist_result=True)
 def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, src_artifact: str,
-                  splits: str) -> dict:
+                  splits: str) -> Quantized:
     """The result's `evaluation`, when the accuracy-aware loop ran, holds the final candidate's and the source's
     figures on the eval split, with `src_artifact` as the reference: the accept stage reuses them when it
     gates against that same artifact instead of evaluating both again."""
-    folder, done = open_stage(cfg, stage, key)
+    folder, done = open_stage(cfg, stage, key, Quantized)
     if done is not None:
         return done
     from compress.quantize import choose_quant_form, quantize_artifact, quantize_with_acceptance
@@ -74,8 +75,8 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
                       "auto_forms": choice.forms if choice else None},
                      "quantize_report.json")
             mlflow.log_artifact(str(artifact / "manifest.json"))
-    return mark_done(folder, {"artifact": str(artifact), "metrics": metrics, "evaluation": evaluation,
-                              "choice": choice_summary(choice) if choice else None})
+    return mark_done(folder, Quantized(artifact=str(artifact), evaluation=evaluation,
+                                       choice=choice_summary(choice) if choice else None, metrics=metrics))
 
 
 def choice_summary(choice) -> dict:

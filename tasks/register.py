@@ -18,13 +18,14 @@ from compress.artifact import MANIFEST, checkpoint_digest, content_digest, read_
 from compress.config import PipelineConfig
 from compress.room import check_room, folder_bytes, local_artifact_dir
 from serve.artifact import CHECKPOINT_RECORD
+from tasks.results import Registered
 from tasks.tracking import child_run
 
 
 @task(name="register", retries=2, retry_delay_seconds=3)
 def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str, aliases: list[str],
                   tags: dict, *, stage: str = "register", metrics: dict | None = None,
-                  params: dict | None = None, same_config_only: bool = True, weights: str = "copy") -> dict:
+                  params: dict | None = None, same_config_only: bool = True, weights: str = "copy") -> Registered:
     """metrics become the version's figures (its source run's metrics); tags say what it is. weights: "copy" uploads
     the graph's weights, "digest" records them, "auto" decides by their size (registry.baseline_weights)."""
     folder = Path(artifact)
@@ -41,7 +42,7 @@ def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str,
 
 
 def _register(cfg, parent_run_id, folder: Path, *, name: str, sha: str, content: str, record: bool, aliases, tags,
-              stage, metrics, params, same_config_only: bool, weights: str) -> dict:
+              stage, metrics, params, same_config_only: bool, weights: str) -> Registered:
     if same_config_only:
         found = registry.find_by_digest(name, sha, tags.get("config_hash", ""))
     else:
@@ -75,5 +76,4 @@ def _register(cfg, parent_run_id, folder: Path, *, name: str, sha: str, content:
         for alias in aliases:
             registry.set_alias(name, alias, found.version)
         reused = True
-    return {"name": name, "version": found.version, "aliases": list(aliases), "source": found.source,
-            "reused": reused}
+    return Registered(name=name, version=found.version, aliases=list(aliases), source=found.source, reused=reused)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlflow
@@ -22,7 +23,7 @@ from prefect.cache_policies import NONE
 from compress.config import PipelineConfig
 from compress.evaluate import accept, downstream_scores, evaluate_onnx, resolve_criteria
 from compress.evaluate.gate import selection_limits
-from compress.export import EXPORT_FORMAT, FROM_CHECKPOINT_WEIGHTS
+from compress.export import EXPORT_FORMAT
 from compress.quantize import QUANT_FORMAT
 from compress.search import (Candidate, best_rejected, describe, front_objectives, pareto_figure, pareto_front,
                              pick_fastest_accepted, search_table)
@@ -33,6 +34,7 @@ from tasks.golden import golden_task
 from tasks.load import load_splits
 from tasks.prune import prune_task
 from tasks.quantize import quantize_task
+from tasks.results import Exported, Golden, Judged, Loaded, Quantized, SearchBaseline, judged
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params, log_rows
 
 
@@ -40,47 +42,67 @@ def _plain_run(name: str, fn: Callable, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def candidate_chain(cfg: PipelineConfig, pid: str | None, loaded: dict, teacher: dict, gold: dict, *, k_load: str,
-                    k_exp: str, run: Callable = _plain_run) -> dict:
+@dataclass(frozen=True)
+class Chain:
+    """What a candidate's chain made: the candidate artifact, its cache key (what the accept and benchmark keys chain
+    from), the quantize stage's result (None when off) and the student's checkpoint folder."""
+
+    candidate: str
+    cand_key: str
+    quant: Quantized | None
+    student_dir: str
+
+
+@dataclass(frozen=True)
+class TeacherStages:
+    """load -> export -> golden, the stages every run shares; their keys are the candidate chain's roots."""
+
+    k_load: str
+    loaded: Loaded
+    k_exp: str
+    teacher: Exported
+    gold: Golden
+
+
+def candidate_chain(cfg: PipelineConfig, pid: str | None, t: TeacherStages, run: Callable = _plain_run) -> Chain:
     """prune -> distill -> export + golden of the student -> quantize, each switched on by `cfg`.
 
     run(name, fn, *args, **kwargs) calls each stage (the flow's StageTimer.run, or a branch's recorder).
-    Returns the candidate artifact, its cache key (what the accept and benchmark keys chain from), the
-    quantize stage's result (None when off) and the student's checkpoint folder.
     """
-    student_dir, masks, layers, key = loaded["model_dir"], None, None, k_load
+    loaded, teacher = t.loaded, t.teacher
+    student_dir, masks, layers, key = loaded.model_dir, None, None, t.k_load
     if cfg.prune.enabled:
         key = stage_key(cfg, "prune", ["prune"], key)
         pruned = run("prune", submit_stage, prune_task, cfg, "prune", key, parent_run_id=pid,
-                     model_dir=student_dir, splits=loaded["splits"])
-        student_dir, masks, layers = pruned["model_dir"], pruned["masks"], pruned.get("teacher_layers")
+                     model_dir=student_dir, splits=loaded.splits)
+        student_dir, masks, layers = pruned.model_dir, pruned.masks, pruned.teacher_layers
     if cfg.distill.enabled:
         key = stage_key(cfg, "distill", ["distill"], key)
         distilled = run("distill", submit_stage, distill_task, cfg, "distill", key, parent_run_id=pid,
-                        teacher_dir=loaded["model_dir"], student_dir=student_dir, splits=loaded["splits"], masks=masks,
+                        teacher_dir=loaded.model_dir, student_dir=student_dir, splits=loaded.splits, masks=masks,
                         teacher_layers=layers)
-        student_dir = distilled["model_dir"]
-    candidate, cand_key = teacher["artifact"], k_exp
-    if student_dir != loaded["model_dir"]:
+        student_dir = distilled.model_dir
+    candidate, cand_key = teacher.artifact, t.k_exp
+    if student_dir != loaded.model_dir:
         cand_key = stage_key(cfg, "export_student", ["export"], key, f"format{EXPORT_FORMAT}")
         student = run("export_student", submit_stage, export_task, cfg, "export_student", cand_key,
                       parent_run_id=pid, model_dir=student_dir)
         k = stage_key(cfg, "golden_student", ["golden"], cand_key)
         run("golden_student", submit_stage, golden_task, cfg, "golden_student", k, parent_run_id=pid,
-            model_dir=student_dir, artifact=student["artifact"], reference_golden=gold["golden"])
-        candidate = student["artifact"]
+            model_dir=student_dir, artifact=student.artifact, reference_golden=t.gold.golden)
+        candidate = student.artifact
     quant = None
-    if teacher.get("weights") in FROM_CHECKPOINT_WEIGHTS:
+    if teacher.from_checkpoint:
         # the export wrote the weight-only INT8 (4-bit) graph from the checkpoint: it is the candidate, nothing is
         # left to quantize (W8A8 would calibrate the fp32 graph, which was never written)
         stage_logger().info("quantize: skipped, the export wrote the %s candidate from the checkpoint "
-                            "(export.weights %s)", teacher["weights"].upper(), teacher["weights"])
+                            "(export.weights %s)", teacher.weights.upper(), teacher.weights)
     elif cfg.quantize.enabled:
         cand_key = stage_key(cfg, "quantize", ["quantize", "accept"], cand_key, f"format{QUANT_FORMAT}")
         quant = run("quantize", submit_stage, quantize_task, cfg, "quantize", cand_key, parent_run_id=pid,
-                    src_artifact=candidate, splits=loaded["splits"])
-        candidate = quant["artifact"]
-    return {"candidate": candidate, "cand_key": cand_key, "quant": quant, "student_dir": student_dir}
+                    src_artifact=candidate, splits=loaded.splits)
+        candidate = quant.artifact
+    return Chain(candidate=candidate, cand_key=cand_key, quant=quant, student_dir=student_dir)
 
 
 def branch_config(cfg: PipelineConfig, ratio: float) -> PipelineConfig:
@@ -117,9 +139,9 @@ def _criteria(cfg: PipelineConfig) -> str:
 
 @task(name="search_baseline", cache_key_fn=cache_key_fn, persist_result=True)
 def search_baseline_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, baseline: str,
-                         splits: str) -> dict:
+                         splits: str) -> SearchBaseline:
     """The teacher's figures on the selection split, measured once for every branch's gate."""
-    folder, done = open_stage(cfg, stage, key)
+    folder, done = open_stage(cfg, stage, key, SearchBaseline)
     if done is not None:
         return done
     with child_run(parent_run_id, stage):
@@ -128,14 +150,14 @@ def search_baseline_task(cfg: PipelineConfig, stage: str, key: str, parent_run_i
         if _criteria(cfg) == "quality" and cfg.accept.max_downstream_drop is not None:
             figures.update(downstream_scores(baseline, sel, None, cfg.accept.downstream_items, seed=cfg.data.seed))
         log_metrics({f"search_baseline_{k}": v for k, v in figures.items()})
-    return mark_done(folder, {"figures": figures, "metrics": {}})
+    return mark_done(folder, SearchBaseline(figures=figures))
 
 
 @task(name="search_gate", cache_key_fn=cache_key_fn, persist_result=True)
 def search_gate_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id: str | None, candidate: str,
-                     baseline: str, splits: str, baseline_figures: dict) -> dict:
+                     baseline: str, splits: str, baseline_figures: dict) -> Judged:
     """One branch's candidate against the teacher on the selection split, through the gate (`gate_config`)."""
-    folder, done = open_stage(cfg, stage, key)
+    folder, done = open_stage(cfg, stage, key, Judged)
     if done is not None:
         return done
     with child_run(parent_run_id, stage) as run:
@@ -155,12 +177,23 @@ def search_gate_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id
         if run is not None:
             mlflow.set_tag("search_mlp_ratio", str(cfg.prune.mlp_ratio))
             log_json(verdict.record(candidate=cand, baseline=baseline_figures, split="selection"), "search_gate.json")
-    return mark_done(folder, verdict.record(candidate=cand, metrics=metrics))
+    return mark_done(folder, judged(verdict, candidate=cand, metrics=metrics, split="selection"))
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One branch of the search: its ratio, its chain and gate, and its stages' rows; or the error that ended it."""
+
+    ratio: float
+    chain: Chain | None = None
+    gate: Judged | None = None
+    rows: list[dict] = field(default_factory=list)
+    error: str | None = None
 
 
 @task(name="search_branch", cache_policy=NONE)
-def search_branch_task(cfg: PipelineConfig, parent_run_id: str | None, tracking_uri: str, *, loaded: dict,
-                       teacher: dict, gold: dict, k_load: str, k_exp: str, baseline_figures: dict) -> dict:
+def search_branch_task(cfg: PipelineConfig, parent_run_id: str | None, tracking_uri: str, *, t: TeacherStages,
+                       baseline_figures: dict) -> Branch:
     """One branch (cfg = `branch_config` of its ratio): the candidate's chain, then its gate. No cache of its own:
     each stage inside caches under its key, so a re-run redoes only what is missing."""
     # On a Dask worker in another process (or machine) nothing has pointed MLflow at the store yet.
@@ -170,31 +203,36 @@ def search_branch_task(cfg: PipelineConfig, parent_run_id: str | None, tracking_
     def run(name, fn, *args, **kwargs):
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
-        rows.append({"stage": name, "seconds": time.perf_counter() - t0, "metrics": (out or {}).get("metrics", {})})
+        rows.append(stage_row(name, time.perf_counter() - t0, out))
         return out
 
-    chain = candidate_chain(cfg, parent_run_id, loaded, teacher, gold, k_load=k_load, k_exp=k_exp, run=run)
+    chain = candidate_chain(cfg, parent_run_id, t, run=run)
     from compress.evaluate.chat import sets_digest
 
-    k = stage_key(cfg, "search_gate", ["accept"], chain["cand_key"], k_exp, f"chat{sets_digest(cfg.search.chat_sets)}")
+    k = stage_key(cfg, "search_gate", ["accept"], chain.cand_key, t.k_exp, f"chat{sets_digest(cfg.search.chat_sets)}")
     gate = run("search_gate", submit_stage, search_gate_task, cfg, "search_gate", k, parent_run_id=parent_run_id,
-               candidate=chain["candidate"], baseline=teacher["artifact"], splits=loaded["splits"],
+               candidate=chain.candidate, baseline=t.teacher.artifact, splits=t.loaded.splits,
                baseline_figures=baseline_figures)
-    return {"ratio": cfg.prune.mlp_ratio, "chain": chain, "gate": gate, "rows": rows}
+    return Branch(ratio=cfg.prune.mlp_ratio, chain=chain, gate=gate, rows=rows)
 
 
-def branch_candidate(branch: dict, ms_per_token: float | None) -> Candidate:
+def stage_row(name: str, seconds: float, out) -> dict:
+    """A stage's row of the run summary: its name, wall seconds and the figures its result logged."""
+    return {"stage": name, "seconds": seconds, "metrics": dict(getattr(out, "metrics", None) or {})}
+
+
+def branch_candidate(branch: Branch, ms_per_token: float | None) -> Candidate:
     """A finished (or failed) branch as the search's Candidate; speed from the interleaved timing."""
-    if branch.get("error"):
-        return Candidate(branch["ratio"], math.nan, math.nan, math.nan, False, error=branch["error"])
-    cand = branch["gate"]["candidate"]
+    if branch.error:
+        return Candidate(branch.ratio, math.nan, math.nan, math.nan, False, error=branch.error)
+    cand = branch.gate.candidate
     ms = ms_per_token if ms_per_token is not None else cand.get("decode_ms_per_token", math.nan)
-    return Candidate(ratio=branch["ratio"], size_bytes=cand["size_bytes"], ms_per_token=ms,
-                     perplexity_ratio=branch["gate"]["metrics"]["search_gate_perplexity_ratio"],
-                     accepted=bool(branch["gate"]["accepted"]),
-                     top1_agreement=cand.get("top1_agreement", math.nan), reasons=list(branch["gate"]["reasons"]),
+    return Candidate(ratio=branch.ratio, size_bytes=cand["size_bytes"], ms_per_token=ms,
+                     perplexity_ratio=branch.gate.value("perplexity_ratio"),
+                     accepted=branch.gate.accepted,
+                     top1_agreement=cand.get("top1_agreement", math.nan), reasons=list(branch.gate.reasons),
                      chat_perplexity_ratio=cand.get("chat_perplexity_ratio", math.nan),
-                     artifact=branch["chain"]["candidate"])
+                     artifact=branch.chain.candidate)
 
 
 def time_candidates(artifacts: dict[str, str], splits: str, rounds: int = 2, threads: int = 1) -> dict[str, float]:
@@ -213,15 +251,28 @@ def time_candidates(artifacts: dict[str, str], splits: str, rounds: int = 2, thr
     return decode_step_ms(artifacts, rounds=rounds, prompt=prompt, threads=threads)
 
 
-def summarize_search(branches: list[dict], teacher_artifact: str, splits: str, title: str) -> dict:
-    """Time the candidates side by side, compute the front and the pick, and log the table (search.json, an
-    MLflow table search_table.json), search.csv and the plot (search_pareto.png) to the active (parent) run.
+@dataclass(frozen=True)
+class SearchSummary:
+    """The search's outcome: every candidate, the front, the pick (None when none passed) or else the best rejected
+    one, the table's rows and the figures logged to the parent run; ``branch``, the chosen one (set by the flow)."""
 
-    Returns {"candidates", "front", "picked", "best", "rows", "teacher_ms_per_token", "metrics"}.
-    """
-    measured = {f"mlp{b['ratio']:g}": b["chain"]["candidate"] for b in branches if not b.get("error")}
+    candidates: list[Candidate]
+    front: list[Candidate]
+    picked: Candidate | None
+    best: Candidate | None
+    rows: list[dict]
+    teacher_ms_per_token: float
+    metrics: dict[str, float]
+    lines: list[str]
+    branch: Branch | None = None
+
+
+def summarize_search(branches: list[Branch], teacher_artifact: str, splits: str, title: str) -> SearchSummary:
+    """Time the candidates side by side, compute the front and the pick, and log the table (search.json, an
+    MLflow table search_table.json), search.csv and the plot (search_pareto.png) to the active (parent) run."""
+    measured = {f"mlp{b.ratio:g}": b.chain.candidate for b in branches if not b.error}
     speed = time_candidates({"teacher": teacher_artifact, **measured}, splits) if measured else {}
-    cands = [branch_candidate(b, speed.get(f"mlp{b['ratio']:g}")) for b in branches]
+    cands = [branch_candidate(b, speed.get(f"mlp{b.ratio:g}")) for b in branches]
     front = pareto_front(cands, front_objectives(cands))
     picked = pick_fastest_accepted(cands)
     best = picked or best_rejected(cands)
@@ -240,8 +291,8 @@ def summarize_search(branches: list[dict], teacher_artifact: str, splits: str, t
                         "search_picked_size_bytes": picked.size_bytes,
                         "search_picked_perplexity_ratio": picked.perplexity_ratio})
     mlflow.set_tags({"search_picked": picked.name if picked else "none"})
-    return {"candidates": cands, "front": front, "picked": picked, "best": best, "rows": rows,
-            "teacher_ms_per_token": teacher_ms, "metrics": metrics, "lines": [describe(c) for c in cands]}
+    return SearchSummary(candidates=cands, front=front, picked=picked, best=best, rows=rows,
+                         teacher_ms_per_token=teacher_ms, metrics=metrics, lines=[describe(c) for c in cands])
 
 
 def _log_csv(rows: list[dict], name: str) -> None:

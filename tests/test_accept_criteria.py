@@ -113,15 +113,15 @@ def test_accept_stage_judges_a_pruned_student_on_quality(tiny, tiny_artifact, ti
     (child,) = mlflow.search_runs(filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
                                   output_format="list")
     assert child.data.tags["accept_criteria"] == "quality" and child.data.metrics["accepted"] == 0.0
-    assert out["criteria"] == "quality"
-    assert [c["name"] for c in out["checks"]] == ["perplexity_ratio", "heldout_perplexity_ratio", "downstream_drop",
+    assert out.criteria == "quality"
+    assert [c["name"] for c in out.checks] == ["perplexity_ratio", "heldout_perplexity_ratio", "downstream_drop",
                                                   "chat_perplexity_ratio", "chat_judged_ratio"]
     # Agreement 1.0 was asked, and not checked (nor the chat set's): a pruned student is judged on quality. The held-out source's
     # perplexity ratio is checked (a pruned random model is worse there than the model it came from).
-    ratio = out["metrics"]["heldout_perplexity_ratio"]
-    assert ratio > 1.0 and not out["accepted"] and len(out["reasons"]) == 1 and "heldout" in out["reasons"][0]
-    assert out["metrics"]["gate_heldout_perplexity_ratio"] == pytest.approx(ratio)
+    ratio = out.metrics["heldout_perplexity_ratio"]
+    assert ratio > 1.0 and not out.accepted and len(out.reasons) == 1 and "heldout" in out.reasons[0]
+    assert out.metrics["gate_heldout_perplexity_ratio"] == pytest.approx(ratio)
     want = downstream_scores(tmp_path / "student", tiny_splits.test, tiny_splits.heldout, n=8)
-    assert {k: out["candidate"][k] for k in want} == want
-    assert out["metrics"]["gate_downstream_drop"] == pytest.approx(
-        out["baseline"]["downstream_accuracy"] - out["candidate"]["downstream_accuracy"])
+    assert {k: out.candidate[k] for k in want} == want
+    assert out.metrics["gate_downstream_drop"] == pytest.approx(
+        out.baseline["downstream_accuracy"] - out.candidate["downstream_accuracy"])

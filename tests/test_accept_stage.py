@@ -27,7 +27,8 @@ def test_accept_gates_on_the_test_split_and_reuses_the_selection_figures(prefect
     import compress.evaluate.verdict as accept_mod
     from compress.data import DataSplits, load_heldout
     from compress.evaluate.onnx_eval import evaluate_onnx
-    from flows.pipeline import compress_flow, model_figures
+    from flows.pipeline import compress_flow
+    from tasks.results import Judged
 
     measured = []  # (artifact, blocks) of every candidate evaluation the accept stage runs
     references = []  # and of every reference pass (the baseline's figures and logits)
@@ -122,7 +123,7 @@ def test_accept_gates_on_the_test_split_and_reuses_the_selection_figures(prefect
     assert 0 < m["heldout_perplexity_ratio"] < 10
 
     # The registered version carries the test figures under plain names, the held-out and selection beside.
-    figs = model_figures(out["verdict"])
+    figs = Judged.from_json(out["verdict"]).figures()
     assert figs["perplexity"] == verdict_c["perplexity"] and figs["gate_top1_agreement"] == m["gate_top1_agreement"]
     assert figs["heldout_perplexity_ratio"] == m["heldout_perplexity_ratio"]
     assert figs["selection_perplexity"] == m["selection_perplexity"]

@@ -114,9 +114,9 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks_through_the_task(folders,
     with mlflow.start_run() as parent:
         out = distill_task.fn(cfg, "distill", "k", parent_run_id=parent.info.run_id, teacher_dir=folders["teacher"],
                               student_dir=folders["student"], splits=folders["splits"])
-    assert out["metrics"]["distill_resumed_from"] == 4 and out["metrics"]["distill_world_size"] == 2
-    assert out["metrics"]["distill_kl_after"] == pytest.approx(ref.kl_after, rel=1e-5)
-    assert _max_diff(_load(out["model_dir"]), ref_student) < 1e-5
+    assert out.metrics["distill_resumed_from"] == 4 and out.metrics["distill_world_size"] == 2
+    assert out.metrics["distill_kl_after"] == pytest.approx(ref.kl_after, rel=1e-5)
+    assert _max_diff(_load(out.model_dir), ref_student) < 1e-5
     # Rank 0 streamed the resumed steps into the stage's child run as they ran.
     client = MlflowClient(mlflow_store)
     child = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")[0]

@@ -29,7 +29,7 @@ def version(tiny_artifact, mlflow_store):
     cfg = load_config(None, [f"registry.model_name={name}"])
     with mlflow.start_run() as run:
         reg = register_task.fn(cfg, run.info.run_id, str(tiny_artifact), ["champion"], {"role": "candidate"})
-    return name, reg["version"]
+    return name, reg.version
 
 
 def _engine_text(artifact, prompt: str | list[dict], n: int) -> str:

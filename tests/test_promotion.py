@@ -63,8 +63,10 @@ def test_decide_promotion(status, promote, bench, vs, when_worse, aliases, promo
 
 
 def test_verdict_status():
-    assert [verdict_status(v) for v in (None, {"accepted": True}, {"accepted": False})] == \
-        ["unchecked", "accepted", "rejected"]
+    from tasks.results import Judged
+
+    verdicts = [Judged(accepted=a, reasons=[], criteria="fidelity", checks=[], metrics={}) for a in (True, False)]
+    assert [verdict_status(v) for v in (None, *verdicts)] == ["unchecked", "accepted", "rejected"]
 
 
 def test_a_lost_race_promotes_nothing(tmp_path):

@@ -43,7 +43,7 @@ def test_one_teacher_is_one_baseline_version_across_configs(tiny_artifact, tmp_p
     with mlflow.start_run() as run:
         again = register_task.fn(cfg, run.info.run_id, str(b), ["baseline"], {"config_hash": "bbb", "role": "baseline"},
                                  metrics={"perplexity": 12.5}, same_config_only=False)
-    assert (first["version"], again["version"], again["reused"]) == ("1", "1", True)
+    assert (first.version, again.version, again.reused) == ("1", "1", True)
     assert [v.version for v in registry.list_versions(name)] == ["1"]
     assert registry.figures(name, "1")["perplexity"] == 12.5  # the newer run's figures on the one version
     # Other files are another teacher: a new version.
@@ -55,11 +55,11 @@ def test_one_teacher_is_one_baseline_version_across_configs(tiny_artifact, tmp_p
     with mlflow.start_run() as run:
         other = register_task.fn(cfg, run.info.run_id, str(c), ["baseline"], {"config_hash": "aaa"},
                                  same_config_only=False)
-    assert other["version"] == "2" and registry.version_for_alias(name, "baseline").version == "2"
+    assert other.version == "2" and registry.version_for_alias(name, "baseline").version == "2"
     # Candidates stay one version per (manifest, config): the same files under another gate are judged apart.
     with mlflow.start_run() as run:
         cand = register_task.fn(cfg, run.info.run_id, str(a), ["candidate"], {"config_hash": "zzz"})
-    assert cand["version"] == "3" and not cand["reused"]
+    assert cand.version == "3" and not cand.reused
 
 
 def test_the_champion_is_named_from_the_alias_and_its_history(tiny_artifact, mlflow_store):
@@ -135,7 +135,7 @@ def test_a_large_baseline_is_recorded_by_digest_not_copied(tiny_artifact, tiny_m
     with mlflow.start_run() as run:
         reg = register_task.fn(cfg, run.info.run_id, str(art), ["baseline"], {"role": "baseline"},
                                same_config_only=False, weights="auto")
-    v = registry.get_version(name, reg["version"])
+    v = registry.get_version(name, reg.version)
     assert v.tags["weights"] == "digest"
     got = registry.download(f"models:/{name}/{v.version}", tmp_path / "dl")
     weights = registry.weight_files(art)
@@ -152,4 +152,4 @@ def test_a_large_baseline_is_recorded_by_digest_not_copied(tiny_artifact, tiny_m
     with mlflow.start_run() as run:
         again = register_task.fn(cfg, run.info.run_id, str(art), ["baseline"], {"role": "baseline"},
                                  same_config_only=False, weights="auto")
-    assert again["reused"] and again["version"] == reg["version"]
+    assert again.reused and again.version == reg.version

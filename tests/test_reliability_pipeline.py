@@ -153,7 +153,7 @@ def test_upload_failure_midway_leaves_no_half_registered_version(tiny_artifact, 
     # With MLflow back, the same call registers exactly one version.
     with mlflow.start_run() as run:
         out = register_task.fn(cfg, run.info.run_id, str(tiny_artifact), ["candidate"], {"config_hash": "h"})
-    assert [v.version for v in versions_of(name)] == [out["version"]] == ["1"]
+    assert [v.version for v in versions_of(name)] == [out.version] == ["1"]
 
 
 def test_mlflow_unreachable_fails_the_flows_at_once_naming_the_uri(prefect_harness, mlflow_store, tmp_path,

@@ -273,9 +273,9 @@ def test_search_with_no_accepted_candidate_is_rejected_naming_the_best(dask_sear
     out = e.value.outcome
     assert out["verdict"]["split"] == "selection" and out["benchmark"] is None
     # Registered under selection_* names only: plain names are the test split's, which no verdict read here.
-    from flows.pipeline import model_figures
+    from tasks.results import Judged
 
-    figs = model_figures(out["verdict"])
+    figs = Judged.from_json(out["verdict"]).figures()
     assert figs and all(k.startswith("selection_") for k in figs)
     best = min((r for r in out["search"]["rows"]), key=lambda r: r["perplexity_ratio"])
     assert math.isclose(figs["selection_perplexity_ratio"], best["perplexity_ratio"])

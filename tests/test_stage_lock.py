@@ -11,8 +11,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from compress.config import load_config
-from tasks.common import lock_path, open_stage, stage_dir
+from tasks.common import DONE, lock_path, mark_done, open_stage, stage_dir
+from tasks.results import Distilled, Exported, Judged, Loaded, ResultFormatError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,9 +24,10 @@ WORKER = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO)
     from compress.config import load_config
     from tasks.common import mark_done, open_stage
+    from tasks.results import Distilled
     workdir, peer_log = sys.argv[1], sys.argv[2]
     cfg = load_config("configs/tiny.yaml", [f"workdir={workdir}"])
-    folder, done = open_stage(cfg, "export", "samekey")
+    folder, done = open_stage(cfg, "export", "samekey", Distilled)
     if done is None:
         with open(os.path.join(workdir, "computed"), "a") as fh:
             fh.write(f"{os.getpid()}\\n")
@@ -33,8 +37,8 @@ WORKER = textwrap.dedent("""
         while "waiting to reuse its result" not in open(peer_log).read():
             assert time.monotonic() < deadline, "the second run never waited"
             time.sleep(0.05)
-        done = mark_done(folder, {"by": os.getpid()})
-    print(json.dumps(done))
+        done = mark_done(folder, Distilled(model_dir=str(folder), metrics={"by": os.getpid()}))
+    print(json.dumps(done.to_json()))
 """)
 
 
@@ -68,7 +72,7 @@ def test_two_runs_on_one_key_compute_it_once(tmp_path):
     assert computed == [str(first.pid)]  # one computed, the other waited
     assert "waiting to reuse its result" in logs[1].read_text()
     results = [json.loads(o.strip().splitlines()[-1]) for o in outs]
-    assert results[0] == results[1] == {"by": first.pid}
+    assert results[0]["metrics"] == results[1]["metrics"] == {"by": first.pid}
     cfg = load_config("configs/tiny.yaml", [f"workdir={work}"])
     assert not lock_path(stage_dir(cfg, "export", "samekey")).exists()
 
@@ -82,10 +86,10 @@ def test_a_dead_runs_lock_is_broken_and_its_folder_redone(tmp_path):
     import socket
 
     lock_path(folder).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
-    got, done = open_stage(cfg, "export", "k")
+    got, done = open_stage(cfg, "export", "k", Exported)
     assert done is None and got == folder and list(folder.iterdir()) == []  # wiped: redone from scratch
     assert json.loads(lock_path(folder).read_text())["pid"] == os.getpid()
-    got, done = open_stage(cfg, "export", "k")  # a retry in the same process: its own lock
+    got, done = open_stage(cfg, "export", "k", Exported)  # a retry in the same process: its own lock
     assert done is None
 
 
@@ -97,5 +101,57 @@ def test_an_empty_lock_left_by_a_crash_is_broken_once_old(tmp_path):
     lock.write_text("")  # a process died between creating the lock and writing its owner
     old = os.stat(lock).st_mtime - 120
     os.utime(lock, (old, old))
-    got, done = open_stage(cfg, "export", "e")
+    got, done = open_stage(cfg, "export", "e", Exported)
     assert done is None and json.loads(lock.read_text())["pid"] == os.getpid()
+
+
+def test_a_result_of_another_format_is_computed_again_not_handed_on(tmp_path):
+    """A DONE.json whose fields are not the stage's result class (older code, a renamed field) is refused by name,
+    and open_stage treats the stage as not finished; a whole result of the class is reused as it was written."""
+    cfg = load_config("configs/tiny.yaml", [f"workdir={tmp_path}"])
+    folder = stage_dir(cfg, "load", "k")
+    folder.mkdir(parents=True)
+    written = Loaded(model_dir="m", splits="s.npz", heldout="h.npz", info={"family": "llama"}, metrics={"blocks": 3})
+    old = {**written.to_json(), "split_file": "s.npz"}
+    del old["splits"]  # the field as an older version named it
+    with pytest.raises(ResultFormatError, match=r"unknown fields \['split_file'\]; missing fields \['splits'\]"):
+        Loaded.from_json(old)
+    (folder / DONE).write_text(json.dumps(old))
+    got, done = open_stage(cfg, "load", "k", Loaded)
+    assert done is None and not (folder / DONE).exists()
+    mark_done(folder, written)
+    assert open_stage(cfg, "load", "k", Loaded)[1] == written
+    with pytest.raises(ResultFormatError, match="not the fields of Exported"):
+        Exported.from_json(written.to_json())
+
+
+def test_a_verdict_round_trips_and_names_its_figures_once():
+    v = Judged(accepted=False, reasons=["r"], criteria="fidelity", metrics={"gate_perplexity_ratio": 1.2},
+               checks=[{"name": "perplexity_ratio", "value": 1.2, "limit": 1.1, "passed": False}],
+               gate={"gate_perplexity_ratio": 1.2, "gate_top1_agreement": 0.8}, candidate={"perplexity": 12.0,
+               "size_bytes": 50, "note": "x"}, baseline={"perplexity": 10.0, "size_bytes": 200},
+               side={"heldout_perplexity_ratio": 1.3, "heldout_baseline_perplexity": 9.0})
+    assert Judged.from_json(json.loads(json.dumps(v.to_json()))) == v
+    assert v.status == "rejected" and v.value("perplexity_ratio") == 1.2 and v.size_ratio() == 0.25
+    assert v.gate_figures() == {"perplexity_ratio": 1.2, "top1_agreement": 0.8}
+    assert v.figures() == {"perplexity": 12.0, "size_bytes": 50, "gate_perplexity_ratio": 1.2,
+                           "gate_top1_agreement": 0.8, "heldout_perplexity_ratio": 1.3,
+                           "heldout_baseline_perplexity": 9.0}
+    assert v.baseline_figures() == {"perplexity": 10.0, "size_bytes": 200, "heldout_perplexity": 9.0}
+    assert Distilled.from_json({"model_dir": "d", "metrics": {}}).model_dir == "d"
+
+
+def test_the_docs_table_of_stage_results_is_the_code():
+    """docs/architecture.md "What a stage hands on" lists every result class of tasks/results.py with its fields."""
+    import dataclasses
+    import re
+
+    from tasks import results
+
+    doc = (ROOT / "docs" / "architecture.md").read_text().split("### What a stage hands on", 1)[1].split("\n\n")[1]
+    rows = {m.group(1): [f.strip() for f in m.group(2).split(",")]
+            for m in re.finditer(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|$", doc, re.M)}
+    classes = {name: [f.name for f in dataclasses.fields(c)] for name, c in vars(results).items()
+               if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == results.__name__
+               and c is not results.StageResult}
+    assert rows == classes

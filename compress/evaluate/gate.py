@@ -43,6 +43,11 @@ class Check:
     message: str  # the reason when it fails: str.format over value, limit and the check's own figures
 
 
+def gate_metric(name: str) -> str:
+    """The metric a check logs its value under (its name in a verdict's ``metrics``)."""
+    return f"gate_{name}"
+
+
 # The gate, in the order its reasons are listed. compress/evaluate/gate.py::accept measures and checks every row;
 # the search's selection gate (selection_limits) and the quantize stage's relax loop call the same accept.
 CHECKS: tuple[Check, ...] = (
@@ -224,7 +229,7 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
                                                   and not row.name.startswith("chat_")):
             continue
         value, figures = _measure(row.name, candidate, baseline, cfg)
-        m[f"gate_{row.name}"] = value
+        m[gate_metric(row.name)] = value
         if row.name == "downstream_drop":
             m["gate_downstream_accuracy"] = figures["c"]
         if limit is None:
@@ -235,8 +240,8 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
         if not ok:
             unmeasured = UNMEASURED.get(row.name, "") if math.isnan(value) else ""
             reasons.append(row.message.format(value=value, limit=limit, unmeasured=unmeasured, **figures))
-    ratios = {g: m[f"gate_{k}"] for g, k in (("test", "perplexity_ratio"), ("heldout", "heldout_perplexity_ratio"),
-                                              ("chat", "chat_perplexity_ratio")) if f"gate_{k}" in m}
+    ratios = {g: m[gate_metric(k)] for g, k in (("test", "perplexity_ratio"), ("heldout", "heldout_perplexity_ratio"),
+                                                 ("chat", "chat_perplexity_ratio")) if gate_metric(k) in m}
     if ratios:  # the genre the candidate does worst on, as a figure (the verdict already needs every genre to pass)
         m["gate_worst_perplexity_ratio"] = max(v if math.isfinite(v) else math.inf for v in ratios.values())
     m["gate_quality_criteria"] = float(criteria == "quality")
