@@ -25,8 +25,9 @@ from compress.artifact import read_manifest
 from compress.config import ConfigError, PipelineConfig, load_config, project_root
 from compress.data import DATA_FORMAT
 from compress.evaluate import chat as chat_eval
-from compress.export import EXPORT_FORMAT, fp32_needed_by, resolve_weights
+from compress.export import EXPORT_FORMAT
 from compress.memory import shape_of_folder
+from compress.resolve import resolve_config
 from compress.scorecard import card_params, form_of, scorecard
 from compress.search import describe
 from flows.deploy import deploy_flow, served_model
@@ -440,18 +441,24 @@ def export_key_part(cfg: PipelineConfig, weights: str) -> str:
 
 
 def teacher_stages(cfg: PipelineConfig, pid: str, timer: StageTimer) -> TeacherStages:
+    """load, then every `auto` resolved (logged once: resolved_config.json), then export and golden under the
+    resolved config, which the rest of the run uses (``TeacherStages.resolved.cfg``)."""
     k_load = stage_key(cfg, "load", ["model", "data"], f"data{DATA_FORMAT}")
     loaded = timer.run("load", submit_stage, load_task, cfg, "load", k_load, parent_run_id=pid)
-    weights, why = resolve_weights(cfg.export.weights, shape_of_folder(
-        loaded.model_dir, cfg.model.trust_remote_code).params, fp32_needed_by(cfg))
-    get_run_logger().info("export: %s", why)
+    resolved = resolve_config(cfg, params=shape_of_folder(loaded.model_dir, cfg.model.trust_remote_code).params,
+                              model_dir=loaded.model_dir, exporter_auto=tuple(loaded.exporter_auto))
+    for s in resolved.settings:
+        get_run_logger().info("resolved %s: %s (%s)", s.key, s.value, s.why)
+    log_json(resolved.to_json(), "resolved_config.json")
+    cfg = resolved.cfg
+    weights = cfg.export.weights
     k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}", export_key_part(cfg, weights))
     teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
                         model_dir=loaded.model_dir, weights=weights)
     k_gold = stage_key(cfg, "golden", ["golden"], k_exp)
     gold = timer.run("golden", submit_stage, golden_task, cfg, "golden", k_gold, parent_run_id=pid,
                      model_dir=loaded.model_dir, artifact=teacher.artifact)
-    return TeacherStages(k_load, loaded, k_exp, teacher, gold)
+    return TeacherStages(resolved, k_load, loaded, k_exp, teacher, gold)
 
 
 def register_baseline(cfg: PipelineConfig, pid: str, timer: StageTimer, t: TeacherStages) -> Registered:
@@ -532,6 +539,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         log_json(cfg.model_dump(mode="json"), "config.json")
 
         t = teacher_stages(cfg, pid, timer)
+        cfg = t.resolved.cfg
         baseline_version = None
         if cfg.registry.register_baseline:
             registered.append(register_baseline(cfg, pid, timer, t))
@@ -556,7 +564,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             log_json(champion_vs, "versus_champion.json")
         for r in timer.rows:
             log_metrics({f"{r['stage']}_seconds": r["seconds"], **r["metrics"]})
-        tail = summary_tail(search, chain)
+        tail = "\n\n" + t.resolved.markdown() + summary_tail(search, chain)
         mlflow.log_text(timer.markdown(cfg, parent, tracking_uri, registered, verdict, champion_vs) + tail,
                         "summary.md")
     ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)

@@ -34,6 +34,7 @@ def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | No
     folder, done = open_stage(cfg, stage, key, Loaded)
     if done is not None:
         return done
+    from compress.export import choose_exporter
     from compress.models import model_info, resolve_source
 
     with child_run(parent_run_id, stage):
@@ -44,9 +45,10 @@ def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | No
         splits.save(path)
         splits.save_heldout(heldout)
         info = model_info(model)
+        exporter_auto = list(choose_exporter(model, "auto"))
         log_params({"model": cfg.model.model_dump(), "data": cfg.data.model_dump()})
         metrics = {**{k: v for k, v in splits.summary().items() if isinstance(v, (int, float))},
                    "teacher_num_parameters": info["num_parameters"]}
         log_metrics(metrics)
     return mark_done(folder, Loaded(model_dir=model_dir, splits=str(path), heldout=str(heldout), info=info,
-                                    metrics=metrics))
+                                    exporter_auto=exporter_auto, metrics=metrics))

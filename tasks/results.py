@@ -53,6 +53,7 @@ class Loaded(StageResult):
     splits: str
     heldout: str
     info: dict
+    exporter_auto: list[str]  # what export.exporter auto gives for this model, and why (compress.export.choose_exporter)
     metrics: dict[str, float]
 
 

@@ -25,6 +25,7 @@ from compress.evaluate import accept, downstream_scores, evaluate_onnx, resolve_
 from compress.evaluate.gate import selection_limits
 from compress.export import EXPORT_FORMAT
 from compress.quantize import QUANT_FORMAT
+from compress.resolve import ResolvedConfig
 from compress.search import (Candidate, best_rejected, describe, front_objectives, pareto_figure, pareto_front,
                              pick_fastest_accepted, search_table)
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_key, stage_logger, submit_stage, workdir
@@ -55,8 +56,10 @@ class Chain:
 
 @dataclass(frozen=True)
 class TeacherStages:
-    """load -> export -> golden, the stages every run shares; their keys are the candidate chain's roots."""
+    """load -> export -> golden, the stages every run shares; their keys are the candidate chain's roots.
+    ``resolved``: the run's config with every `auto` made concrete after load (compress/resolve/settings.py)."""
 
+    resolved: ResolvedConfig
     k_load: str
     loaded: Loaded
     k_exp: str

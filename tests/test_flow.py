@@ -34,6 +34,11 @@ def test_flow_logs_parent_and_child_runs(tiny_flow_run, mlflow_store):
     golden = next(r for r in children if r.data.tags["stage"] == "golden")
     assert "golden_report.json" in {f.path for f in client.list_artifacts(golden.info.run_id)}
     assert "summary.md" in {f.path for f in client.list_artifacts(out["run_id"])}
+    # every auto resolved once, after load: the file and the summary's section name the same settings
+    resolved = json.load(open(client.download_artifacts(out["run_id"], "resolved_config.json")))
+    summary = open(client.download_artifacts(out["run_id"], "summary.md")).read()
+    assert resolved and all(f"| `{r['key']}` |" in summary for r in resolved)
+    assert {"quantize.smoothquant_alpha", "distill.amp"} <= {r["key"] for r in resolved}
 
 
 def test_distillation_curves_are_logged_per_step(tiny_flow_run, mlflow_store):

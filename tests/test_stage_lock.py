@@ -111,7 +111,8 @@ def test_a_result_of_another_format_is_computed_again_not_handed_on(tmp_path):
     cfg = load_config("configs/tiny.yaml", [f"workdir={tmp_path}"])
     folder = stage_dir(cfg, "load", "k")
     folder.mkdir(parents=True)
-    written = Loaded(model_dir="m", splits="s.npz", heldout="h.npz", info={"family": "llama"}, metrics={"blocks": 3})
+    written = Loaded(model_dir="m", splits="s.npz", heldout="h.npz", info={"family": "llama"},
+                     exporter_auto=["gqa", "fits"], metrics={"blocks": 3})
     old = {**written.to_json(), "split_file": "s.npz"}
     del old["splits"]  # the field as an older version named it
     with pytest.raises(ResultFormatError, match=r"unknown fields \['split_file'\]; missing fields \['splits'\]"):

@@ -31,6 +31,8 @@ def fp32_needed_by(cfg) -> str | None:
         return f"quantize.method {cfg.quantize.method} calibrates the fp32 graph"
     if cfg.accept.reference == "artifact":
         return "accept.reference artifact judges against the fp32 graph"
+    if cfg.accept.min_decode_speed_ratio is not None and cfg.accept.reference != "checkpoint":
+        return "accept.min_decode_speed_ratio times the fp32 graph's decode speed"
     if cfg.export.exporter in ("dynamo", "torchscript"):
         return f"export.exporter {cfg.export.exporter} writes fp32 only"
     return None
