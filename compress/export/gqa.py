@@ -270,72 +270,74 @@ def _rmsnorm(g: _Graph, x: str, norm, module: str, eps: float, offset: float = 0
     return y
 
 
-def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "logits") -> tuple[str, str]:
-    """Embedding, layers and final norm + lm_head; ``attention(g, i, q, k, v) -> output`` is the layout's part.
+@dataclass(frozen=True)
+class _Layers:
+    """What every decoder layer of one model is written with: its family's rules, head counts, norm settings."""
 
-    ``select_positions(g, x) -> x`` picks the positions whose logits are computed (before the final norm).
-    Returns (logits tensor name, embedding initializer name).
-    """
-    c = model.config
-    if c.model_type == "gpt_neox":
-        from compress.export.gqa_neox import neox_decoder
+    fam: object
+    H: int
+    KV: int
+    D: int
+    eps: float
+    off: float
+    act: str
 
-        return neox_decoder(model, g, attention, select_positions, logits_name, _linear)
-    fam = fams.family_of(model)
-    info = model_info(model)
-    H, KV, D = info["num_heads"], info["num_kv_heads"], info["head_dim"]
-    act = fams.activation(c)
-    eps = float(getattr(c, "rms_norm_eps", 1e-6))
-    off = fam.norm_offset
-    head = model.lm_head
-    tied = _tied(model)
-    x, emb = g.embedding(_np(model.model.embed_tokens.weight), tied)
-    if fam.embed_scale:
-        x = _embed_scale(g, x, c.hidden_size)
-    for i, layer in enumerate(model.model.layers):
-        pre = f"model.layers.{i}"
-        a = layer.self_attn
-        h = _rmsnorm(g, x, layer.input_layernorm, f"{pre}.input_layernorm", eps, off)
-        qp, kp, vp = fams.attn_linears(fam, layer, H, KV, D)
-        if g.pack_qkv and not fam.qk_norm and all(getattr(p, "bias", None) is None for p in (qp, kp, vp)):
-            # GQA splits a packed QKV itself: key and value inputs left empty
-            attn = attention(g, i, _packed_qkv(g, h, (qp, kp, vp), f"{pre}.self_attn"), "", "")
-        else:
-            q = _linear(g, h, qp, f"{pre}.self_attn.q_proj")
-            k = _linear(g, h, kp, f"{pre}.self_attn.k_proj")
-            v = _linear(g, h, vp, f"{pre}.self_attn.v_proj")
-            if fam.qk_norm:  # per head, before the rotary GQA applies
-                q = _head_norm(g, q, a.q_norm, f"{pre}.self_attn.q_norm", eps, off, D)
-                k = _head_norm(g, k, a.k_norm, f"{pre}.self_attn.k_norm", eps, off, D)
-            attn = attention(g, i, q, k, v)
-        o = _linear(g, attn, a.o_proj, f"{pre}.self_attn.o_proj")
-        if fam.sandwich_norms:
-            o = _rmsnorm(g, o, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps, off)
-        (x,) = g.node("Add", [x, o], [f"/model/layers/{i}/attn_residual_output_0"], f"/model/layers/{i}/attn_residual")
-        if fam.sandwich_norms:
-            h = _rmsnorm(g, x, layer.pre_feedforward_layernorm, f"{pre}.pre_feedforward_layernorm", eps, off)
-        else:
-            h = _rmsnorm(g, x, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps, off)
-        mlp = layer.mlp
-        gp, upp = fams.mlp_linears(fam, layer)
-        if g.int8 is not None and g.pack_qkv and all(getattr(p, "bias", None) is None for p in (gp, upp)):
-            # as the quantize stage packs them after quantization (graph_fusion.pack_siblings), written packed
-            gu_out = _packed_qkv(g, h, (gp, upp), f"{pre}.mlp", "gate_up_proj")
-            n = int(gp.weight.shape[0])
-            mp = f"/model/layers/{i}/mlp"
-            g.init(f"{mp}/gate_up_split", np.array([n, n], np.int64))
-            gate, up = g.node("Split", [gu_out, f"{mp}/gate_up_split"], [f"{mp}/gate_output_0", f"{mp}/up_output_0"],
-                              f"{mp}/gate_up_Split", axis=-1)
-        else:
-            gate = _linear(g, h, gp, f"{pre}.mlp.gate_proj")
-            up = _linear(g, h, upp, f"{pre}.mlp.up_proj")
-        gu = _gated(g, gate, up, act, f"/model/layers/{i}/mlp")
-        down = _linear(g, gu, mlp.down_proj, f"{pre}.mlp.down_proj")
-        if fam.sandwich_norms:
-            down = _rmsnorm(g, down, layer.post_feedforward_layernorm, f"{pre}.post_feedforward_layernorm", eps, off)
-        (x,) = g.node("Add", [x, down], [f"/model/layers/{i}/mlp_residual_output_0"], f"/model/layers/{i}/mlp_residual")
-    x = select_positions(g, x)
-    h = _rmsnorm(g, x, model.model.norm, "model.norm", eps, off)
+
+def _attention_block(g: _Graph, lay: _Layers, layer, i: int, x: str, attention) -> str:
+    """Input norm, q/k/v (packed when GQA can split them), the layout's attention, o_proj and the residual."""
+    pre, fam, eps, off = f"model.layers.{i}", lay.fam, lay.eps, lay.off
+    a = layer.self_attn
+    h = _rmsnorm(g, x, layer.input_layernorm, f"{pre}.input_layernorm", eps, off)
+    qp, kp, vp = fams.attn_linears(fam, layer, lay.H, lay.KV, lay.D)
+    if g.pack_qkv and not fam.qk_norm and all(getattr(p, "bias", None) is None for p in (qp, kp, vp)):
+        # GQA splits a packed QKV itself: key and value inputs left empty
+        attn = attention(g, i, _packed_qkv(g, h, (qp, kp, vp), f"{pre}.self_attn"), "", "")
+    else:
+        q = _linear(g, h, qp, f"{pre}.self_attn.q_proj")
+        k = _linear(g, h, kp, f"{pre}.self_attn.k_proj")
+        v = _linear(g, h, vp, f"{pre}.self_attn.v_proj")
+        if fam.qk_norm:  # per head, before the rotary GQA applies
+            q = _head_norm(g, q, a.q_norm, f"{pre}.self_attn.q_norm", eps, off, lay.D)
+            k = _head_norm(g, k, a.k_norm, f"{pre}.self_attn.k_norm", eps, off, lay.D)
+        attn = attention(g, i, q, k, v)
+    o = _linear(g, attn, a.o_proj, f"{pre}.self_attn.o_proj")
+    if fam.sandwich_norms:
+        o = _rmsnorm(g, o, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps, off)
+    (x,) = g.node("Add", [x, o], [f"/model/layers/{i}/attn_residual_output_0"], f"/model/layers/{i}/attn_residual")
+    return x
+
+
+def _mlp_block(g: _Graph, lay: _Layers, layer, i: int, x: str) -> str:
+    """The MLP's norm, gate/up (packed in the INT8 graph), the gated activation, down_proj and the residual."""
+    pre, fam, eps, off = f"model.layers.{i}", lay.fam, lay.eps, lay.off
+    if fam.sandwich_norms:
+        h = _rmsnorm(g, x, layer.pre_feedforward_layernorm, f"{pre}.pre_feedforward_layernorm", eps, off)
+    else:
+        h = _rmsnorm(g, x, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps, off)
+    gp, upp = fams.mlp_linears(fam, layer)
+    if g.int8 is not None and g.pack_qkv and all(getattr(p, "bias", None) is None for p in (gp, upp)):
+        # as the quantize stage packs them after quantization (graph_fusion.pack_siblings), written packed
+        gu_out = _packed_qkv(g, h, (gp, upp), f"{pre}.mlp", "gate_up_proj")
+        n = int(gp.weight.shape[0])
+        mp = f"/model/layers/{i}/mlp"
+        g.init(f"{mp}/gate_up_split", np.array([n, n], np.int64))
+        gate, up = g.node("Split", [gu_out, f"{mp}/gate_up_split"], [f"{mp}/gate_output_0", f"{mp}/up_output_0"],
+                          f"{mp}/gate_up_Split", axis=-1)
+    else:
+        gate = _linear(g, h, gp, f"{pre}.mlp.gate_proj")
+        up = _linear(g, h, upp, f"{pre}.mlp.up_proj")
+    gu = _gated(g, gate, up, lay.act, f"/model/layers/{i}/mlp")
+    down = _linear(g, gu, layer.mlp.down_proj, f"{pre}.mlp.down_proj")
+    if fam.sandwich_norms:
+        down = _rmsnorm(g, down, layer.post_feedforward_layernorm, f"{pre}.post_feedforward_layernorm", eps, off)
+    (x,) = g.node("Add", [x, down], [f"/model/layers/{i}/mlp_residual_output_0"], f"/model/layers/{i}/mlp_residual")
+    return x
+
+
+def _lm_head(g: _Graph, model, h: str, emb: str, tied: bool, logits_name: str) -> str:
+    """The logits from the final hidden state: the tied table (8-bit in the INT8 graph) or the lm_head's own
+    weight, soft-capped where the family does (Gemma 2)."""
+    c, head = model.config, model.lm_head
     if getattr(head, "bias", None) is not None:
         raise GqaBuildError("lm_head with a bias is not supported")
     cap = float(getattr(c, "final_logit_softcapping", None) or 0.0)
@@ -354,7 +356,34 @@ def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "
         logits = g.matmul(h, _np(head.weight).T, "lm_head.weight_t", "/lm_head", "lm_head", out)
     if cap:  # Gemma 2: cap * tanh(logits / cap)
         logits = _softcap(g, logits, cap, logits_name)
-    return logits, emb
+    return logits
+
+
+def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "logits") -> tuple[str, str]:
+    """Embedding, layers and final norm + lm_head; ``attention(g, i, q, k, v) -> output`` is the layout's part.
+
+    ``select_positions(g, x) -> x`` picks the positions whose logits are computed (before the final norm).
+    Returns (logits tensor name, embedding initializer name).
+    """
+    c = model.config
+    if c.model_type == "gpt_neox":
+        from compress.export.gqa_neox import neox_decoder
+
+        return neox_decoder(model, g, attention, select_positions, logits_name, _linear)
+    fam = fams.family_of(model)
+    info = model_info(model)
+    lay = _Layers(fam, info["num_heads"], info["num_kv_heads"], info["head_dim"],
+                  float(getattr(c, "rms_norm_eps", 1e-6)), fam.norm_offset, fams.activation(c))
+    tied = _tied(model)
+    x, emb = g.embedding(_np(model.model.embed_tokens.weight), tied)
+    if fam.embed_scale:
+        x = _embed_scale(g, x, c.hidden_size)
+    for i, layer in enumerate(model.model.layers):
+        x = _attention_block(g, lay, layer, i, x, attention)
+        x = _mlp_block(g, lay, layer, i, x)
+    x = select_positions(g, x)
+    h = _rmsnorm(g, x, model.model.norm, "model.norm", lay.eps, lay.off)
+    return _lm_head(g, model, h, emb, tied, logits_name), emb
 
 
 def _embedding_q8(g: _Graph, E: np.ndarray, tied: bool) -> str:

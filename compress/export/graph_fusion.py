@@ -109,14 +109,8 @@ def _nbits_suffix(name: str) -> str:
     return next((t for t in ("_Q8", "_Q4") if name.endswith(t)), "")
 
 
-def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
-    """In place: linears sharing an input packed into one (see the module docstring). Returns groups packed.
-
-    qkv_only: pack only the q/k/v triples that feed a GroupQueryAttention (the export-time form).
-    """
-    g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    cons = consumers_of(g)
+def _sibling_groups(g: onnx.GraphProto, inits: dict) -> dict[tuple, list[onnx.NodeProto]]:
+    """Linears by (input, op, NBits attributes): the candidates for one packed linear."""
     by_input: dict[tuple, list[onnx.NodeProto]] = collections.defaultdict(list)
     for n in g.node:
         if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2 and n.input[1] in inits \
@@ -126,75 +120,60 @@ def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
             key = _nbits_key(n, inits)
             if key is not None:
                 by_input[(n.input[0], "MatMulNBits", key)].append(n)
-    replace: dict[str, list[onnx.NodeProto]] = {}  # first node's name -> new nodes
-    drop_nodes: set[str] = set()
-    drop_inits: set[str] = set()
-    new_inits: list[onnx.TensorProto] = []
-    gqa_rewire: dict[str, str] = {}  # GQA node name -> packed output
-    for (x, op, _), group in by_input.items():
-        if len(group) < 2:
-            continue
-        outs = [n.output[0] for n in group]
-        # A q/k/v triple read only by one GQA's slots 0-2 goes into its packed query input.
-        readers = [cons.get(o, []) for o in outs]
-        gqa = None
-        if len(group) == 3 and all(len(r) == 1 for r in readers):
-            cand = readers[0][0]
-            if cand.op_type == "GroupQueryAttention" and list(cand.input[:3]) == outs:
-                gqa = cand
-        if qkv_only and gqa is None:
-            continue
-        names = [n.name for n in group]
-        tag = _nbits_suffix(names[0]) or ("_Q8" if op == "MatMulNBits" else "")
-        new_name = _packed_name([nm.removesuffix(_nbits_suffix(nm)) for nm in names]) + tag
-        out = new_name.removesuffix(tag).rsplit("/", 1)[0] + "/MatMul_output_0"
-        if op == "MatMul":
-            ws = [tensor_array(inits[n.input[1]]) for n in group]
-            sizes = [w.shape[1] for w in ws]
-            w_name = group[0].input[1].replace("q_proj", "qkv_proj").replace("gate_proj", "gate_up_proj")
-            if w_name == group[0].input[1]:
-                w_name += "_packed"
-            new_inits.append(numpy_helper.from_array(np.concatenate(ws, axis=1), w_name))
-            packed = helper.make_node("MatMul", [x, w_name], [out], name=new_name)
-            # keep the module path compress.quantize.calibration reads, with the packed role
-            for p in group[0].metadata_props:
-                e = packed.metadata_props.add()
-                e.key = p.key
-                e.value = p.value.replace("q_proj", "qkv_proj").replace("gate_proj", "gate_up_proj")
-            drop_inits.update(n.input[1] for n in group)
-        else:
-            bs = [tensor_array(inits[n.input[1]]) for n in group]
-            ss = [tensor_array(inits[n.input[2]]) for n in group]
-            sizes = [b.shape[0] for b in bs]
-            kb = bs[0].shape[1]
-            b_name, s_name = new_name + "_B", new_name + "_scales"
-            new_inits.append(numpy_helper.from_array(np.concatenate(bs, axis=0), b_name))
-            # scales are [N, k_blocks] or flat [N * k_blocks]: per-N rows either way
-            s_cat = np.concatenate([s.reshape(-1, kb) for s in ss], axis=0)
-            new_inits.append(numpy_helper.from_array(s_cat.reshape((-1,) if ss[0].ndim == 1 else s_cat.shape), s_name))
-            inputs = [x, b_name, s_name]
-            if len(group[0].input) == 4:  # zero points: per-N rows too
-                zs = [tensor_array(inits[n.input[3]]) for n in group]
-                z_cat = np.concatenate([z.reshape(b.shape[0], -1) for z, b in zip(zs, bs)], axis=0)
-                inputs.append(new_name + "_zero_points")
-                new_inits.append(numpy_helper.from_array(z_cat.reshape((-1,) if zs[0].ndim == 1 else z_cat.shape),
-                                                         inputs[3]))
-            attrs = {a.name: helper.get_attribute_value(a) for a in group[0].attribute}
-            attrs["N"] = int(sum(sizes))
-            packed = helper.make_node("MatMulNBits", inputs, [out], name=new_name, domain=MS_DOMAIN, **attrs)
-            drop_inits.update(i for n in group for i in n.input[1:])
-        new = [packed]
-        if gqa is not None:
-            gqa_rewire[gqa.name] = out
-        else:
-            split_name = new_name.removesuffix(tag).rsplit("/", 1)[0] + "/Split"
-            sz = f"{split_name}_sizes"
-            new_inits.append(numpy_helper.from_array(np.array(sizes, np.int64), sz))
-            new.append(helper.make_node("Split", [out, sz], outs, name=split_name, axis=-1))
-        replace[group[0].name] = new
-        drop_nodes.update(names[1:])
-    if not replace:
-        return 0
+    return by_input
+
+
+def _gqa_reader(outs: list[str], cons: dict) -> onnx.NodeProto | None:
+    """The GroupQueryAttention whose slots 0-2 are these three outputs and their only reader, if one is."""
+    readers = [cons.get(o, []) for o in outs]
+    if len(outs) == 3 and all(len(r) == 1 for r in readers):
+        cand = readers[0][0]
+        if cand.op_type == "GroupQueryAttention" and list(cand.input[:3]) == outs:
+            return cand
+    return None
+
+
+def _packed_matmul(group: list[onnx.NodeProto], inits: dict, x: str, out: str, new_name: str):
+    """(node, new initializers, dropped initializers, output sizes) of plain MatMuls packed along N."""
+    ws = [tensor_array(inits[n.input[1]]) for n in group]
+    w_name = group[0].input[1].replace("q_proj", "qkv_proj").replace("gate_proj", "gate_up_proj")
+    if w_name == group[0].input[1]:
+        w_name += "_packed"
+    packed = helper.make_node("MatMul", [x, w_name], [out], name=new_name)
+    # keep the module path compress.quantize.calibration reads, with the packed role
+    for p in group[0].metadata_props:
+        e = packed.metadata_props.add()
+        e.key = p.key
+        e.value = p.value.replace("q_proj", "qkv_proj").replace("gate_proj", "gate_up_proj")
+    return (packed, [numpy_helper.from_array(np.concatenate(ws, axis=1), w_name)], {n.input[1] for n in group},
+            [w.shape[1] for w in ws])
+
+
+def _packed_nbits(group: list[onnx.NodeProto], inits: dict, x: str, out: str, new_name: str):
+    """(node, new initializers, dropped initializers, output sizes) of MatMulNBits packed along N: codes, scales and
+    zero points are per-N rows, whether stored [N, k_blocks] or flat."""
+    bs = [tensor_array(inits[n.input[1]]) for n in group]
+    ss = [tensor_array(inits[n.input[2]]) for n in group]
+    sizes = [b.shape[0] for b in bs]
+    kb = bs[0].shape[1]
+    b_name, s_name = new_name + "_B", new_name + "_scales"
+    s_cat = np.concatenate([s.reshape(-1, kb) for s in ss], axis=0)
+    new_inits = [numpy_helper.from_array(np.concatenate(bs, axis=0), b_name),
+                 numpy_helper.from_array(s_cat.reshape((-1,) if ss[0].ndim == 1 else s_cat.shape), s_name)]
+    inputs = [x, b_name, s_name]
+    if len(group[0].input) == 4:
+        zs = [tensor_array(inits[n.input[3]]) for n in group]
+        z_cat = np.concatenate([z.reshape(b.shape[0], -1) for z, b in zip(zs, bs)], axis=0)
+        inputs.append(new_name + "_zero_points")
+        new_inits.append(numpy_helper.from_array(z_cat.reshape((-1,) if zs[0].ndim == 1 else z_cat.shape), inputs[3]))
+    attrs = {a.name: helper.get_attribute_value(a) for a in group[0].attribute}
+    attrs["N"] = int(sum(sizes))
+    packed = helper.make_node("MatMulNBits", inputs, [out], name=new_name, domain=MS_DOMAIN, **attrs)
+    return packed, new_inits, {i for n in group for i in n.input[1:]}, sizes
+
+
+def _rewrite(g: onnx.GraphProto, replace: dict, drop_nodes: set, gqa_rewire: dict, drop_inits: set,
+             new_inits: list) -> None:
     nodes = []
     for n in g.node:
         if n.name in drop_nodes:
@@ -216,6 +195,49 @@ def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
         g.initializer.append(t)
     g.ClearField("node")
     g.node.extend(nodes)
+
+
+def pack_siblings(model: onnx.ModelProto, qkv_only: bool = False) -> int:
+    """In place: linears sharing an input packed into one (see the module docstring). Returns groups packed.
+
+    qkv_only: pack only the q/k/v triples that feed a GroupQueryAttention (the export-time form).
+    """
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    cons = consumers_of(g)
+    replace: dict[str, list[onnx.NodeProto]] = {}  # first node's name -> new nodes
+    drop_nodes: set[str] = set()
+    drop_inits: set[str] = set()
+    new_inits: list[onnx.TensorProto] = []
+    gqa_rewire: dict[str, str] = {}  # GQA node name -> packed output
+    for (x, op, _), group in _sibling_groups(g, inits).items():
+        if len(group) < 2:
+            continue
+        outs = [n.output[0] for n in group]
+        # A q/k/v triple read only by one GQA's slots 0-2 goes into its packed query input.
+        gqa = _gqa_reader(outs, cons)
+        if qkv_only and gqa is None:
+            continue
+        names = [n.name for n in group]
+        tag = _nbits_suffix(names[0]) or ("_Q8" if op == "MatMulNBits" else "")
+        new_name = _packed_name([nm.removesuffix(_nbits_suffix(nm)) for nm in names]) + tag
+        out = new_name.removesuffix(tag).rsplit("/", 1)[0] + "/MatMul_output_0"
+        pack = _packed_matmul if op == "MatMul" else _packed_nbits
+        packed, inits_made, dropped, sizes = pack(group, inits, x, out, new_name)
+        new_inits += inits_made
+        drop_inits |= dropped
+        new = [packed]
+        if gqa is not None:
+            gqa_rewire[gqa.name] = out
+        else:
+            split_name = new_name.removesuffix(tag).rsplit("/", 1)[0] + "/Split"
+            sz = f"{split_name}_sizes"
+            new_inits.append(numpy_helper.from_array(np.array(sizes, np.int64), sz))
+            new.append(helper.make_node("Split", [out, sz], outs, name=split_name, axis=-1))
+        replace[group[0].name] = new
+        drop_nodes.update(names[1:])
+    if replace:
+        _rewrite(g, replace, drop_nodes, gqa_rewire, drop_inits, new_inits)
     return len(replace)
 
 

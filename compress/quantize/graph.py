@@ -223,38 +223,14 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
     Returns False (model untouched) when the graph has no such pattern.
     """
     g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    gather = next((n for n in g.node if n.op_type == "Gather" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2), None)
-    if gather is None:
+    found = _tied_table(g, block_size)
+    if found is None:
         return False
+    gather, transposes, lm_heads = found
     e_name = gather.input[0]
-    V, K = inits[e_name].dims
-    if K % block_size:
-        return False
-    consumers = [n for n in g.node if e_name in n.input]
-    transposes = [n for n in consumers if n.op_type == "Transpose"]
-    if len(consumers) != 1 + len(transposes):
-        return False
-    lm_heads = []
-    for t in transposes:
-        users = [n for n in g.node if t.output[0] in n.input]
-        if not all(u.op_type == "MatMul" and u.input[1] == t.output[0] for u in users):
-            return False
-        lm_heads += users
-    E = tensor_array(inits[e_name]).astype(np.float32)
-    kb = K // block_size
-    Eb = E.reshape(V, kb, block_size)
-    scale = (np.abs(Eb).max(-1) / 127.0).astype(np.float32)
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = (np.clip(np.round(Eb / scale[..., None]), -127, 127) + 128).astype(np.uint8)
-    qn = f"{e_name}_q8"
-    g.initializer.extend([
-        numpy_helper.from_array(q, qn),
-        numpy_helper.from_array(scale.reshape(V, kb, 1), f"{qn}_gather_scales"),
-        numpy_helper.from_array(np.full((V, kb, 1), 128, np.uint8), f"{qn}_gather_zero_points"),
-        numpy_helper.from_array(scale.reshape(-1), f"{qn}_matmul_scales"),
-        numpy_helper.from_array(np.array([0, 0, K], np.int64), f"{qn}_shape"),
-    ])
+    E = tensor_array(next(i for i in g.initializer if i.name == e_name)).astype(np.float32)
+    V, K = E.shape
+    qn = _table_blocks(g, E, e_name, block_size)
     new_nodes = []
     for n in g.node:
         if n is gather:
@@ -283,6 +259,49 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
                                          for n in lm_heads], per_channel, reduce_range)
     _ensure_ms_opset(model)
     return True
+
+
+def _tied_table(g: onnx.GraphProto, block_size: int):
+    """(the token Gather, the Transposes of its table, the MatMuls reading them) when the table is read only so and
+    its rows split into whole blocks; else None."""
+    inits = {i.name: i for i in g.initializer}
+    gather = next((n for n in g.node if n.op_type == "Gather" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2), None)
+    if gather is None:
+        return None
+    e_name = gather.input[0]
+    if inits[e_name].dims[1] % block_size:
+        return None
+    consumers = [n for n in g.node if e_name in n.input]
+    transposes = [n for n in consumers if n.op_type == "Transpose"]
+    if len(consumers) != 1 + len(transposes):
+        return None
+    lm_heads = []
+    for t in transposes:
+        users = [n for n in g.node if t.output[0] in n.input]
+        if not all(u.op_type == "MatMul" and u.input[1] == t.output[0] for u in users):
+            return None
+        lm_heads += users
+    return gather, transposes, lm_heads
+
+
+def _table_blocks(g: onnx.GraphProto, E: np.ndarray, e_name: str, block_size: int) -> str:
+    """The table as symmetric 8-bit blocks (stored +128), with the scales and zero points both readers take; returns
+    the codes' name."""
+    V, K = E.shape
+    kb = K // block_size
+    Eb = E.reshape(V, kb, block_size)
+    scale = (np.abs(Eb).max(-1) / 127.0).astype(np.float32)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = (np.clip(np.round(Eb / scale[..., None]), -127, 127) + 128).astype(np.uint8)
+    qn = f"{e_name}_q8"
+    g.initializer.extend([
+        numpy_helper.from_array(q, qn),
+        numpy_helper.from_array(scale.reshape(V, kb, 1), f"{qn}_gather_scales"),
+        numpy_helper.from_array(np.full((V, kb, 1), 128, np.uint8), f"{qn}_gather_zero_points"),
+        numpy_helper.from_array(scale.reshape(-1), f"{qn}_matmul_scales"),
+        numpy_helper.from_array(np.array([0, 0, K], np.int64), f"{qn}_shape"),
+    ])
+    return qn
 
 
 def _ensure_ms_opset(model: onnx.ModelProto) -> None:
