@@ -106,6 +106,19 @@ def tiny_artifact(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def seed1_artifact(tmp_path_factory):
+    """A second, different tiny model (seed 1), for alias flips and swaps. TorchScript export: ~1 s against ~20 s
+    for dynamo. Read-only."""
+    from compress.export.standard import build_artifact
+    from compress.tiny import build_tiny_llama
+
+    model, tok = build_tiny_llama(seed=1)
+    out = tmp_path_factory.mktemp("seed1") / "seed1"
+    build_artifact(model, tok, out, exporter="torchscript")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_splits(tiny_tokenizer):
     """Train/calib/eval/test blocks of 32 tokens from the embedded corpus, 8 held-out blocks of stdlib code."""
     from compress.data import make_splits

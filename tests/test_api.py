@@ -15,11 +15,11 @@ import pytest
 from serve.__main__ import main
 from serve.api.app import create_app
 from serve.api.background import BackgroundServer
-from serve.config import ServeConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
 from serve.runners.onnx_session import CPU
 from step_gate import held_steps, seen_cancels
+from served import http_on, on_socket, serve_cfg
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,23 +31,20 @@ VLLM_NAMES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv
               "vllm:e2e_request_latency_seconds_bucket", "vllm:num_preemptions_total"]
 
 
-def cfg(**kw) -> ServeConfig:
-    kw.setdefault("providers", [CPU])
-    kw.setdefault("kv_memory_mb", 8)
-    return ServeConfig(**kw)
+cfg = serve_cfg
 
 
 @pytest.fixture(scope="module")
 def server(tiny_artifact):
     app = create_app(str(tiny_artifact), cfg(max_batch_size=4, result_cache_size=64), served_name=MODEL,
                      admin_token=TOKEN)
-    with BackgroundServer(app) as srv:
+    with on_socket(app) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
+    with http_on(server) as c:
         yield c
 
 

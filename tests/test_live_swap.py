@@ -15,13 +15,12 @@ import pytest
 
 from serve.api.app import create_app
 from serve.api.background import BackgroundServer
-from serve.config import ServeConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
 from serve.registry.resolver import ModelSourceError, parse_model_uri
 from serve.registry.source import ModelManager
-from serve.runners.onnx_session import CPU
 from step_gate import held_steps
+from served import http_on, on_socket, serve_cfg
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,10 +28,7 @@ NAME = "tiny-serve-swap"
 POLL_S = 0.2
 
 
-def cfg(**kw) -> ServeConfig:
-    kw.setdefault("providers", [CPU])
-    kw.setdefault("kv_memory_mb", 8)
-    return ServeConfig(**kw)
+cfg = serve_cfg
 
 
 def metric(text: str, name: str) -> float:
@@ -73,18 +69,6 @@ def alias_polls(mgr, poller_only: bool = True):
 
 
 @pytest.fixture(scope="module")
-def seed1_artifact(tmp_path_factory):
-    """A second, different model (seed 1). TorchScript export: ~1 s instead of ~20 s for dynamo."""
-    from compress.export.standard import build_artifact
-    from compress.tiny import build_tiny_llama
-
-    model, tok = build_tiny_llama(seed=1)
-    out = tmp_path_factory.mktemp("swap") / "seed1"
-    build_artifact(model, tok, out, exporter="torchscript")
-    return out
-
-
-@pytest.fixture(scope="module")
 def versions(mlflow_store, tiny_artifact, seed1_artifact, tmp_path_factory):
     """v1 = seed 0 (champion), v2 = seed 1, v3 = a corrupt copy of v1 (model.onnx altered after hashing)."""
     import mlflow
@@ -120,13 +104,13 @@ def refs(tiny_artifact, seed1_artifact):
 @pytest.fixture(scope="module")
 def server(versions, mlflow_store):
     app = create_app(f"models:/{NAME}@champion", cfg(poll_interval_s=POLL_S), tracking_uri=mlflow_store)
-    with BackgroundServer(app) as srv:
+    with on_socket(app) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
+    with http_on(server) as c:
         yield c
 
 

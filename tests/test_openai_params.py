@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import numpy as np
 import openai
 import pytest
 
 from serve.api.app import create_app
-from serve.api.background import BackgroundServer
 from serve.config import ServeConfig
 from serve.runners.onnx_session import CPU
+from served import http_on, on_socket
 from serve.engine.sampling import (SamplingError, SamplingParams, apply_frequency_presence_penalties, process_logits,
                             sample_token, token_logprobs)
 
@@ -29,13 +28,13 @@ EOS = 2  # the tiny artifact's eos_token_ids == [2] ("<|im_end|>")
 def server(tiny_artifact):
     app = create_app(str(tiny_artifact), ServeConfig(providers=[CPU], kv_memory_mb=8, max_batch_size=4,
                                                      result_cache_size=64), served_name=MODEL, admin_token=None)
-    with BackgroundServer(app) as srv:
+    with on_socket(app) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with http_on(server, timeout=60) as c:
         yield c
 
 

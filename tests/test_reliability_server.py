@@ -23,10 +23,9 @@ from hypothesis import strategies as st
 from loadtest.soak import soak_server
 from serve.api.app import create_app
 from serve.api.background import BackgroundServer
-from serve.config import ServeConfig
 from serve.engine.sampling import SamplingParams
-from serve.runners.onnx_session import CPU
 from step_gate import SAFETY_S, held_steps
+from served import on_socket, serve_cfg
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,17 +35,14 @@ TIMEOUT = httpx.Timeout(20.0)  # a request that takes longer than this counts as
 KNOWN_FIELDS = {"prompt", "messages", "max_tokens", "model"}
 
 
-def cfg(**kw) -> ServeConfig:
-    kw.setdefault("providers", [CPU])
-    kw.setdefault("kv_memory_mb", 8)
-    return ServeConfig(**kw)
+cfg = serve_cfg
 
 
 @pytest.fixture(scope="module")
 def server(tiny_artifact):
     app = create_app(str(tiny_artifact), cfg(max_batch_size=4, max_waiting=32, result_cache_size=64),
                      admin_token=TOKEN)
-    with BackgroundServer(app) as srv:
+    with on_socket(app) as srv:
         yield srv
 
 

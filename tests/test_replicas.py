@@ -25,11 +25,11 @@ import pytest
 from loadtest.serve_bench import free_port
 from serve.api.app import create_app
 from serve.api.background import BackgroundServer
+from served import serve_cfg
 from serve.config import ServeConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
 from serve.replicas.forwarding import REPLICA_HEADER, metric_value
-from serve.runners.onnx_session import CPU
 
 # Ray is imported by the fixture, not at collection: the rest of the suite runs without its import side effects.
 pytestmark = [pytest.mark.timeout(420),
@@ -42,22 +42,8 @@ SYSTEM = ("You are the help desk of a library. Answer in one short sentence, nam
 
 
 def cfg(**kw) -> ServeConfig:
-    kw.setdefault("providers", [CPU])
-    kw.setdefault("kv_memory_mb", 8)
     kw.setdefault("intra_op_threads", 1)  # as each replica: the same reductions, the same greedy tokens
-    return ServeConfig(**kw)
-
-
-@pytest.fixture(scope="module")
-def seed1_artifact(tmp_path_factory):
-    """A second, different model (seed 1) for the alias flip; TorchScript export (~1 s)."""
-    from compress.export import build_artifact
-    from compress.tiny import build_tiny_llama
-
-    model, tok = build_tiny_llama(seed=1)
-    out = tmp_path_factory.mktemp("replicas") / "seed1"
-    build_artifact(model, tok, out, exporter="torchscript")
-    return out
+    return serve_cfg(**kw)
 
 
 @pytest.fixture(scope="module")

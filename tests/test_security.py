@@ -21,7 +21,7 @@ from compress.config import ModelConfig, PipelineConfig, ServeConfig, load_confi
 from serve.__main__ import build_parser
 from serve.api.app import create_app
 from serve.api.background import BackgroundServer
-from serve.runners.onnx_session import CPU
+from served import http_on, on_socket, serve_cfg
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,22 +31,19 @@ ROOT = project_root()
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def cfg(**kw) -> ServeConfig:
-    kw.setdefault("providers", [CPU])
-    kw.setdefault("kv_memory_mb", 8)
-    return ServeConfig(**kw)
+cfg = serve_cfg
 
 
 @pytest.fixture(scope="module")
 def server(tiny_artifact):
     app = create_app(str(tiny_artifact), cfg(max_request_bytes=LIMIT), admin_token=TOKEN)
-    with BackgroundServer(app) as srv:
+    with on_socket(app) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
+    with http_on(server) as c:
         yield c
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from compress.nbits import pack_w4
 from compress.quantize.calibration import Linear

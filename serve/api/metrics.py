@@ -147,6 +147,13 @@ class _Scrape:
         g.add_metric(list(labels.values()), value)
         return g
 
+    @staticmethod
+    def counter(metric: str, doc: str, value) -> CounterMetricFamily:
+        """A counter of the whole server (no labels)."""
+        c = CounterMetricFamily(metric, doc)
+        c.add_metric([], value)
+        return c
+
 
 class _ScrapeTimeCollector:
     """Reads engine, cache and manager state at scrape time."""
@@ -227,12 +234,9 @@ class _ScrapeTimeCollector:
     def _cache_and_models(self, sc: _Scrape):
         """The result cache, the model served and the swaps."""
         cache, mgr, cur = self.m.cache, self.m.manager, sc.cur
-        c = CounterMetricFamily("compressor:result_cache_hits", "Requests answered from the result cache.")
-        c.add_metric([], cache.hits)
-        yield c
-        c = CounterMetricFamily("compressor:result_cache_misses", "Deterministic requests not found in the result cache.")
-        c.add_metric([], cache.misses)
-        yield c
+        yield sc.counter("compressor:result_cache_hits", "Requests answered from the result cache.", cache.hits)
+        yield sc.counter("compressor:result_cache_misses", "Deterministic requests not found in the result cache.",
+                         cache.misses)
         yield sc.gauge("compressor:result_cache_entries", "Entries in the result cache.", len(cache), {})
         version = cur.version if cur else None
         yield sc.gauge("compressor:served_model_version",
@@ -245,9 +249,5 @@ class _ScrapeTimeCollector:
         yield info
         yield sc.gauge("compressor:models_draining", "Old models still finishing in-flight requests after a swap.",
                        len(sc.live) - (1 if cur in sc.live else 0), {})
-        c = CounterMetricFamily("compressor:model_swaps", "Live model swaps.")
-        c.add_metric([], mgr.num_swaps)
-        yield c
-        c = CounterMetricFamily("compressor:model_load_failures", "Model versions that failed to load.")
-        c.add_metric([], mgr.num_load_failures)
-        yield c
+        yield sc.counter("compressor:model_swaps", "Live model swaps.", mgr.num_swaps)
+        yield sc.counter("compressor:model_load_failures", "Model versions that failed to load.", mgr.num_load_failures)

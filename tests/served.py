@@ -1,0 +1,35 @@
+"""What the server tests share: a small CPU ServeConfig and a real server on a socket with an httpx client.
+
+``from served import ...`` (pytest puts tests/ on sys.path: the folder has no __init__.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from serve.api.background import BackgroundServer
+from serve.config import ServeConfig
+from serve.runners.onnx_session import CPU
+
+
+def serve_cfg(**kw) -> ServeConfig:
+    """A ServeConfig on the CPU EP with an 8 MiB KV pool (the tiny models' size), ``kw`` on top."""
+    kw.setdefault("providers", [CPU])
+    kw.setdefault("kv_memory_mb", 8)
+    return ServeConfig(**kw)
+
+
+@contextmanager
+def on_socket(app) -> Iterator[BackgroundServer]:
+    """``app`` on a real socket (127.0.0.1, a free port) for the block."""
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+@contextmanager
+def http_on(srv: BackgroundServer, timeout: float = 30) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=srv.url, timeout=timeout) as c:
+        yield c
