@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 setup: $(VENV)/.installed
 
 demo: setup
-	$(BIN)/compressor run --config $(CONFIG)
+	$(BIN)/compressor run --config $(CONFIG) $(if $(OUT),--out $(OUT))
 
 # Two pytest workers (pytest-xdist), each test file on one of them (its module fixtures built once): much of the
 # suite waits on subprocesses and servers, so two workers on two cores take about 30 % less time than one.

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import time
-
+from pathlib import Path
 
 
 def cmd_run(args) -> int:
@@ -23,6 +23,10 @@ def cmd_run(args) -> int:
     result = state.result(raise_on_failure=False)
     out = result.outcome if isinstance(result, RunNotAccepted) else result
     if isinstance(out, dict):
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"state": state.name, "seconds": round(time.perf_counter() - t0, 1),
+                                                  **out}, indent=1, default=str))
         print(f"MLflow run:  {out['run_id']}  ({out['tracking_uri']})")
         for r in out["registered"]:
             print(f"registered:  {r['name']} version {r['version']} aliases {r['aliases']}")
@@ -125,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run the compression flow")
     common(r)
+    r.add_argument("--out", metavar="FILE", help="also write the run's outcome (stages with seconds and figures, the "
+                   "verdict, the versions) as JSON to FILE, whatever the verdict")
     r.set_defaults(fn=cmd_run)
 
     c = sub.add_parser("config", help="validate or print the resolved config")

@@ -4,6 +4,7 @@ accepted candidate once, and exactly one champion, the better on the chat set (t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +25,8 @@ def test_two_runs_seconds_apart_on_one_store(prefect_harness, tmp_path):
     procs = []
     for k, method in enumerate(("weight_only", "dynamic")):
         sets = COMMON + [f"quantize.method={method}", f"workdir={tmp_path / 'work'}"]
-        procs.append(subprocess.Popen(cli + [a for s in sets for a in ("--set", s)], cwd=ROOT, env=env,
+        procs.append(subprocess.Popen(cli + ["--out", str(tmp_path / f"out{k}.json")]
+                                      + [a for s in sets for a in ("--set", s)], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         if k == 0:
             time.sleep(3)
@@ -33,7 +35,13 @@ def test_two_runs_seconds_apart_on_one_store(prefect_harness, tmp_path):
         assert "Traceback" not in out, out[-3000:]
         assert p.returncode in (0, 1), out[-3000:]  # a verdict: accepted (0) or not accepted (1)
         assert "verdict" in out.lower() or "accepted" in out.lower(), out[-2000:]
-    check_one_champion(uri, "overlap")
+    table = check_one_champion(uri, "overlap")
+    # `--out`: each run's outcome as JSON, its state the exit code's and its versions the registry's
+    for k, p in enumerate(procs):
+        outcome = json.loads((tmp_path / f"out{k}.json").read_text())
+        assert (outcome["state"] in ("Accepted", "Completed")) == (p.returncode == 0)
+        cand = outcome["registered"][-1]
+        assert table[cand["version"]][1] == ("accepted" if outcome["verdict"]["accepted"] else "rejected")
 
 
 def check_one_champion(uri: str, name: str) -> dict:
