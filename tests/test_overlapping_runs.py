@@ -41,7 +41,8 @@ def test_two_runs_seconds_apart_on_one_store(prefect_harness, tmp_path):
         outcome = json.loads((tmp_path / f"out{k}.json").read_text())
         assert (outcome["state"] in ("Accepted", "Completed")) == (p.returncode == 0)
         cand = outcome["registered"][-1]
-        assert table[cand["version"]][1] == ("accepted" if outcome["verdict"]["accepted"] else "rejected")
+        verdict = {str(v): row[1] for v, row in table.items()}[str(cand["version"])]
+        assert verdict == ("accepted" if outcome["verdict"]["accepted"] else "rejected")
 
 
 def check_one_champion(uri: str, name: str) -> dict:
