@@ -35,7 +35,7 @@ demo: setup
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS) tests
 
 # The MLflow UI on the project's store: `make ui UI_PORT=5001` when 5000 is taken. The pipeline's links are
 # relative routes of the UI (compress/registry.py), so they open on whatever port it runs.
