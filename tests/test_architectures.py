@@ -207,7 +207,7 @@ def test_serving_batched_equals_batch_one(family, models, artifacts):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_wave_of_prompts_split_in_two_calls_equals_torch(family, models, artifacts):
     """Eight first prompts of 4 to 70 tokens in one step, run as two calls at once on the split session (cut where
-    their work is even, serve/runners/gqa.py balanced_cut), then decoded as two halves: torch's greedy tokens."""
+    their work is even, serve/runners/gqa_split.py balanced_cut), then decoded as two halves: torch's greedy tokens."""
     from serve.engine.engine import Engine
     from serve.engine.sampling import SamplingParams
     from serve.runners.onnx_session import CPU

@@ -134,7 +134,7 @@ def _path_candidates(span: str) -> str | None:
 
 
 def _exists(path: str) -> bool:
-    """A file or folder, or a module's attribute (`serve/runners/gqa.SPLIT_MAX_WEIGHT_BYTES`, `compress/data`)."""
+    """A file or folder, or a module's attribute (`serve/runners/gqa_split.SPLIT_MAX_WEIGHT_BYTES`, `compress/data`)."""
     module = re.sub(r"\.[A-Za-z_]\w*$", "", path) if not (ROOT / path).exists() else path
     return (ROOT / path).exists() or (ROOT / f"{module}.py").exists()
 

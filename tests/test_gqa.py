@@ -261,15 +261,15 @@ def test_released_sequence_never_writes_into_reused_blocks(gqa_artifact):
     r.execute([RunRow("A", [0, 1, 2], 0, list(range(10, 15))), RunRow("D", [6, 7], 0, list(range(50, 54)))])
     for pos in range(5, 9):  # position 7 fills block 1 (flushed); position 8 sits in block 2, not yet written
         r.execute([RunRow("A", [0, 1, 2], pos, [20 + pos])])
-    a = [sl.key for sl in r.slot].index("A")
-    assert r.slot[a].flushed == 8 and r.slot[a].valid == 9
+    a = [sl.key for sl in r.rows.slot].index("A")
+    assert r.rows.slot[a].flushed == 8 and r.rows.slot[a].valid == 9
     r.release("A")  # the engine freed A's blocks: block 2 goes to B
     r.execute([RunRow("B", [2, 3], 0, list(range(30, 36)))])
-    b = [sl.key for sl in r.slot].index("B")
+    b = [sl.key for sl in r.rows.slot].index("B")
     written = r.pool[:, 2].copy()
-    assert np.array_equal(written, r.kv[:, b, :, 0:4, :])  # B's first block, written by its prefill
+    assert np.array_equal(written, r.rows.kv[:, b, :, 0:4, :])  # B's first block, written by its prefill
     r.execute([RunRow("C", [4, 5], 0, list(range(40, 46)))])  # takes the least recently used row
-    assert {sl.key for sl in r.slot} == {"B", "C"}
+    assert {sl.key for sl in r.rows.slot} == {"B", "C"}
     assert np.array_equal(r.pool[:, 2], written)  # B's block is untouched
 
 
@@ -440,17 +440,17 @@ def test_prompt_cut_times_a_wave_cut_both_ways(gqa_artifact, tiny_artifact, caps
 def test_no_split_session_for_a_graph_over_the_weight_limit(gqa_artifact, monkeypatch):
     """The split decode's second session is a second copy of the weights: a graph over SPLIT_MAX_WEIGHT_BYTES (a 7B's
     8.6 GB) gets none, so the server holds its weights once."""
-    from serve.artifact import read_manifest
-    from serve.runners import gqa as runner_gqa
+    from serve.artifact import graph_bytes, read_manifest
+    from serve.runners import gqa_split
 
     manifest = read_manifest(gqa_artifact, verify=False)
-    assert 0 < runner_gqa.graph_bytes(manifest) < runner_gqa.SPLIT_MAX_WEIGHT_BYTES
+    assert 0 < graph_bytes(manifest) < gqa_split.SPLIT_MAX_WEIGHT_BYTES
     kw = dict(num_blocks=8, block_size=4, providers=[CPU], max_batch_size=8, decode_split_rows=3, intra_op_threads=2)
     split = GqaRunner(gqa_artifact, manifest, **kw)
-    assert split.decode_split_rows == 3 and split._half_session is not None
-    monkeypatch.setattr(runner_gqa, "SPLIT_MAX_WEIGHT_BYTES", runner_gqa.graph_bytes(manifest) - 1)
+    assert split.decode_split_rows == 3 and split.split.session is not None
+    monkeypatch.setattr(gqa_split, "SPLIT_MAX_WEIGHT_BYTES", graph_bytes(manifest) - 1)
     whole = GqaRunner(gqa_artifact, manifest, **kw)
-    assert whole.decode_split_rows == 0 and whole._half_session is None
+    assert whole.decode_split_rows == 0 and whole.split.session is None
 
 
 def test_the_gqa_builder_honours_the_external_data_threshold(tmp_path):

@@ -52,9 +52,9 @@ def test_max_length_request_stays_within_budget_and_gives_memory_back(tiny_gqa):
     long = (ids(400, 1), 512 - 400)  # prompt + max_tokens = max_model_len
     short = [(ids(20 + 5 * k, 10 + k), 30) for k in range(6)]
     out, peak = drive(eng, [long, *short])
-    assert peak <= budget and r.peak_kv_bytes <= budget
+    assert peak <= budget and r.rows.peak_kv_bytes <= budget
     assert peak > idle  # the rows were used, within the budget
-    assert eng.kv_bytes() == idle and r.kv.nbytes == 0  # given back once nothing runs
+    assert eng.kv_bytes() == idle and r.rows.kv.nbytes == 0  # given back once nothing runs
 
     assert out == unsqueezed(tiny_gqa, [long, *short])
 
@@ -65,14 +65,14 @@ def test_rows_shrink_after_a_long_request_while_short_ones_run(tiny_gqa):
     r = eng.runner
     eng.add_request(ids(480, 3), SamplingParams.greedy(4, ignore_eos=True))
     eng.run_until_done()
-    assert r.kv.nbytes == 0
+    assert r.rows.kv.nbytes == 0
     # A long one and a short, longer-lived one: once the long one is done the rows shrink to the short one's need.
     eng.add_request(ids(480, 4), SamplingParams.greedy(2, ignore_eos=True))
     h = eng.add_request(ids(10, 5), SamplingParams.greedy(60, ignore_eos=True))
     caps = []
     while eng.has_work():
         eng.step()
-        caps.append(r.cap)
+        caps.append(r.rows.cap)
         assert eng.kv_bytes() <= eng.kv_budget_bytes()
     assert max(caps) >= 482
     assert min(c for c in caps if c) <= 256  # shrunk while the short one was still running
@@ -152,16 +152,16 @@ def test_rows_follow_the_traffic_not_what_the_budget_could_hold(tiny_gqa):
     assert out == unsqueezed(tiny_gqa, one)
     handle = eng.add_request(ids(20, 2), SamplingParams.greedy(40, ignore_eos=True))
     eng.step()
-    assert r.slots == 1 and eng.kv_bytes() == r.pool.nbytes + r.cap * r.bytes_per_token
+    assert r.rows.slots == 1 and eng.kv_bytes() == r.pool.nbytes + r.rows.cap * r.bytes_per_token
     reqs = [(ids(12 + i, 10 + i), 8) for i in range(3)]
     handles, slots = [], []
     for p, n in reqs:  # one more sequence each step: 2, 3, then 4 rows
         handles.append(eng.add_request(p, SamplingParams.greedy(n, ignore_eos=True)))
         eng.step()
-        slots.append(r.slots)
+        slots.append(r.rows.slots)
     assert slots == [2, 4, 4]  # powers of two, never the 8 the budget could hold
     while eng.has_work():
         eng.step()
-    assert r.slots == 0 and eng.kv_bytes() == r.pool.nbytes  # idle: the rows are given back
+    assert r.rows.slots == 0 and eng.kv_bytes() == r.pool.nbytes  # idle: the rows are given back
     assert [h.result().output_ids for h in handles] == unsqueezed(tiny_gqa, reqs)
     assert handle.result().output_ids == unsqueezed(tiny_gqa, [(ids(20, 2), 40)])[0]

@@ -1,7 +1,9 @@
 """Runner backend for attention layout ``gqa``: in-place KV rows for ``com.microsoft.GroupQueryAttention``.
 
 Implements serve/runners/protocol.ModelRunner, as serve.runners.standard.Runner does, so the engine, scheduler
-and block manager do not change.
+and block manager do not change. Its parts: the K/V rows and their pool (serve/runners/gqa_rows.py: which slot holds
+which sequence, pool/row copies, the rows' shape within their budget), the optional split of a step into two
+halves (serve/runners/gqa_split.py), and here the calls: their IOBindings and the step.
 
 Storage
   ``pool`` [2 x layers, num_blocks, kv_heads, block_size, head_dim]: the block pool, exactly as
@@ -43,11 +45,8 @@ Memory bound (docs/serving.md, "One KV budget")
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -55,62 +54,13 @@ import numpy as np
 
 from serve.artifact import graph_bytes
 from serve.kv.device import kv_store
-from serve.runners.onnx_session import artifact_session
+from serve.runners.gqa_rows import KvRows
+from serve.runners.gqa_split import SplitDecode, balanced_cut
 from serve.runners.onnx_session import CPU, CUDA
 from serve.runners.protocol import RunnerBase, RunnerError, RunRow
 from serve.runners.standard import kv_spec
 
 log = logging.getLogger(__name__)
-
-CAP_STEP = 256
-
-
-def balanced_cut(lens: Sequence[int], head_share: float) -> int:
-    """Where to cut ``lens`` (ascending prompt lengths, at least two) into two calls that run at once, so that the
-    longer of the two ends first: a call costs its rows x (its padded length + its kept logits positions x
-    ``head_share``, the lm_head's multiply-adds per position over the rest of the model's). Cut at n // 2, one
-    long prompt padded half the wave to its length and widened that call's logits to its span: 32 chat prompts,
-    one of them 8x longer, took 9.6 s against 1.5 s (benchmarks/history.md run 15)."""
-    n = len(lens)
-
-    def work(lo: int, hi: int) -> float:
-        longest = lens[hi - 1]
-        return (hi - lo) * (longest + (longest - lens[lo] + 1) * head_share)
-
-    return min(range(1, n), key=lambda k: (max(work(0, k), work(k, n)), abs(n - 2 * k)))
-
-
-# The split decode's second session is a second copy of the weights: worth 5-16 % tokens/s for SmolLM2 or a 1B
-# (0.2-1.5 GB), not 8.6 GB more for a 7B, whose server would then hold twice its INT8 weights.
-SPLIT_MAX_WEIGHT_BYTES = 2 * 2**30
-
-
-@dataclass(slots=True)
-class Slot:
-    """One row of the K/V rows buffer: whose sequence it holds and how much of it.
-
-    Invariant: ``flushed <= valid``; positions [0, valid) of the occupant ``key`` are in the row, and [0, flushed)
-    are in its blocks of the pool too (decode K/V reaches the pool a block at a time: GqaRunner._flush writes
-    [flushed, valid) with ``table``, the occupant's block table, the engine's live list). A free slot has no key,
-    nothing valid and no table. ``used`` is the step that last used it (least recently used goes first)."""
-
-    key: Hashable | None = None
-    valid: int = 0
-    flushed: int = 0
-    table: Sequence[int] | None = None
-    used: int = 0
-
-    def hold(self, key: Hashable, table: Sequence[int] | None, valid: int, flushed: int, used: int) -> None:
-        if flushed > valid:
-            raise RunnerError(f"slot of {key!r}: {flushed} positions flushed of {valid} valid")
-        self.key, self.table, self.valid, self.flushed, self.used = key, table, valid, flushed, used
-
-    def truncate(self, cap: int) -> None:
-        """The rows buffer shrank to ``cap`` positions."""
-        self.valid, self.flushed = min(self.valid, cap), min(self.flushed, cap)
-
-    def clear(self) -> None:
-        self.key, self.table, self.valid, self.flushed = None, None, 0, 0
 
 
 class _PromptCall(NamedTuple):
@@ -152,19 +102,15 @@ class GqaRunner(RunnerBase):
         head = int(manifest.get("vocab_size") or 0) * int(manifest.get("hidden_size") or 0)
         rest = int(manifest.get("num_parameters") or 0) - head
         self._head_share = head / rest if self.has_logits_to_keep and head and rest > 0 else 0.0
-        n_kv = self.n_kv
-        self.pool = self.store.zeros((n_kv, num_blocks, self.kv_heads, block_size, self.head_dim))
         self.max_slots = int(max_batch_size)
         # None = the old unbounded behaviour (every slot at the longest length), for direct users of the runner.
-        self.row_tokens = int(row_tokens) if row_tokens else self.max_slots * self.max_len
-        if self.row_tokens < 1:
-            raise RunnerError(f"row_tokens {self.row_tokens}: the KV rows need room for at least one position")
-        self.slots = 0
-        self.cap = 0
-        self.kv = self.store.zeros((n_kv, 0, self.kv_heads, 0, self.head_dim))
-        self.slot: list[Slot] = []  # one per row of the buffer
-        self.reshapes = 0
-        self.peak_kv_bytes = self.kv_bytes()  # most KV bytes (pool + rows) held at once, copies included
+        row_tokens = int(row_tokens) if row_tokens else self.max_slots * self.max_len
+        if row_tokens < 1:
+            raise RunnerError(f"row_tokens {row_tokens}: the KV rows need room for at least one position")
+        self.rows = KvRows(self.store, (self.n_kv, self.kv_heads, self.head_dim, 0), self.dtype,
+                           num_blocks=num_blocks, block_size=block_size, max_slots=self.max_slots,
+                           max_len=self.max_len, row_tokens=row_tokens, bytes_per_token=self.bytes_per_token)
+        self.pool = self.rows.pool
         # logits buffers, reused call after call: one for decode calls, whose rows execute returns as views (valid
         # until the next execute; the engine samples them at once), one for prefill calls in the same step
         self._logits = {"decode": np.zeros(0, np.float32), "prefill": np.zeros(0, np.float32)}
@@ -172,99 +118,48 @@ class GqaRunner(RunnerBase):
         # logits buffer stay the same: rebinding 2 x layers K/V pointers every token cost ~1 ms on this CPU.
         self._decode_key: tuple | None = None
         self._decode_parts: list[tuple] = []
-        self._artifact = (artifact_dir, manifest)
-        self._setup_split(intra_op_threads, decode_split_rows, graph_bytes(manifest))
-        self._tick = 0
-        self.gathered_tokens = 0  # positions copied from the pool into rows (prefix hits, refills)
-        self.moved_tokens = 0  # positions copied between rows (a decode row moving below B)
+        self.split = SplitDecode((artifact_dir, manifest), self.provider, intra_op_threads=intra_op_threads,
+                                 rows_from=decode_split_rows, weights=graph_bytes(manifest), max_slots=self.max_slots)
         self.batched_prompts = 0  # prompts that ran in a call with other first prompts (_run_first_prompts)
 
-    def _setup_split(self, intra_op_threads: int, decode_split_rows: int, weights: int) -> None:
-        """From ``decode_split_rows`` decode rows on, two halves at once on a session with half the threads (see
-        _halves): on the CPU EP with two threads or more, and for graphs small enough to hold twice."""
-        threads = intra_op_threads or len(os.sched_getaffinity(0))
-        self._half_threads = max(1, threads // 2)
-        self.decode_split_rows = int(decode_split_rows) if self.provider == CPU and threads >= 2 else 0
-        if self.decode_split_rows and weights > SPLIT_MAX_WEIGHT_BYTES:
-            log.info("decode split off: its second session would hold a second copy of the graph's %.2f GiB of "
-                     "weights (split only up to %.0f GiB)", weights / 2**30, SPLIT_MAX_WEIGHT_BYTES / 2**30)
-            self.decode_split_rows = 0
-        self._half_session = None
-        self._half_exec: ThreadPoolExecutor | None = None
-        self.split_steps = 0  # decode steps run as two halves
-        self.split_prompt_calls = 0  # first-prompt batches run as two halves
-        if self.decode_split_rows and self.max_slots >= self.decode_split_rows:
-            self._halves()  # at start-up, not in the middle of serving (a session load is a pause of its own)
+    # ---- what the rest of the server reads --------------------------------------------------
+    @property
+    def row_tokens(self) -> int:
+        return self.rows.row_tokens
 
-    # ---- memory ----------------------------------------------------------------------------
+    @property
+    def gathered_tokens(self) -> int:
+        return self.rows.gathered_tokens
+
+    @property
+    def moved_tokens(self) -> int:
+        return self.rows.moved_tokens
+
+    @property
+    def decode_split_rows(self) -> int:
+        return self.split.rows_from
+
+    @property
+    def split_steps(self) -> int:
+        return self.split.steps
+
+    @property
+    def split_prompt_calls(self) -> int:
+        return self.split.prompt_calls
+
     def kv_bytes(self) -> int:
         """Bytes held for K/V now: the block pool plus the rows."""
-        return int(self.pool.nbytes + self.kv.nbytes)
+        return self.rows.kv_bytes()
 
     def kv_budget_bytes(self) -> int:
         """The most ``kv_bytes`` can reach: the pool plus the rows' share."""
-        return int(self.pool.nbytes + self.row_tokens * self.bytes_per_token)
+        return self.rows.kv_budget_bytes()
 
     def trim(self, longest: int) -> None:
-        """Give row memory back: all of it when ``longest`` (the longest running sequence) is 0, else shrink
-        to ``longest`` rounded up once that is at most half the current length axis."""
-        if longest <= 0:
-            if self.store.numel(self.kv):
-                self._reshape(0, 0)
-            return
-        if not self.cap or -(-longest // CAP_STEP) * CAP_STEP > self.cap // 2:
-            return  # the common case, checked cheaply: no shrink
-        slots, cap = self._layout(self.slots, min(longest, self.max_len))
-        if cap <= self.cap // 2:
-            self._reshape(slots, cap)
+        self.rows.trim(longest)
 
-    # ---- buffers ---------------------------------------------------------------------------
-    def _layout(self, rows: int, need: int) -> tuple[int, int]:
-        """(slots, cap) for a step of ``rows`` rows, the longest reaching position ``need``."""
-        if need > self.max_len:
-            raise RunnerError(f"a sequence needs {need} positions; max_model_len is {self.max_len}")
-        cap = min(self.max_len, -(-need // CAP_STEP) * CAP_STEP, self.row_tokens // max(rows, 1))
-        if cap < need:
-            raise RunnerError(f"{rows} rows up to position {need} need {rows * need} row positions; the KV rows "
-                              f"hold {self.row_tokens} (the scheduler keeps steps within that)")
-        # Slots for the traffic there is, rounded up to a power of two (at most log2(max_batch_size) reshapes as
-        # it grows), not for as many sequences as the budget could hold: the rows are written in full once
-        # bound, so every unused slot would be resident memory (docs/serving.md, "One KV budget").
-        grow = 1 << (rows - 1).bit_length() if rows > 0 else 1
-        return max(rows, min(self.max_slots, self.row_tokens // cap, grow)), cap
-
-    def _ensure(self, rows: int, need: int) -> None:
-        if need <= self.cap and rows <= self.slots:
-            return
-        self._reshape(*self._layout(rows, need))
-
-    def _reshape(self, slots: int, cap: int) -> None:
-        self._flush_all()  # what a reshape drops or truncates is then in the pool, the source of truth
-        old, n_old = self.kv, self.slots
-        shape = (self.n_kv, slots, self.kv_heads, cap, self.head_dim)
-        new_bytes = int(np.prod(shape)) * np.dtype(self.dtype).itemsize
-        keep = self.store.numel(old) > 0 and slots > 0 and cap > 0 and \
-            old.nbytes + new_bytes <= self.row_tokens * self.bytes_per_token
-        if not keep:  # drop the old rows before allocating: the rows never hold more than row_tokens
-            # an empty array, not None: /metrics reads kv_bytes() from another thread at any moment
-            self.kv, old = self.store.zeros((0,)), None
-        new = self.store.zeros(shape)
-        self.peak_kv_bytes = max(self.peak_kv_bytes, self.pool.nbytes + new_bytes + (old.nbytes if keep else 0))
-        m = min(n_old, slots)
-        if keep:
-            c = min(self.cap, cap)
-            new[:, :m, :, :c] = old[:, :m, :, :c]
-            for sl in self.slot[:m]:
-                sl.truncate(cap)
-            self.slot = self.slot[:m] + [Slot() for _ in range(slots - m)]
-        else:  # refilled from the pool when next used
-            self.slot = [Slot() for _ in range(slots)]
-        del old
-        self.kv, self.slots, self.cap = new, slots, cap
-        self.reshapes += 1
-        log.info("GQA KV rows: %d rows x %d positions (%.1f MiB of %.1f MiB for rows; %s)", slots, cap,
-                 new_bytes / 2**20, self.row_tokens * self.bytes_per_token / 2**20,
-                 "copied" if keep else "refilled from the pool")
+    def release(self, key: Hashable) -> None:
+        self.rows.release(key)
 
     def _logits_buf(self, shape: tuple[int, ...], use: str = "prefill") -> np.ndarray:
         n = int(np.prod(shape))
@@ -273,74 +168,11 @@ class GqaRunner(RunnerBase):
             buf = self._logits[use] = np.zeros(max(n, int(buf.size * 1.5)), np.float32)
         return buf[:n].reshape(shape)
 
-    def _gather(self, slot: int, r: RunRow, valid: int) -> None:
-        """Copy positions [valid, r.start) of the row's sequence from its blocks into the slot."""
-        bs = self.block_size
-        j0, j1 = valid // bs, -(-r.start // bs)
-        g = self.store.block_rows(self.pool, r.block_table[j0:j1])  # [n_kv, H, (j1 - j0) * bs, D]
-        self.kv[:, slot, :, valid:r.start, :] = g[:, :, valid - j0 * bs:r.start - j0 * bs, :]
-        self.gathered_tokens += r.start - valid
-
-    def _fill(self, slot: int, r: RunRow) -> None:
-        """Make the slot hold r's sequence up to r.start (keeps what is already valid there)."""
-        sl = self.slot[slot]
-        mine = sl.key == r.key
-        if not mine:
-            self._flush(slot)  # the occupant's unwritten positions go to its blocks before they are overwritten
-        valid = min(sl.valid if mine else 0, r.start)
-        flushed = min(sl.flushed if mine else 0, valid)
-        if valid < r.start:
-            self._gather(slot, r, valid)
-            if flushed == valid:  # [0, valid) was in the pool, and [valid, start) came from it
-                flushed = r.start
-        sl.hold(r.key, r.block_table, r.start, flushed, self._tick)
-
-    def _place_decode(self, rows: list[RunRow]) -> None:
-        """Put decode row i in slot i's range [0, B): keep slots already there, move or gather the others."""
-        B = len(rows)
-        where = {sl.key: s for s, sl in enumerate(self.slot) if sl.key is not None}
-        target: list[int | None] = [None] * B
-        for i, r in enumerate(rows):
-            s = where.get(r.key)
-            if s is not None and s < B:
-                target[i] = s
-        taken = {t for t in target if t is not None}
-        free = [s for s in range(B) if s not in taken]
-        free.sort(key=lambda s: self.slot[s].used)  # overwrite the least recently used first
-        for i, r in enumerate(rows):
-            if target[i] is not None:
-                continue
-            t = free.pop(0)
-            s = where.get(r.key)
-            if s is not None:  # s >= B: copy the valid prefix within the buffer (cheaper than the pool)
-                self._flush(t)
-                src = self.slot[s]
-                n = min(src.valid, r.start)
-                self.kv[:, t, :, :n] = self.kv[:, s, :, :n]
-                self.moved_tokens += n
-                self.slot[t].hold(r.key, src.table, n, min(src.flushed, n), self.slot[t].used)
-                src.clear()
-            target[i] = t
-        # Reorder so that rows[i] sits in slot i (the batch row of the call).
-        order = sorted(range(B), key=lambda i: target[i])
-        rows[:] = [rows[i] for i in order]
-        for i, r in enumerate(rows):
-            self._fill(i, r)
-
-    def _slot_for_prefill(self, r: RunRow, reserved: int) -> int:
-        for s in range(reserved, self.slots):
-            if self.slot[s].key == r.key:
-                return s
-        choices = [s for s in range(reserved, self.slots) if self.slot[s].used != self._tick or self.slot[s].key is None]
-        if not choices:
-            raise RunnerError(f"more rows in one step than the runner's {self.slots} KV rows (max_batch_size)")
-        return min(choices, key=lambda s: (self.slot[s].key is not None, self.slot[s].used))
-
     # ---- the step --------------------------------------------------------------------------
     def execute(self, rows: Sequence[RunRow]) -> list[np.ndarray | None]:
         """Compute the rows' new tokens, write their K/V to the pool; last-position logits per row."""
         t0 = time.perf_counter()
-        self._tick += 1
+        self.rows.tick += 1
         if len(rows) > self.max_slots:
             raise RunnerError(f"{len(rows)} rows in one step; this runner has {self.max_slots} KV rows (max_batch_size)")
         for r in rows:
@@ -348,13 +180,13 @@ class GqaRunner(RunnerBase):
                 raise RunnerError("a scheduled row has no tokens")
         need = max(r.start + len(r.token_ids) for r in rows)
         lone = self._lone_decode(rows, need)
-        self._ensure(len(rows), max(need, lone.start + 2) if lone is not None else need)
+        self.rows.ensure(len(rows), max(need, lone.start + 2) if lone is not None else need)
         out: list[np.ndarray | None] = [None] * len(rows)
         index = {id(r): i for i, r in enumerate(rows)}
         decode = [r for r in rows if len(r.token_ids) == 1 and r is not lone]
         prefill = [r for r in rows if len(r.token_ids) > 1 or r is lone]
         if decode:
-            self._place_decode(decode)  # reorders `decode` to slot order
+            self.rows.place_decode(decode)  # reorders `decode` to slot order
             logits = self._run_decode(decode)
             for k, r in enumerate(decode):
                 i = index[id(r)]
@@ -362,14 +194,14 @@ class GqaRunner(RunnerBase):
                 out[i] = logits[k][None].copy() if r.all_logits else logits[k] if r.want_logits else None
         fresh = [r for r in prefill if r.start == 0 and not r.all_logits]
         rest = [r for r in prefill if r.start > 0 or r.all_logits]
-        base = self._fresh_slots(len(fresh), len(decode), rest) if len(fresh) > 1 else None
+        base = self.rows.fresh_slots(len(fresh), len(decode), rest) if len(fresh) > 1 else None
         if base is not None:
             for r, lg in zip(fresh, self._run_first_prompts(base, fresh)):
                 out[index[id(r)]] = lg if r.want_logits else None
             prefill = rest
         for r in prefill:
-            slot = self._slot_for_prefill(r, len(decode))
-            self._fill(slot, r)
+            slot = self.rows.slot_for_prefill(r, len(decode))
+            self.rows.fill(slot, r)
             if r is lone:  # its token twice; the second position's K/V is not kept
                 two = RunRow(r.key, r.block_table, r.start, [r.token_ids[0]] * 2, want_logits=True, all_logits=True)
                 lg = self._run_prefill(slot, two, write=1)[:1]
@@ -389,7 +221,7 @@ class GqaRunner(RunnerBase):
         if len(decode) != 1 or decode[0].start == 0:
             return None
         end = decode[0].start + 2
-        return decode[0] if end <= self.max_len and len(rows) * max(need, end) <= self.row_tokens else None
+        return decode[0] if end <= self.max_len and len(rows) * max(need, end) <= self.rows.row_tokens else None
 
     def _bind(self, kv: np.ndarray, input_ids: np.ndarray, seqlens_k: np.ndarray, logits: np.ndarray,
               keep: int | None, total: int | None = None, session=None):
@@ -405,7 +237,7 @@ class GqaRunner(RunnerBase):
 
     def _bind_rows(self, binding, kv: np.ndarray, logits: np.ndarray) -> None:
         """Bind the rows ``kv`` [n_kv, n, ...] as every layer's past and present, and ``logits`` as the output."""
-        shape = [kv.shape[1], self.kv_heads, self.cap, self.head_dim]
+        shape = [kv.shape[1], self.kv_heads, self.rows.cap, self.head_dim]
         dev = self.store.ort_device
         for j, (pin, pout) in enumerate(zip(self.past_names, self.present_names)):
             ptr = self.store.ptr(kv[j])
@@ -414,22 +246,11 @@ class GqaRunner(RunnerBase):
             binding.bind_output(pout, dev, 0, self.dtype, shape, ptr)
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
 
-    def _bind_and_run(self, kv: np.ndarray, input_ids: np.ndarray, seqlens_k: np.ndarray, logits: np.ndarray,
-                      keep: int | None, total: int | None = None) -> None:
-        binding = self._bind(kv, input_ids, seqlens_k, logits, keep, total)
-        t = time.perf_counter()
-        self.store.sync()
-        self.session.run_with_iobinding(binding)
-        self.store.after_run(binding)
-        self.run_seconds += time.perf_counter() - t
-        self.calls += 1
-
     def _run(self, calls: list[tuple]) -> None:
-        """Run [(session, binding)]: one here, or two at once, the second on the worker thread (onnxruntime releases
-        the GIL while it runs, so the halves use both cores)."""
+        """Run [(session, binding)]: one here, or two at once, the second on the split's worker thread."""
         t = time.perf_counter()
         self.store.sync()
-        other = self._half_exec.submit(calls[1][0].run_with_iobinding, calls[1][1]) if len(calls) == 2 else None
+        other = self.split.submit(*calls[1]) if len(calls) == 2 else None
         calls[0][0].run_with_iobinding(calls[0][1])
         if other is not None:
             other.result()
@@ -437,30 +258,19 @@ class GqaRunner(RunnerBase):
             self.store.after_run(binding)
         self.run_seconds += time.perf_counter() - t
 
-    def _halves(self):
-        """The session for split decode steps: half the intra-op threads, run by two threads at once (this one and
-        a worker), each on half the rows. On 2 cores (one thread each) that beat one call on two threads by 5-16 %
-        in wall time and 10-25 % in CPU time at 32-64 rows (benchmarks/history.md, run 10): the ~300 small ops of a
-        step no longer hand work between threads. It costs a second copy of the weights, so it is made only when
-        max_batch_size reaches decode_split_rows."""
-        if self._half_session is None:
-            self._half_session = artifact_session(*self._artifact, [CPU], self._half_threads,
-                                                  spinning="off" if self._half_threads == 1 else "during_runs")
-            self._half_exec = ThreadPoolExecutor(1, thread_name_prefix="decode-half")
-        return self._half_session
-
     def _decode_call(self, B: int, logits: np.ndarray) -> list[tuple]:
         """The decode bindings for ``B`` rows: [(session, binding, inputs, lo, hi)], one part, or two halves from
         ``decode_split_rows`` rows on. Made when the rows' buffer, B or the logits buffer changed; the caller
         fills the input arrays in place before each run."""
-        split = bool(self.decode_split_rows) and B >= self.decode_split_rows
-        key = (self.store.ptr(self.kv), tuple(self.kv.shape), B, logits.ctypes.data, logits.shape, split)
+        split = self.split.decodes(B)
+        kv = self.rows.kv
+        key = (self.store.ptr(kv), tuple(kv.shape), B, logits.ctypes.data, logits.shape, split)
         if key != self._decode_key:
             cuts = [(0, B // 2), (B // 2, B)] if split else [(0, B)]
-            session = self._halves() if split else self.session
+            session = self.split.open() if split else self.session
             parts = []
             for lo, hi in cuts:
-                view = self.kv[:, lo:hi]
+                view = kv[:, lo:hi]
                 assert self.store.contiguous(view[0])
                 n = hi - lo
                 inputs = {"input_ids": np.zeros((n, 1), np.int64), "seqlens_k": np.zeros(n, np.int32),
@@ -491,28 +301,10 @@ class GqaRunner(RunnerBase):
                 for name, arr in inputs.items():
                     binding.bind_cpu_input(name, arr)
         self._run([(session, binding) for session, binding, *_ in parts])
-        self.split_steps += int(len(parts) == 2)
+        self.split.steps += int(len(parts) == 2)
         self.calls += 1
-        # The new K/V stays in the rows until its block is full, then the block's positions go to the pool in one
-        # copy (_flush): writing each position as it came was one strided copy per row per step, 7 % of a server
-        # step at 32 users (benchmarks/history.md run 10). Prefix caching publishes only full blocks, and a slot's
-        # unwritten tail is flushed before anything overwrites or drops it.
-        bs = self.block_size
-        for i, r in enumerate(rows):
-            self.slot[i].valid = r.start + 1
-            self.slot[i].table = r.block_table
-            if (r.start + 1) % bs == 0:
-                self._flush(i)
+        self.rows.decoded(rows)
         return logits[:, 0, :]
-
-    def _fresh_slots(self, n: int, reserved: int, others: list[RunRow]) -> int | None:
-        """The first slot of ``n`` adjacent slots at or above ``reserved`` (the decode rows' range) that hold none
-        of ``others`` (this step's other prefill rows, which keep their slots); None when there is no such run."""
-        keep = {s for s in range(reserved, self.slots) if self.slot[s].key in {r.key for r in others}}
-        for base in range(reserved, self.slots - n + 1):
-            if not keep.intersection(range(base, base + n)):
-                return base
-        return None
 
     def _run_first_prompts(self, base: int, rows: list[RunRow]) -> list[np.ndarray]:
         """Prompts that start at position 0, together on slots [base, base + n): right-padded to the longest,
@@ -528,11 +320,8 @@ class GqaRunner(RunnerBase):
         n = len(rows)
         self.batched_prompts += n
         order = sorted(range(n), key=lambda i: len(rows[i].token_ids))
-        for k, i in enumerate(order):
-            slot, r = base + k, rows[i]
-            self._flush(slot)
-            self.slot[slot].hold(r.key, r.block_table, 0, 0, self._tick)
-        split = self._half_session is not None and n >= 4
+        self.rows.start_prompts(base, [rows[i] for i in order])
+        split = self.split.prompts(n)
         cut = balanced_cut([len(rows[i].token_ids) for i in order], self._head_share) if split else n
         groups = [order[:cut], order[cut:]] if split else [order]
         calls, starts = [], [0, cut] if split else [0]
@@ -547,48 +336,18 @@ class GqaRunner(RunnerBase):
             shape = (len(g), keep or S, self.vocab_size)
             logits = np.empty(shape, np.float32) if split else self._logits_buf(shape)
             seqlens = np.array([m - 1 for m in lens], np.int32)
-            binding = self._bind(self.kv[:, base + k0:base + k0 + len(g)], ids, seqlens, logits, keep, S,
-                                 self._half_session if split else None)
+            binding = self._bind(self.rows.kv[:, base + k0:base + k0 + len(g)], ids, seqlens, logits, keep, S,
+                                 self.split.session if split else None)
             calls.append(_PromptCall(binding, g, k0, lens, logits, S - (keep or S), (ids, seqlens)))
-        self._run([(self._half_session if split else self.session, c.binding) for c in calls])
-        self.split_prompt_calls += int(split)
+        self._run([(self.split.session if split else self.session, c.binding) for c in calls])
+        self.split.prompt_calls += int(split)
         self.calls += len(calls)
         out: list[np.ndarray | None] = [None] * n
         for c in calls:
             for b, i in enumerate(c.rows):
-                self._write_back(base + c.first_slot + b, rows[i].block_table, 0, c.lens[b])
+                self.rows.write_back(base + c.first_slot + b, rows[i].block_table, 0, c.lens[b])
                 out[i] = c.logits[b, c.lens[b] - 1 - c.first_kept].copy()
         return out
-
-    def _flush(self, slot: int) -> None:
-        """Write the slot's valid positions that the pool does not hold yet into its occupant's blocks."""
-        sl = self.slot[slot]
-        if sl.key is not None and sl.flushed < sl.valid:
-            self._write_back(slot, sl.table, sl.flushed, sl.valid - sl.flushed)
-
-    def _flush_all(self) -> None:
-        for slot in range(self.slots):
-            self._flush(slot)
-
-    def release(self, key: Hashable) -> None:
-        """The engine freed ``key``'s blocks (finished, cancelled or preempted): its slot's content is dead, and
-        its unwritten positions must never be flushed into blocks that may already belong to another sequence."""
-        for sl in self.slot:
-            if sl.key == key:
-                sl.clear()
-
-    def _write_back(self, slot: int, block_table: Sequence[int], s: int, n: int) -> None:
-        """Copy positions [s, s + n) of the slot into the sequence's blocks; the slot then holds s + n valid, all
-        of them in the pool."""
-        bs = self.block_size
-        pos = s
-        while pos < s + n:
-            b = block_table[pos // bs]
-            o = pos % bs
-            m = min(bs - o, s + n - pos)
-            self.pool[:, b, :, o:o + m, :] = self.kv[:, slot, :, pos:pos + m, :]
-            pos += m
-        self.slot[slot].valid = self.slot[slot].flushed = s + n
 
     def _run_prefill(self, slot: int, r: RunRow, write: int | None = None) -> np.ndarray:
         """Run r's tokens on its slot; their K/V (the first ``write`` of them) go to its blocks. [kept, vocab]."""
@@ -597,7 +356,9 @@ class GqaRunner(RunnerBase):
         # the last position's logits only, unless the row asks for all of them (prompt log-probs)
         keep = (n if r.all_logits else 1) if self.has_logits_to_keep else None
         logits = self._logits_buf((1, keep or n, self.vocab_size))
-        self._bind_and_run(self.kv[:, slot:slot + 1], ids, np.array([s + n - 1], np.int32), logits, keep)
-        self._flush(slot)  # a decode tail before this chunk (not expected: chunks come before decoding)
-        self._write_back(slot, r.block_table, s, n if write is None else write)
+        self._run([(self.session, self._bind(self.rows.kv[:, slot:slot + 1], ids, np.array([s + n - 1], np.int32),
+                                             logits, keep))])
+        self.calls += 1
+        self.rows.flush(slot)  # a decode tail before this chunk (not expected: chunks come before decoding)
+        self.rows.write_back(slot, r.block_table, s, n if write is None else write)
         return logits[0]  # [kept positions, vocab]
