@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             serve_cfg.port = args.port
         if getattr(args, "replicas", None) is not None:
             try:
-                from serve.replicas import deploy as replicas
+                from serve.replicas import lifecycle as replicas
             except ImportError as e:
                 print(f"error: --replicas needs Ray Serve: pip install -e '.[ray]' ({e})", file=sys.stderr)
                 return 2

@@ -82,12 +82,14 @@ def cluster(versions, mlflow_store):
     import ray
     from ray import serve as ray_serve
 
-    from serve.replicas import deploy as replicas
+    from serve.replicas import lifecycle as replicas
+    from serve.replicas.spec import ReplicaSpec
 
     t0 = time.monotonic()
-    url = replicas.start(f"models:/{NAME}@champion",
-                         cfg(poll_interval_s=0.3, max_batch_size=8, max_waiting=8, port=free_port()),
-                         replicas=2, replica_cpus=1, tracking_uri=mlflow_store, health_check_period_s=1.0)
+    spec = ReplicaSpec.build(f"models:/{NAME}@champion",
+                             cfg(poll_interval_s=0.3, max_batch_size=8, max_waiting=8, port=free_port()),
+                             replicas=2, replica_cpus=1, tracking_uri=mlflow_store, health_check_period_s=1.0)
+    url = replicas.start(spec)
     replicas.wait_replicas(url, 2, timeout_s=120)
     startup = time.monotonic() - t0
     print(f"\nRay + 2 replicas ready in {startup:.1f} s")
@@ -206,7 +208,7 @@ def test_queue_full_is_a_429_with_retry_after_through_the_proxy(cluster):
 def test_an_alias_flip_reaches_both_replicas_without_dropping_requests(cluster, versions, refs):
     from compress import registry
     from flows.deploy import served_version
-    from serve.replicas import deploy as replicas
+    from serve.replicas import lifecycle as replicas
 
     n, results, stop, done = 48, [], threading.Event(), threading.Condition()
 
@@ -278,7 +280,7 @@ def test_a_client_that_goes_away_cancels_its_request_on_the_replica(cluster):
 def test_a_killed_replica_is_replaced_and_no_request_hangs(cluster):
     """Streams on both replicas; one replica's process is frozen (so its streams are provably mid-run) and killed.
     Its streams end with an error event within seconds, the other's finish whole, Ray starts a replacement."""
-    from serve.replicas import deploy as replicas
+    from serve.replicas import lifecycle as replicas
 
     before = {r["replica"]: r for r in replica_list(cluster)}
     n, streams, started = 400, {}, threading.Semaphore(0)
@@ -437,9 +439,27 @@ def test_merged_metrics_sum_counters_average_ratios_and_keep_the_lowest_version(
 
 
 def test_the_prefix_imbalance_defaults_to_a_quarter_of_a_batch():
-    from serve.replicas.deploy import default_imbalance
+    from serve.replicas.spec import ReplicaSpec, default_imbalance
 
     assert [default_imbalance(cfg(max_batch_size=b)) for b in (8, 32, 64, 256)] == [8, 8, 16, 64]
+
+
+def test_one_replica_spec_resolves_every_default_and_refuses_bad_args_by_name():
+    """The spec is built once, from the command line or a Serve config file's args: each replica's threads follow
+    its CPUs, the imbalance follows the batch; what is wrong is named (serve.config.ConfigError)."""
+    from serve.config import ConfigError
+    from serve.replicas.spec import ReplicaSpec
+
+    spec = ReplicaSpec.from_application_args({"model": "models:/m@champion", "replicas": 2, "replica_cpus": 3,
+                                              "serve": {"max_batch_size": 64, "intra_op_threads": 0}})
+    assert (spec.replicas, spec.replica_cpus, spec.serve_cfg.intra_op_threads, spec.imbalance) == (2, 3.0, 3, 16)
+    assert spec.routing == "prefix" and spec.admin_token is None
+    with pytest.raises(ConfigError, match=r"unknown \['replica'\]"):
+        ReplicaSpec.from_application_args({"model": "m", "replica": 2})
+    with pytest.raises(ConfigError, match="model is required"):
+        ReplicaSpec.from_application_args({"replicas": 2})
+    with pytest.raises(ConfigError, match="routing 'random': use one of"):
+        ReplicaSpec.build("m", cfg(), replicas=1, routing="random")
 
 
 def test_ray_is_imported_only_by_the_replica_entry_point():
@@ -447,7 +467,8 @@ def test_ray_is_imported_only_by_the_replica_entry_point():
     import sys
 
     code = ("import sys, serve.__main__, serve.api.app, serve.replicas.forwarding; assert 'ray' not in sys.modules, 'ray'; "
-            "import serve.replicas.deploy; print(sorted(m for m in ('torch', 'transformers', 'compress') if m in sys.modules))")
+            "import serve.replicas.spec; assert 'ray' not in sys.modules, 'ray (spec)'; "
+            "import serve.replicas.deploy, serve.replicas.lifecycle; print(sorted(m for m in ('torch', 'transformers', 'compress') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"  # a replica process carries no torch

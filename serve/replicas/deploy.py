@@ -29,13 +29,10 @@ only ``--replicas`` imports them.
 
 # No `from __future__ import annotations`: Ray Serve's class-based FastAPI views read the annotations
 # (``request: Request``) at run time.
-import argparse
 import asyncio
 import json
 import logging
 import os
-import signal
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -51,10 +48,11 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from serve.api.schemas import error_body
 from serve.api.streaming import DisconnectAwareStream
 from serve.config import ServeConfig
-from serve.replicas.forwarding import (POLICIES, REPLICA_HEADER, ForwardedRequest, forwarded, live_replicas,
+from serve.replicas.forwarding import (REPLICA_HEADER, ForwardedRequest, forwarded, live_replicas,
                                        merge_metrics, metric_value, offer_chains, response_headers, routing_stats,
                                        run_asgi)
 from serve.replicas.router import ReplicaRouter
+from serve.replicas.spec import ReplicaSpec
 
 log = logging.getLogger(__name__)
 
@@ -424,59 +422,29 @@ class Ingress:
         return await self._forward(fwd)
 
 
-# ---- building and running the application --------------------------------------------------------------
-def build_app(model: str, serve_cfg: ServeConfig, *, replicas: int, tracking_uri: str | None = None,
-              served_name: str | None = None, routing: str = "prefix", imbalance: int | None = None,
-              replica_cpus: float = 1, replica_gpus: float = 0, admin_token: str | None = None,
-              health_check_period_s: float = 2.0, health_check_timeout_s: float = 10.0):
-    """The Ray Serve application: ``ray.serve.run(build_app(...), name=APP_NAME, route_prefix="/")``."""
-    if routing not in POLICIES:
-        raise ValueError(f"routing {routing!r}: use one of {', '.join(POLICIES)}")
+# ---- the application ------------------------------------------------------------------------------------
+def build_app(spec: ReplicaSpec):
+    """The Ray Serve application: ``ray.serve.run(build_app(spec), name=APP_NAME, route_prefix="/")``."""
+    cfg = spec.serve_cfg
     # A replica takes what its engine can hold (a batch, its waiting queue) and some room for admin calls; beyond
     # that the engine answers 429 itself. Ray's own queue in front of the replicas holds as much again.
-    max_ongoing = serve_cfg.max_batch_size + serve_cfg.max_waiting + 32
-    imbalance = default_imbalance(serve_cfg) if imbalance is None else imbalance
-    actor_options: dict = {"num_cpus": replica_cpus}
-    if replica_gpus:  # Ray hides the GPUs from an actor that reserves none (CUDA_VISIBLE_DEVICES="")
-        actor_options["num_gpus"] = replica_gpus
-    if admin_token:
-        actor_options["runtime_env"] = {"env_vars": {serve_cfg.admin_token_env: admin_token}}
+    max_ongoing = cfg.max_batch_size + cfg.max_waiting + 32
+    actor_options: dict = {"num_cpus": spec.replica_cpus}
+    if spec.replica_gpus:  # Ray hides the GPUs from an actor that reserves none (CUDA_VISIBLE_DEVICES="")
+        actor_options["num_gpus"] = spec.replica_gpus
+    if spec.admin_token:
+        actor_options["runtime_env"] = {"env_vars": {cfg.admin_token_env: spec.admin_token}}
     engine = ray_serve.deployment(EngineReplica).options(
-        name=ENGINE, num_replicas=replicas, ray_actor_options=actor_options, max_ongoing_requests=max_ongoing,
-        max_queued_requests=serve_cfg.max_waiting * replicas, health_check_period_s=health_check_period_s,
-        health_check_timeout_s=health_check_timeout_s, graceful_shutdown_timeout_s=30,
+        name=ENGINE, num_replicas=spec.replicas, ray_actor_options=actor_options, max_ongoing_requests=max_ongoing,
+        max_queued_requests=cfg.max_waiting * spec.replicas, health_check_period_s=spec.health_check_period_s,
+        health_check_timeout_s=spec.health_check_timeout_s, graceful_shutdown_timeout_s=30,
         request_router_config=RequestRouterConfig(
             request_router_class=ReplicaRouter,
-            request_router_kwargs={"policy": routing, "imbalance": imbalance}))
+            request_router_kwargs={"policy": spec.routing, "imbalance": spec.imbalance}))
     ingress = ray_serve.deployment(Ingress).options(name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0},
                                                 max_ongoing_requests=4096)
-    return ingress.bind(engine.bind(model, serve_cfg.model_dump(mode="json"), tracking_uri, served_name,
-                                    admin_token), serve_cfg.max_request_bytes)
-
-
-def default_imbalance(serve_cfg: ServeConfig) -> int:
-    """How many more requests in flight the replica holding a prefix may have than the least loaded one before the
-    request goes to the least loaded: a quarter of a batch, at least 8. A whole batch (64) was the default until a
-    replica killed under 32 clients showed the survivor keeping every conversation while its replacement idled:
-    with a quarter the replacement takes its share, 89-101 output tokens/s against 79
-    (docs/reliability.md#replicas-that-die-under-load)."""
-    return max(8, serve_cfg.max_batch_size // 4)
-
-
-def default_replica_cpus(replicas: int) -> int:
-    return max(1, (os.cpu_count() or 1) // replicas)
-
-
-def _threads_for(serve_cfg: ServeConfig, cpus: float) -> ServeConfig:
-    """onnxruntime's default is one thread per core of the machine: N replicas on one node would each take every
-    core. Unless serve.intra_op_threads says otherwise, a replica uses as many threads as it reserves CPUs."""
-    if serve_cfg.intra_op_threads == 0:
-        return serve_cfg.model_copy(update={"intra_op_threads": max(1, int(cpus))})
-    return serve_cfg
-
-
-APPLICATION_ARGS = ("model", "replicas", "serve", "tracking_uri", "served_model_name", "routing", "prefix_imbalance",
-                    "replica_cpus", "replica_gpus")
+    return ingress.bind(engine.bind(spec.model, cfg.model_dump(mode="json"), spec.tracking_uri, spec.served_name,
+                                    spec.admin_token), cfg.max_request_bytes)
 
 
 def application(args: dict):
@@ -491,83 +459,4 @@ def application(args: dict):
 
     ``serve`` holds ServeConfig keys (configs/default.yaml's serve section); the HTTP host and port are the config
     file's ``http_options``. The admin token is read from the replicas' environment (``runtime_env``)."""
-    from serve.config import ConfigError
-
-    args = dict(args or {})
-    unknown = sorted(set(args) - set(APPLICATION_ARGS))
-    if unknown or "model" not in args:
-        raise ConfigError(f"serve.replicas.deploy:application args: unknown {unknown}" if unknown
-                          else "serve.replicas.deploy:application args: model is required (models:/NAME@ALIAS or a folder)")
-    replicas = int(args.get("replicas", 1))
-    cpus = float(args.get("replica_cpus", 1))
-    serve_cfg = _threads_for(ServeConfig(**(args.get("serve") or {})), cpus)
-    return build_app(args["model"], serve_cfg, replicas=replicas, tracking_uri=args.get("tracking_uri"),
-                     served_name=args.get("served_model_name"), routing=args.get("routing", "prefix"),
-                     imbalance=args.get("prefix_imbalance"), replica_cpus=cpus,
-                     replica_gpus=float(args.get("replica_gpus", 0)))
-
-
-def start(model: str, serve_cfg: ServeConfig, *, replicas: int, ray_address: str | None = None,
-          tracking_uri: str | None = None, served_name: str | None = None, routing: str = "prefix",
-          imbalance: int | None = None, replica_cpus: float | None = None, replica_gpus: float = 0,
-          admin_token: str | None = None, health_check_period_s: float = 2.0, app_name: str = APP_NAME) -> str:
-    """Start Ray (local) or connect (``ray_address``), start Serve's proxy on serve.host:serve.port and deploy;
-    returns the base URL once every replica has loaded (or is retrying the first load)."""
-    cpus = replica_cpus if replica_cpus is not None else default_replica_cpus(replicas)
-    serve_cfg = _threads_for(serve_cfg, cpus)
-    if not ray.is_initialized():
-        if ray_address:
-            ray.init(address=ray_address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(replicas * cpus + 0.999)), include_dashboard=False,
-                     log_to_driver=False)
-    ray_serve.start(http_options={"host": serve_cfg.host, "port": serve_cfg.port})
-    app = build_app(
-        model, serve_cfg, replicas=replicas, tracking_uri=tracking_uri, served_name=served_name, routing=routing,
-        imbalance=imbalance, replica_cpus=cpus, replica_gpus=replica_gpus, admin_token=admin_token,
-        health_check_period_s=health_check_period_s)
-    ray_serve.run(app, name=app_name, route_prefix="/")
-    return f"http://{serve_cfg.host}:{serve_cfg.port}"
-
-
-def run(args: argparse.Namespace, cfg, tracking_uri: str | None) -> int:
-    """``--replicas N``: deploy, then wait until interrupted; the application is deleted on the way out."""
-    if args.replicas < 1:
-        print("error: --replicas must be at least 1", file=sys.stderr)
-        return 2
-    admin_token = os.environ.get(cfg.serve.admin_token_env) or None
-    url = start(args.model, cfg.serve, replicas=args.replicas, ray_address=args.ray_address,
-                tracking_uri=tracking_uri, served_name=args.served_model_name, routing=args.routing,
-                imbalance=args.prefix_imbalance, replica_cpus=args.replica_cpus,
-                replica_gpus=getattr(args, "replica_gpus", 0) or 0, admin_token=admin_token)
-    log.info("serving %s with %d replicas (routing %s) on %s; per replica: %s/replicas", args.model, args.replicas,
-             args.routing, url, url)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
-    log.info("stopping: deleting the application")
-    ray_serve.delete(APP_NAME)
-    if not args.ray_address:
-        ray_serve.shutdown()
-        ray.shutdown()
-    return 0
-
-
-def wait_replicas(url: str, n: int, timeout_s: float = 120.0, version: str | None = None) -> list[dict]:
-    """Until ``n`` replicas are ready (on ``version`` when given): their /replicas entries."""
-    import httpx
-
-    deadline, last = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        try:
-            last = httpx.get(url + "/replicas", timeout=30).json()["replicas"]
-            ok = [r for r in last if r.get("ready") and (version is None or str(r.get("version")) == version)]
-            if len(last) == n and len(ok) == n:
-                return last
-        except Exception:  # noqa: BLE001 - the proxy starts answering a moment after serve.run returns
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{n} replicas not ready{' on version ' + version if version else ''} within {timeout_s} s: "
-                       f"{last}")
+    return build_app(ReplicaSpec.from_application_args(args))
