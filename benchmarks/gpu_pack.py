@@ -24,12 +24,13 @@ import argparse
 import io
 import shutil
 import lzma
-import struct
 import subprocess
 import sys
 import tarfile
 import zipfile
 from pathlib import Path
+
+from loadtest.gpu_parts import keep_one_arch
 
 ORT_WHEEL = "onnxruntime-gpu==1.31.1"
 PROVIDER = "onnxruntime/capi/libonnxruntime_providers_cuda.so"
@@ -43,8 +44,6 @@ WHEELS = ["pydantic==2.14.4", "pydantic_core==2.50.5", "annotated-types==0.8.0",
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:", "--no-deps",
             "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
             "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
-FATBIN_MAGIC = 0xBA55ED50
-ELF_CUBIN = 2
 MIB = 2**20
 CALL_LIMIT = 64 * MIB  # what one device call may carry, the repository included
 
@@ -56,29 +55,6 @@ def _section(path: Path, name: str) -> tuple[int, int]:
             fields = line.split("]", 1)[1].split()
             return int(fields[3], 16), int(fields[4], 16)
     raise SystemExit(f"{path}: no {name} section")
-
-
-def keep_one_arch(data: bytearray, start: int, size: int, sm: int) -> tuple[int, int]:
-    """Zero, in place, every cubin in the fatbin containers of data[start:start + size] not built for ``sm``;
-    PTX entries stay. Returns (bytes zeroed, bytes kept)."""
-    pos, end_sec, zeroed, kept = start, start + size, 0, 0
-    while pos + 16 <= end_sec:
-        magic, _, header, fat = struct.unpack_from("<IHHQ", data, pos)
-        if magic != FATBIN_MAGIC:
-            pos += 8  # containers are 8-byte aligned
-            continue
-        e, end = pos + header, pos + header + fat
-        while e < end:
-            kind, _, eh, payload = struct.unpack_from("<HHIQ", data, e)
-            arch = struct.unpack_from("<I", data, e + 28)[0]
-            if kind == ELF_CUBIN and arch != sm:
-                data[e + eh:e + eh + payload] = bytes(payload)
-                zeroed += payload
-            else:
-                kept += payload
-            e += eh + payload
-        pos = end
-    return zeroed, kept
 
 
 def _xz(data: bytes) -> bytes:

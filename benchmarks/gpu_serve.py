@@ -28,15 +28,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import lzma
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
+
+from loadtest import gpu_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / ".gpu"
@@ -53,38 +53,7 @@ DIRS_VAR = "GPU_SERVE_CUDA_DIRS"
 
 def unpack(part: Path) -> list[str]:
     """Unpack one part of benchmarks/gpu_pack.py into .gpu/site and .gpu/model; returns what it wrote."""
-    SITE.mkdir(parents=True, exist_ok=True)
-    MODEL.parent.mkdir(parents=True, exist_ok=True)
-    done = []
-    provider = part / "provider.so.xz"
-    if provider.exists():
-        dest = SITE / "onnxruntime" / "capi" / "libonnxruntime_providers_cuda.so"
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with lzma.open(provider) as src, open(dest, "wb") as out:
-            shutil.copyfileobj(src, out, 16 << 20)
-        done.append(str(dest))
-    ort = part / "onnxruntime.tar.xz"
-    if ort.exists():
-        with tarfile.open(ort, "r:xz") as tar:
-            tar.extractall(SITE)
-        done.append("onnxruntime package")
-    wheels = sorted((part / "wheels").glob("*.whl")) if (part / "wheels").exists() else []
-    if wheels:
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                               "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(SITE),
-                               *map(str, wheels)])
-        done.append(f"{len(wheels)} wheels")
-    for piece in sorted(part.glob("model.gguf.*")):
-        with open(MODEL.with_suffix(f".gguf.{piece.suffix[1:]}"), "wb") as out:
-            shutil.copyfileobj(open(piece, "rb"), out, 16 << 20)
-        done.append(piece.name)
-    pieces = sorted(MODEL.parent.glob("model.gguf.*"))
-    if len(pieces) == 2 and not MODEL.exists():
-        with open(MODEL, "wb") as out:
-            for p in pieces:
-                shutil.copyfileobj(open(p, "rb"), out, 16 << 20)
-        done.append(f"{MODEL} ({MODEL.stat().st_size / 2**20:.1f} MiB)")
-    return done
+    return gpu_parts.unpack(part, SITE, MODEL)
 
 
 def cuda_library_dirs() -> list[str]:

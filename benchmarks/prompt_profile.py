@@ -63,7 +63,7 @@ class PromptCall:
         prompts = sorted(prompts, key=len)
         lens = [len(p) for p in prompts]
         S = max(lens)
-        self.tokens, self.padded = sum(lens), len(prompts) * S
+        self.tokens, self.padded, self.lens = sum(lens), len(prompts) * S, lens
         ids = np.zeros((len(prompts), S), np.int64)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = p
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, c in calls.items():
             ms = sorted(t * 1e3 for t in times[name])
             out[name] = {"median_ms": round(ms[len(ms) // 2], 1), "runs_ms": [round(t, 1) for t in ms],
-                         "prompts": a.prompts, "tokens": c.tokens, "padded_tokens": c.padded, "threads": a.threads}
+                         "prompts": a.prompts, "tokens": c.tokens, "padded_tokens": c.padded, "threads": a.threads,
+                         "prompt_tokens": sorted(c.lens)}
             if a.profile:
                 out[name]["op_ms"] = {k: round(v, 2) for k, v in c.op_times().items()}
     for name, r in out.items():

@@ -273,7 +273,7 @@ def test_sweep_serves_each_artifact_from_its_own_source_tree(tiny_artifact, tmp_
     import subprocess
     from pathlib import Path
 
-    from benchmarks import sweep
+    from bench_cli import run_bench
 
     root = Path(__file__).resolve().parent.parent
     if shutil.which("git") is None or subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
@@ -284,10 +284,10 @@ def test_sweep_serves_each_artifact_from_its_own_source_tree(tiny_artifact, tmp_
                    capture_output=True)
     try:
         out = tmp_path / "sweep.json"
-        assert sweep.main(["--artifact", f"now={tiny_artifact}", "--artifact", f"then={tiny_artifact}",
-                           "--source", f"then={tree}", "--concurrency", "1", "2", "--requests-per-user", "1",
-                           "--max-tokens", "4", "--set", 'providers=["CPUExecutionProvider"]',
-                           "--out", str(out)]) == 0
+        run = run_bench("sweep", "--artifact", f"now={tiny_artifact}", "--artifact", f"then={tiny_artifact}",
+                        "--source", f"then={tree}", "--concurrency", "1", "2", "--requests-per-user", "1",
+                        "--max-tokens", "4", "--set", 'providers=["CPUExecutionProvider"]', "--out", out)
+        assert run.returncode == 0, run.stderr[-3000:]
     finally:
         subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], capture_output=True)
     res = json.loads(out.read_text())
@@ -297,8 +297,7 @@ def test_sweep_serves_each_artifact_from_its_own_source_tree(tiny_artifact, tmp_
         assert (c1["c"], c1["requests"], c1["output_tokens"]) == (1, 8, 32)
         assert c2["output_tokens"] == 4 * c2["requests"] and c1["x_c1"] == 1.0
         assert c2["x_c1"] == pytest.approx(c2["tokens_per_s"] / c1["tokens_per_s"], abs=0.01)
-    with pytest.raises(SystemExit):
-        sweep.main(["--artifact", f"now={tiny_artifact}", "--source", "nope=/tmp", "--out", str(out)])
+    assert run_bench("sweep", "--artifact", f"now={tiny_artifact}", "--source", "nope=/tmp", "--out", out).returncode
 
 
 def test_sweep_repeats_report_medians_and_each_rounds_ratio(tiny_artifact, tmp_path):
@@ -306,13 +305,13 @@ def test_sweep_repeats_report_medians_and_each_rounds_ratio(tiny_artifact, tmp_p
     round's own ratio of its level to its c1."""
     import statistics
 
-    from benchmarks import sweep
+    from bench_cli import run_bench
 
     out = tmp_path / "sweep.json"
-    assert sweep.main(["--artifact", f"a={tiny_artifact}", "--artifact", f"b={tiny_artifact}", "--concurrency", "1",
-                       "2", "--requests-per-user", "1", "--max-tokens", "3", "--repeats", "3",
-                       "--set", 'providers=["CPUExecutionProvider"]', "--set-for", "b:max_batch_size=1",
-                       "--out", str(out)]) == 0
+    run = run_bench("sweep", "--artifact", f"a={tiny_artifact}", "--artifact", f"b={tiny_artifact}", "--concurrency",
+                    "1", "2", "--requests-per-user", "1", "--max-tokens", "3", "--repeats", "3",
+                    "--set", 'providers=["CPUExecutionProvider"]', "--set-for", "b:max_batch_size=1", "--out", out)
+    assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["repeats"] == 3 and len(res["rounds"]) == 3
     assert res["set_for"] == {"b": {"max_batch_size": 1}}  # recorded beside the figures
@@ -323,7 +322,7 @@ def test_sweep_repeats_report_medians_and_each_rounds_ratio(tiny_artifact, tmp_p
         assert c2["x_c1"] == pytest.approx(c2["tokens_per_s"] / c1["tokens_per_s"], abs=0.01)
         assert c2["x_c1_rounds"] == [r[1]["x_c1"] for r in per_round] and c1["x_c1_rounds"] == [1.0] * 3
         assert all(r[1]["output_tokens"] == 3 * r[1]["requests"] for r in per_round)
-    with pytest.raises(SystemExit):
-        sweep.main(["--artifact", f"a={tiny_artifact}", "--repeats", "0", "--out", str(out)])
-    with pytest.raises(SystemExit):  # a name that is no --artifact
-        sweep.main(["--artifact", f"a={tiny_artifact}", "--set-for", "c:max_batch_size=1", "--out", str(out)])
+    assert run_bench("sweep", "--artifact", f"a={tiny_artifact}", "--repeats", "0", "--out", out).returncode
+    # a name that is no --artifact
+    assert run_bench("sweep", "--artifact", f"a={tiny_artifact}", "--set-for", "c:max_batch_size=1", "--out",
+                     out).returncode

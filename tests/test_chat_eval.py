@@ -193,16 +193,17 @@ def test_a_candidate_worse_than_the_champion_on_chat_is_named():
     assert not unmeasured["use_measured"] and not unmeasured["worse_on_use"]
 
 
-def test_eval_speed_benchmark_compares_both_paths(chat_artifacts, tmp_path, capsys):
+def test_eval_speed_benchmark_compares_both_paths(chat_artifacts, tmp_path):
     """benchmarks.eval_speed: the batched path and the one-prompt-at-a-time loop on the same prompts, the same
     answers token for token (its exit status), the figures written out."""
-    from benchmarks import eval_speed
+    from bench_cli import run_bench
 
     teacher, damaged, _ = chat_artifacts
     out = tmp_path / "speed.json"
-    assert eval_speed.main(["--teacher", str(teacher), "--candidate", str(damaged), "--prompts", "6",
-                            "--new-tokens", "8", "--json", str(out)]) == 0
+    run = run_bench("eval_speed", "--teacher", teacher, "--candidate", damaged, "--prompts", "6", "--new-tokens", "8",
+                    "--json", out)
+    assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["teacher_answers_same"] == r["candidate_answers_same"] == 6 and r["speedup"] > 0
     assert r["largest_figure_difference"] < 1e-4
-    assert "same answers token for token: teacher 6/6, candidate 6/6" in capsys.readouterr().out
+    assert "same answers token for token: teacher 6/6, candidate 6/6" in run.stdout

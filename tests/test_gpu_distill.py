@@ -9,18 +9,18 @@ import math
 
 import pytest
 
-from benchmarks import gpu_distill
+from bench_cli import run_bench
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_cpu_rehearsal_of_the_gpu_window(tmp_path, one_torch_thread):
+def test_cpu_rehearsal_of_the_gpu_window(tmp_path):
     out = tmp_path / "out"
-    rc = gpu_distill.main(["--cpu", "--model", "tiny", "--config", "configs/tiny.yaml", "--tokens", "2000",
-                           "--conversations", "16", "--batch-size", "4", "--eval-every", "4", "--levels", "1", "4",
-                           "--max-tokens", "8", "--distill-minutes", "10", "--out", str(out),
-                           "--work", str(tmp_path / "work")])
-    assert rc == 0
+    r = run_bench("gpu_distill", "--cpu", "--model", "tiny", "--config", "configs/tiny.yaml", "--tokens", "2000",
+                  "--conversations", "16", "--batch-size", "4", "--eval-every", "4", "--levels", "1", "4",
+                  "--max-tokens", "8", "--distill-minutes", "10", "--out", out, "--work", tmp_path / "work",
+                  OMP_NUM_THREADS="1")
+    assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((out / "gpu_distill.json").read_text())
     stages = report["stages"]
     assert list(stages) == ["prune", "data", "distill", "export_int8", "verdict", "serve"]

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import lzma
 import struct
-import sys
 
-from benchmarks import gpu_serve
-from benchmarks.gpu_pack import ELF_CUBIN, FATBIN_MAGIC, keep_one_arch
+from bench_cli import run_bench
+from loadtest.gpu_parts import ELF_CUBIN, FATBIN_MAGIC, keep_one_arch, unpack
 
 
 def _entry(kind: int, arch: int, payload: bytes) -> bytes:
@@ -35,32 +34,30 @@ def test_keep_one_arch_zeroes_other_cubins_in_place():
     assert sm80 not in data and sm90 in data and ptx in data
 
 
-def test_unpack_puts_each_part_in_place(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_serve, "SITE", tmp_path / "site")
-    monkeypatch.setattr(gpu_serve, "MODEL", tmp_path / "model" / "model.gguf")
+def test_unpack_puts_each_part_in_place(tmp_path):
+    site, model = tmp_path / "site", tmp_path / "model" / "model.gguf"
     p1, p2 = tmp_path / "p1", tmp_path / "p2"
     p1.mkdir()
     p2.mkdir()
     (p1 / "provider.so.xz").write_bytes(lzma.compress(b"ELF" * 1000))
     (p1 / "model.gguf.0").write_bytes(b"GGUF-first-")
     (p2 / "model.gguf.1").write_bytes(b"second")
-    gpu_serve.unpack(p1)
+    unpack(p1, site, model)
     assert not (tmp_path / "model" / "model.gguf").exists()  # half a model is never left as the model
-    gpu_serve.unpack(p2)
+    unpack(p2, site, model)
     assert (tmp_path / "site/onnxruntime/capi/libonnxruntime_providers_cuda.so").read_bytes() == b"ELF" * 1000
     assert (tmp_path / "model" / "model.gguf").read_bytes() == b"GGUF-first-second"
 
 
-def test_cpu_rehearsal_of_the_whole_run(tmp_path, monkeypatch):
+def test_cpu_rehearsal_of_the_whole_run(tmp_path):
     """The GPU run's steps on the CPU EP with the tiny model: build the CUDA form, serve it with its K/V in torch
     tensors (the device path's code), stream greedy completions through the openai SDK, compare with a plain
     CPU server token for token."""
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["gpu_serve"])
-    rc = gpu_serve.main(["--cpu", "--model", "tiny", "--out", str(out), "--work", str(tmp_path / "work"),
-                         "--levels", "1", "4", "--max-tokens", "8", "--greedy", "4", "--greedy-tokens", "8",
-                         "--prompt-words", "60"])
-    assert rc == 0
+    r = run_bench("gpu_serve", "--cpu", "--model", "tiny", "--out", out, "--work", tmp_path / "work",
+                  "--levels", "1", "4", "--max-tokens", "8", "--greedy", "4", "--greedy-tokens", "8",
+                  "--prompt-words", "60")
+    assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((out / "gpu_serve.json").read_text())
     served = report["served"]
     assert "serve.kv_store=torch" in served["settings"]

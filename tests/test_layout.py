@@ -291,3 +291,14 @@ def test_serve_rooms_are_layered():
     assert loose == ["__init__.py", "__main__.py", "artifact.py", "config.py"], f"a module outside a room: {loose}"
     broken = _upward_imports(_module_graph(_project_sources(["serve"])))
     assert not broken, "serve/'s rooms import upwards (order: " + " < ".join(SERVE_ROOMS) + "):\n" + "\n".join(broken)
+
+
+def test_no_test_imports_a_benchmark_script():
+    """Tests run benchmark entry points as their users do (tests/bench_cli.py: python -m benchmarks.<name>); what
+    a test needs from one lives in the package (loadtest/, compress/, serve/)."""
+    import re
+
+    found = sorted(f"{p.name}:{i}" for p in (ROOT / "tests").glob("*.py")
+                   for i, line in enumerate(p.read_text().splitlines(), 1)
+                   if re.match(r"\s*(from benchmarks\b|import benchmarks\b)", line))
+    assert not found, found
