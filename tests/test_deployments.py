@@ -110,8 +110,11 @@ def _overlapping_runs(env, tmp):
             [str(BIN / "prefect"), "deployment", "run", "compress/on-demand", "--watch", "-p",
              "config=configs/tiny.yaml", "-p", f"overrides={overrides}"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        if k == 0:
-            time.sleep(3)
+        if k == 0:  # the second starts once the first's flow run is computing (its load stage has begun)
+            deadline = time.monotonic() + 300
+            while not any((tmp / "work" / "load").glob("*")) and procs[0].poll() is None:
+                assert time.monotonic() < deadline, "the first run never started its load stage"
+                time.sleep(0.05)
     outs = [" ".join(p.communicate(timeout=600)[0].split()) for p in procs]
     log = (tmp / "worker.log").read_text()
     for p, out in zip(procs, outs):

@@ -124,3 +124,11 @@ def test_the_check_finds_a_figure_that_is_not_in_its_file(tmp_path, monkeypatch)
         "not in ['benchmarks/results/x.json']: ['14.4'] in " + repr(" ".join(ok.replace("14.2", "14.4").split())[:100])]
     assert problems("A caption.\n\n| h |\n|---|\n| 14.2 |") == ["names no results file: '| 14.2 |' (14.2)"]
     values_of.cache_clear()
+
+
+def test_every_benchmark_script_is_listed_once_in_its_readme():
+    """benchmarks/README.md lists each entry point once: maintained (the docs' figures) or a past sitting's."""
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    names = [n for row in re.findall(r"^\| (`\w+`(?:, `\w+`)*) \|", text, re.M) for n in re.findall(r"`(\w+)`", row)]
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
+    assert names and sorted(names) == scripts

@@ -28,8 +28,9 @@ def test_two_runs_seconds_apart_on_one_store(prefect_harness, tmp_path):
         procs.append(subprocess.Popen(cli + ["--out", str(tmp_path / f"out{k}.json")]
                                       + [a for s in sets for a in ("--set", s)], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        if k == 0:
-            time.sleep(3)
+        if k == 0:  # the second starts once the first is computing (its load stage has begun), not "later"
+            _until(lambda: any((tmp_path / "work" / "load").glob("*")) or procs[0].poll() is not None,
+                   "the first run to start its load stage")
     outs = [p.communicate(timeout=900)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert "Traceback" not in out, out[-3000:]
@@ -43,6 +44,13 @@ def test_two_runs_seconds_apart_on_one_store(prefect_harness, tmp_path):
         cand = outcome["registered"][-1]
         verdict = {str(v): row[1] for v, row in table.items()}[str(cand["version"])]
         assert verdict == ("accepted" if outcome["verdict"]["accepted"] else "rejected")
+
+
+def _until(cond, what: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 def check_one_champion(uri: str, name: str) -> dict:
