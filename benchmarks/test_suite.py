@@ -1,9 +1,10 @@
 """The test suite's figures for docs/results.md: `make test` run as CI runs it, timed, its counts and its slowest
 tests written to benchmarks/results/test_suite.json.
 
-    python -m benchmarks.test_suite [--out benchmarks/results/test_suite.json]
+    python3 -m benchmarks.test_suite [--out benchmarks/results/test_suite.json]
 
-Run it on a fresh clone with nothing else running: the seconds are the figure (the set-up is timed apart).
+Run it on a fresh clone with nothing else running, with any Python 3 (it needs only the standard library; `make
+setup` is part of what it times, apart from the tests).
 """
 
 from __future__ import annotations
