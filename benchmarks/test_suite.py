@@ -23,6 +23,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _cpu_flags() -> list[str]:
     from compress.cpu import cpu_flags
 
@@ -46,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(c.get("classname", "") + "::" + c.get("name", ""), float(c.get("time", 0))) for c in suite.iter("testcase")]
     total, failures, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
     result = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "cores": os.cpu_count(),
-              "cpu": platform.processor() or platform.machine(), "cpu_flags": _cpu_flags(),
+              "cpu": _cpu_name(), "cpu_flags": _cpu_flags(),
               "load_average": os.getloadavg(), "returncode": rc, "passed": total - failures - errors - skipped,
               "failed": failures + errors, "skipped": skipped, "make_test_seconds": round(test_s, 1),
               "setup_seconds": round(setup_s, 1),
