@@ -48,7 +48,7 @@ def main() -> None:
 
     teacher_dir = resolve_source("embedded", None, ROOT / ".cache" / "models")
     teacher, tok = load_teacher(teacher_dir)
-    splits = make_splits(tok, "embedded", block_size=128, train_blocks=256, calib_blocks=16, eval_blocks=8, seed=0)
+    splits = make_splits(tok, "embedded", block_size=128, train_blocks=256, calib_blocks=16, selection_blocks=8, seed=0)
     splits.save(OUT / "splits.npz")
     student, _ = prune_model(teacher, splits.calib, PruneConfig(enabled=True, mlp_ratio=0.25, sensitivity=False))
     student.save_pretrained(OUT / "student")

@@ -84,7 +84,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     teacher, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
-    splits = make_splits(tok, "embedded", block_size=128, train_blocks=256, calib_blocks=args.calib_blocks, eval_blocks=32)
+    splits = make_splits(tok, "embedded", block_size=128, train_blocks=256, calib_blocks=args.calib_blocks, selection_blocks=32)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     student, prep = prune_model(teacher, splits.calib, PruneConfig(enabled=True, method="structured",

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     a.json = a.json or ROOT / "benchmarks" / "results" / f"distill_speed_b{a.batch_size}x{a.block_size}.json"
 
     teacher, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
-    splits = make_splits(tok, "embedded", block_size=a.block_size, train_blocks=64, calib_blocks=8, eval_blocks=4)
+    splits = make_splits(tok, "embedded", block_size=a.block_size, train_blocks=64, calib_blocks=8, selection_blocks=4)
     student, prep = prune_model(teacher, splits.calib, PruneConfig(enabled=True, method="structured",
                                                                     mlp_ratio=a.mlp_ratio, importance="activation"))
     cfg = DistillConfig(enabled=True, steps=1000, batch_size=a.batch_size, device="cpu")

@@ -26,7 +26,7 @@ def main(dirs: list[str]) -> None:
 
     root = Path(__file__).resolve().parent.parent
     _, tok = load_teacher(cache_dir=root / ".cache" / "models")
-    sp = make_splits(tok, "embedded", block_size=128, train_blocks=256, calib_blocks=32, eval_blocks=32,
+    sp = make_splits(tok, "embedded", block_size=128, train_blocks=256, calib_blocks=32, selection_blocks=32,
                      test_blocks=32, heldout_source="stdlib_code", heldout_blocks=32)
     rows = []
     for d in dirs:

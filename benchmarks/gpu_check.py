@@ -54,7 +54,7 @@ def _cfg(device: str, **kw) -> DistillConfig:
 def tiny_bf16(work: Path, device: str) -> dict:
     teacher, tok = build_tiny_llama(seed=0)
     student = build_tiny_llama(seed=1)[0]
-    splits = make_splits(tok, "embedded", block_size=32, train_blocks=64, calib_blocks=8, eval_blocks=8, seed=0)
+    splits = make_splits(tok, "embedded", block_size=32, train_blocks=64, calib_blocks=8, selection_blocks=8, seed=0)
     ref = distill(copy.deepcopy(student), teacher, splits, _cfg("cpu"), work / "cpu", progress=False)
     got = distill(copy.deepcopy(student), teacher, splits, _cfg(device), work / device, progress=False)
     losses = [h["loss"] for h in got.history]
@@ -103,7 +103,7 @@ def ddp(work: Path) -> dict:
 
     t_dir, s_dir = save_tiny_llama(work / "t", seed=0), save_tiny_llama(work / "s", seed=1)
     _, tok = build_tiny_llama(seed=0)
-    splits = make_splits(tok, "embedded", block_size=32, train_blocks=64, calib_blocks=8, eval_blocks=8, seed=0)
+    splits = make_splits(tok, "embedded", block_size=32, train_blocks=64, calib_blocks=8, selection_blocks=8, seed=0)
     splits.save(work / "splits.npz")
     cfg = _cfg("cuda", batch_size=4 * n, amp="off")
     single = launch_distill(DistillJob(str(t_dir), str(s_dir), str(work / "splits.npz"), str(work / "one"),

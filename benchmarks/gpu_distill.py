@@ -106,7 +106,7 @@ def run(a) -> dict:
     teacher, tok = load_teacher(source, cache_dir=work / "models")
     d = cfg.data
     splits = make_splits(tok, d.source, block_size=d.block_size, train_blocks=d.train_blocks,
-                         calib_blocks=d.calib_blocks, eval_blocks=d.eval_blocks, seed=d.seed,
+                         calib_blocks=d.calib_blocks, selection_blocks=d.selection_blocks, seed=d.seed,
                          test_blocks=d.test_blocks, heldout_source=d.heldout_source, heldout_blocks=d.heldout_blocks)
     student, prep = prune_model(teacher, splits.calib, prune_cfg)
     _stage(report, "prune", t0, params=[prep.params_before, prep.params_after], mlp_ratio=prune_cfg.mlp_ratio)
@@ -120,7 +120,7 @@ def run(a) -> dict:
         "max_minutes": a.distill_minutes, "eval_every": a.eval_every, "checkpoint_every": 10**6,
         "early_stop_patience": 0})
     data = training_splits(splits, teacher, tok, dcfg, work / "train_chat_mix.npz")
-    _stage(report, "data", t0, train_blocks=len(data.train), eval_blocks=len(data.eval))
+    _stage(report, "data", t0, train_blocks=len(data.train), selection_blocks=len(data.selection))
     save()
 
     t0 = time.perf_counter()
@@ -142,7 +142,7 @@ def run(a) -> dict:
     save()
 
     t0 = time.perf_counter()
-    j = judge(cfg, str(arts["student"]), str(work / "teacher_fp32"), splits, selection=lambda: splits.eval,
+    j = judge(cfg, str(arts["student"]), str(work / "teacher_fp32"), splits, selection=lambda: splits.selection,
               chat_cache=work / "chat_targets")
     _stage(report, "verdict", t0, accepted=j.verdict.accepted, reasons=j.verdict.reasons,
            checks=j.verdict.checks, chat={k: v for k, v in j.chat.items() if k not in ("by_kind", "seconds")})

@@ -42,12 +42,14 @@ VARIANTS: dict[str, dict] = {
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifact", type=Path, required=True, help="the fp32 artifact (the export stage's)")
-    ap.add_argument("--splits", type=Path, required=True, help="the load stage's splits.npz (calib, eval)")
+    ap.add_argument("--splits", type=Path, required=True, help="the load stage's splits.npz (calib, selection)")
     ap.add_argument("--only", nargs="*", default=list(VARIANTS))
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
-    sp = np.load(a.splits)
-    calib, ev = sp["calib"], sp["eval"]
+    from compress.data import DataSplits
+
+    sp = DataSplits.load(a.splits)  # files of any format
+    calib, ev = sp.calib, sp.selection
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="int4_variants_") as tmp, ReferencePass(a.artifact, ev) as ref:
         base = ref.figures

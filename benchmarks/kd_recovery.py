@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
 
     teacher, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
-    splits = make_splits(tok, "embedded", block_size=128, train_blocks=256, calib_blocks=64, eval_blocks=32)
+    splits = make_splits(tok, "embedded", block_size=128, train_blocks=256, calib_blocks=64, selection_blocks=32)
     student, prep = prune_model(teacher, splits.calib, PruneConfig(enabled=True, method="structured",
                                                                     mlp_ratio=a.mlp_ratio, importance="activation"))
     positions = splits.train.shape[1] - 1

@@ -211,7 +211,7 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
         from compress.quantize.choice import choose_quant_form
 
         splits = DataSplits.load(workdir / "splits.npz")
-        choice = choose_quant_form(state["fp32"], workdir / "int8", splits.calib, splits.eval, cfg.quantize, cfg.accept)
+        choice = choose_quant_form(state["fp32"], workdir / "int8", splits.calib, splits.selection, cfg.quantize, cfg.accept)
         out.update({"chosen": choice.chosen, "forms": {k: {"accepted": v["accepted"], "reasons": v["reasons"],
                                                             "decode_ms_per_step": v.get("decode_ms_per_step")}
                                                         for k, v in choice.forms.items()},

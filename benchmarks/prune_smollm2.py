@@ -7,7 +7,7 @@
   .venv/bin/python -m benchmarks.prune_smollm2 --stage mlp35         # what tasks/prune.py does, timed by part
 
 Data: compress.data.make_splits(tok, 'embedded', block_size=128, train_blocks=64, calib_blocks=16,
-eval_blocks=32). Importance and sensitivity read only the calib split; perplexity, KL and top-1 agreement
+selection_blocks=32). Importance and sensitivity read only the calib split; perplexity, KL and top-1 agreement
 to the teacher are measured on the eval split. The sensitivity scan (needed by the *_sens variants) runs
 once and is cached in .cache/bench/prune/sensitivity.json.
 """
@@ -70,7 +70,7 @@ def setup():
     from compress.models import load_teacher
 
     model, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
-    splits = make_splits(tok, "embedded", block_size=128, train_blocks=64, calib_blocks=16, eval_blocks=32)
+    splits = make_splits(tok, "embedded", block_size=128, train_blocks=64, calib_blocks=16, selection_blocks=32)
     return model, tok, splits
 
 
@@ -163,7 +163,7 @@ def export_check(student, tok, splits, folder):
 
     result, _ = build_artifact(student, tok, folder)
     lm = OnnxLM(folder)
-    ids = splits.eval[0]
+    ids = splits.selection[0]
     with torch.no_grad():
         ref = student(input_ids=torch.as_tensor(ids[None])).logits[0].numpy()
     diff = float(np.abs(lm.logits(ids) - ref).max())
@@ -192,8 +192,8 @@ def stage(name):
     model, tok, splits = timed("load", setup)
     sens = timed("sensitivity_scan", lambda: sensitivity_scan(model, splits.calib, cfg))
     student, rep = timed("prune_model", lambda: prune_model(model, splits.calib, cfg, sens))
-    before = timed("ppl_before", lambda: perplexity(model, splits.eval))
-    after = timed("ppl_after", lambda: perplexity(student, splits.eval))
+    before = timed("ppl_before", lambda: perplexity(model, splits.selection))
+    after = timed("ppl_after", lambda: perplexity(student, splits.selection))
     with tempfile.TemporaryDirectory() as d:
         timed("save_pretrained", lambda: student.save_pretrained(d))
     total = {k: round(sum(t[k] for p, t in times.items() if p != "load"), 1) for k in ("wall_s", "cpu_s")}
@@ -243,8 +243,8 @@ def main():
         if todo:
             t0 = time.perf_counter()
             model, tok, splits = setup()
-            ev = EvalSet(model, splits.eval)
-            teacher_ppl = perplexity(model, splits.eval)
+            ev = EvalSet(model, splits.selection)
+            teacher_ppl = perplexity(model, splits.selection)
             assert abs(ev.measure(model)["ppl"] / teacher_ppl - 1) < 1e-4  # same number as compress.evaluate.torch_eval
             print(f"teacher loaded + eval ppl {teacher_ppl:.3f} in {time.perf_counter() - t0:.0f} s", flush=True)
             for n in todo:

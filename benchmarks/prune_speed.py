@@ -188,7 +188,7 @@ def main():
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     model, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
-    splits = make_splits(tok, "embedded", block_size=128, train_blocks=64, calib_blocks=32, eval_blocks=32)
+    splits = make_splits(tok, "embedded", block_size=128, train_blocks=64, calib_blocks=32, selection_blocks=32)
     arts: dict[str, dict[str, Path]] = {"teacher": build("teacher", model, tok, splits, args.quant)}
     widths = {"teacher": model.config.intermediate_size}
     specs = [(f"mlp{int(round(r * 1000)):03d}", dict(mlp_ratio=r)) for r in args.ratios]
@@ -203,7 +203,7 @@ def main():
             del student
         arts[name] = build(name, None, tok, splits, args.quant)
         widths[name] = int(width_file.read_text())
-    prompt = splits.eval[0][:32].tolist()
+    prompt = splits.selection[0][:32].tolist()
     kinds = ["fp32", *args.quant]
     if args.cpu_only:
         cpu = {(n, k): decode_cpu_ms(a[k], prompt, args.steps, args.rounds) for n, a in arts.items() for k in kinds}

@@ -63,7 +63,7 @@ def ensure_fp32():
         tmp = FP32.with_name(FP32.name + ".tmp")
         build_artifact(model, tok, tmp)
         tmp.rename(FP32)
-    splits = make_splits(tok, "embedded", block_size=128, train_blocks=16, calib_blocks=32, eval_blocks=32)
+    splits = make_splits(tok, "embedded", block_size=128, train_blocks=16, calib_blocks=32, selection_blocks=32)
     return model, tok, splits
 
 
@@ -77,7 +77,7 @@ def run_variant(name: str) -> dict:
     if name == "fp32":
         from compress.evaluate.torch_eval import perplexity
 
-        row["torch_perplexity"] = perplexity(model, splits.eval)
+        row["torch_perplexity"] = perplexity(model, splits.selection)
         art = FP32
     else:
         del model
@@ -96,8 +96,8 @@ def run_variant(name: str) -> dict:
     if not top1_file.is_file():
         from compress.evaluate.onnx_eval import prefill_logits
 
-        np.save(top1_file, prefill_logits(FP32, splits.eval, threads=THREADS).argmax(-1))
-    row.update(evaluate_onnx(art, splits.eval, reference_top1=np.load(top1_file), threads=THREADS, decode_steps=40))
+        np.save(top1_file, prefill_logits(FP32, splits.selection, threads=THREADS).argmax(-1))
+    row.update(evaluate_onnx(art, splits.selection, reference_top1=np.load(top1_file), threads=THREADS, decode_steps=40))
     row["size_ratio"] = row["size_bytes"] / sum(p.stat().st_size for p in FP32.glob("model.onnx*"))
     return row
 
@@ -114,7 +114,7 @@ def gate_loop(name: str, qoverrides: dict, groups_per_trial: int = 12, trials: i
     acfg = AcceptConfig(max_perplexity_ratio=1.02, min_top1_agreement=0.95, max_size_ratio=0.30,
                         relax_trials=trials, relax_groups_per_trial=groups_per_trial)
     top1 = np.load(BENCH / "fp32_eval_top1.npy")
-    res = quantize_with_acceptance(FP32, BENCH / name, splits.calib, splits.eval, QuantizeConfig(**qoverrides), acfg,
+    res = quantize_with_acceptance(FP32, BENCH / name, splits.calib, splits.selection, QuantizeConfig(**qoverrides), acfg,
                                    baseline=base, threads=THREADS, eval_kwargs={"reference_top1": top1, "latency": False},
                                    on_trial=lambda i, rec: print(f"  trial {i}: ppl {rec['metrics']['perplexity']:.3f} "
                                                                  f"agr {rec['metrics']['top1_agreement']:.4f} float groups "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -52,8 +51,9 @@ class DataConfig(Section):
     train_blocks: int = Field(256, ge=1)
     # Blocks in the calib split (pruning's activations, quantization's calibration).
     calib_blocks: int = Field(32, ge=1)
-    # The selection split: distillation's evals and early stopping, the relax loop's trials.
-    eval_blocks: int = Field(32, ge=1)
+    # Blocks in the selection split (figures named selection_*): distillation's evals and early stopping, the relax
+    # loop's trials, the quantize stage's forms and the search's gate.
+    selection_blocks: int = Field(32, ge=1)
     # Held out from every stage; only the accept stage's verdict reads it (compress/data.py).
     test_blocks: int = Field(32, ge=1)
     # Text of another genre, scored beside the test split (heldout_* figures): "stdlib_code" = the Python source
@@ -74,6 +74,11 @@ class DataConfig(Section):
                 f"data.heldout_source {self.heldout_source!r} is data.source itself, so it holds nothing out; name "
                 f"another text (default stdlib_code) or set data.heldout_source to none")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        return renamed_keys(data, "data")
 
 
 class ExportConfig(Section):

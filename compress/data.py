@@ -1,26 +1,26 @@
-"""Text sources -> deterministic train / calib / eval / test token blocks, plus a held-out source.
+"""Text sources -> deterministic train / calib / selection / test token blocks, plus a held-out source.
 
 Sources: the embedded corpus (CPython's ``pydoc_data.topics``, present on every
 CPython), local text/json/jsonl/csv/parquet files or folders, and hub datasets
 when online. The token stream is cut into fixed-length blocks and each block goes to exactly one split,
 so splits never overlap (a block the text repeats is kept once):
 
-- ``train`` (distillation), ``calib`` (calibration: pruning, quantization), ``eval`` (the *selection*
-  split: distillation's evals and early stopping, the relax loop's trials, prune's before/after figures);
+- ``train`` (distillation), ``calib`` (calibration: pruning, quantization), ``selection`` (the
+  split for choosing: distillation's evals and early stopping, the relax loop's trials, prune's before/after figures);
 - ``test``: held out from every stage; only the accept stage's verdict reads it.
 
 Stable under size changes: a seeded permutation of the blocks is dealt into four lanes (position p of the
-permutation goes to lane p % 4); test, eval and calib each take the first N blocks of their own lane, and
+permutation goes to lane p % 4); test, selection and calib each take the first N blocks of their own lane, and
 train takes the first train_blocks of what is left, in permutation order. Raising one held-out split's
 count therefore never moves a block into or out of another held-out split (only train gives the blocks up),
-and each of test / eval / calib can hold at most a quarter of the corpus.
+and each of test / selection / calib can hold at most a quarter of the corpus.
 
 The held-out source (``data.heldout_source``): text of another genre than the corpus, cut into blocks by
 the same rule and scored beside the test split by the verdict. Default ``stdlib_code``: the Python source
 of a fixed list of pure-Python standard-library modules (docs/quantization.md, "The held-out verdict").
 
 The test split and the held-out source are written to their own file (``save_heldout``), apart from the
-train / calib / eval file every stage opens (``save``), so no stage before the verdict can read them.
+train / calib / selection file every stage opens (``save``), so no stage before the verdict can read them.
 
 A model that takes BOS (compress/special_tokens.py decides) gets it at the start of every block:
 BOS + block_size - 1 tokens of the stream; a model without BOS gets block_size tokens of the stream.
@@ -36,9 +36,9 @@ import numpy as np
 # Part of the load stage's cache key: bump when the blocks cut from the same text and tokenizer change
 # (2: blocks start with BOS for models that take one; 3: repeated blocks dropped, four lanes with a test split,
 # the held-out source).
-DATA_FORMAT = 3
+DATA_FORMAT = 4
 
-LANES = ("test", "eval", "calib")  # lane i of the permutation; lane 3 and the unused rest feed train
+LANES = ("test", "selection", "calib")  # lane i of the permutation; lane 3 and the unused rest feed train
 
 # The default held-out source: pure-Python stdlib modules whose source ships with every CPython
 # (code, a genre the documentation corpus is not); read in this order.
@@ -56,7 +56,7 @@ class DataError(ValueError):
 class DataSplits:
     train: np.ndarray  # [n, block_size] int64
     calib: np.ndarray
-    eval: np.ndarray  # the selection split
+    selection: np.ndarray  # distillation's evals and early stopping, the relax loop's trials, the search's gate
     source: str
     total_tokens: int
     bos_token_id: int | None = None  # the BOS every block starts with; None: the model takes no BOS
@@ -72,7 +72,7 @@ class DataSplits:
             "data_total_tokens": self.total_tokens,
             "data_train_blocks": len(self.train),
             "data_calib_blocks": len(self.calib),
-            "data_eval_blocks": len(self.eval),
+            "data_selection_blocks": len(self.selection),
             "data_test_blocks": 0 if self.test is None else len(self.test),
             "data_heldout_source": self.heldout_source,
             "data_heldout_blocks": 0 if self.heldout is None else len(self.heldout),
@@ -80,16 +80,17 @@ class DataSplits:
         }
 
     def save(self, path: str | Path) -> None:
-        """Write train / calib / eval as one .npz (arrays and strings only, read back without pickle).
+        """Write train / calib / selection as one .npz (arrays and strings only, read back without pickle).
         Not the test split nor the held-out source: those go to `save_heldout`'s file."""
-        np.savez(path, train=self.train, calib=self.calib, eval=self.eval, source=self.source,
+        np.savez(path, train=self.train, calib=self.calib, selection=self.selection, source=self.source,
                  total_tokens=self.total_tokens, bos_token_id=-1 if self.bos_token_id is None else self.bos_token_id)
 
     @classmethod
     def load(cls, path: str | Path) -> "DataSplits":
         with np.load(path, allow_pickle=False) as z:
             bos = int(z["bos_token_id"]) if "bos_token_id" in z.files else -1  # older files: no BOS
-            return cls(z["train"], z["calib"], z["eval"], str(z["source"]), int(z["total_tokens"]),
+            selection = z["selection" if "selection" in z.files else "eval"]  # older files: "eval"
+            return cls(z["train"], z["calib"], selection, str(z["source"]), int(z["total_tokens"]),
                        None if bos < 0 else bos)
 
     def save_heldout(self, path: str | Path) -> None:
@@ -221,7 +222,7 @@ def make_splits(
     block_size: int = 128,
     train_blocks: int = 256,
     calib_blocks: int = 32,
-    eval_blocks: int = 32,
+    selection_blocks: int = 32,
     test_blocks: int = 32,
     *, seed: int = 0,
     text_field: str = "text",
@@ -242,7 +243,7 @@ def make_splits(
     if len(blocks) < len(LANES) + 1:
         raise DataError(f"data.source {source!r} yields only {len(blocks)} blocks of {block_size} tokens; use more text or a smaller data.block_size")
     order = np.random.default_rng(seed).permutation(len(blocks))
-    want = {"test": test_blocks, "eval": eval_blocks, "calib": calib_blocks}
+    want = {"test": test_blocks, "selection": selection_blocks, "calib": calib_blocks}
     picked: dict[str, np.ndarray] = {}
     for lane, name in enumerate(LANES):
         pool = order[lane :: len(LANES) + 1]
@@ -250,7 +251,7 @@ def make_splits(
             raise DataError(
                 f"data.{name}_blocks {want[name]}: data.source {source!r} yields {len(blocks)} blocks of {block_size} "
                 f"tokens and a held-out split takes at most every {len(LANES) + 1}th of them ({len(pool)}); lower "
-                f"data.{name}_blocks (or data.calib_blocks / data.eval_blocks / data.test_blocks), use more text or a "
+                f"data.{name}_blocks (or data.calib_blocks / data.selection_blocks / data.test_blocks), use more text or a "
                 f"smaller data.block_size")
         picked[name] = pool[: want[name]]
     taken = np.zeros(len(blocks), dtype=bool)
@@ -268,7 +269,7 @@ def make_splits(
                 f"data.heldout_blocks {heldout_blocks}: data.heldout_source {heldout_source!r} yields only {len(hb)} "
                 f"blocks of {block_size} tokens; lower data.heldout_blocks, name a longer text or set it to none")
         heldout = hb[np.sort(np.random.default_rng(seed).permutation(len(hb))[:heldout_blocks])]
-    return DataSplits(train=blocks[tr], calib=blocks[picked["calib"]], eval=blocks[picked["eval"]], source=source,
+    return DataSplits(train=blocks[tr], calib=blocks[picked["calib"]], selection=blocks[picked["selection"]], source=source,
                       total_tokens=int(blocks.size), bos_token_id=bos, test=blocks[picked["test"]], heldout=heldout,
                       heldout_source=heldout_source)
 
@@ -281,7 +282,7 @@ def splits_from_config(tokenizer, cfg) -> DataSplits:
         block_size=cfg.block_size,
         train_blocks=cfg.train_blocks,
         calib_blocks=cfg.calib_blocks,
-        eval_blocks=cfg.eval_blocks,
+        selection_blocks=cfg.selection_blocks,
         test_blocks=cfg.test_blocks,
         seed=cfg.seed,
         text_field=cfg.text_field,

@@ -35,6 +35,8 @@ RENAMED_KEYS = {
     # three block sizes meant three things: data.block_size (tokens per text block) keeps its name
     ("quantize", "block_size"): "weight_block_size",
     ("serve", "block_size"): "kv_block_size",
+    # one split, one name: the selection split's blocks (its figures are selection_*)
+    ("data", "eval_blocks"): "selection_blocks",
 }
 
 

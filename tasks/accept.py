@@ -26,7 +26,7 @@ def _same(a: str, b: str) -> bool:
 
 
 def reusable(evaluated: dict | None, baseline: str, splits: str) -> bool:
-    """Whether an earlier stage's `evaluation` measured the candidate against `baseline` on `splits`' eval split.
+    """Whether an earlier stage's `evaluation` measured the candidate against `baseline` on `splits`' selection split.
 
     A quantized student was gated against the fp32 student, not the teacher: its agreement and
     perplexity ratio answer another question, so the accept stage measures it again.
@@ -46,7 +46,7 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id: str
         return done
     with child_run(parent_run_id, stage) as run:
         log_params({"accept": cfg.accept.model_dump()})
-        j = judge(cfg, candidate, baseline, load_heldout(heldout), selection=lambda: load_splits(splits).eval,
+        j = judge(cfg, candidate, baseline, load_heldout(heldout), selection=lambda: load_splits(splits).selection,
                   evaluated=evaluated if reusable(evaluated, baseline, splits) else None, model_dir=model_dir,
                   chat_cache=workdir(cfg) / "chat_targets")
         verdict, chat = j.verdict, j.chat

@@ -33,8 +33,8 @@ def prune_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | N
         teacher, tok = load_model(model_dir, cfg)
         sens = sensitivity_scan(teacher, data.calib, cfg.prune) if cfg.prune.sensitivity else None
         student, report = prune_model(teacher, data.calib, cfg.prune, sens)
-        metrics = {**report.metrics(), "prune_eval_ppl_before": perplexity(teacher, data.eval),
-                   "prune_eval_ppl_after": perplexity(student, data.eval)}
+        metrics = {**report.metrics(), "prune_eval_ppl_before": perplexity(teacher, data.selection),
+                   "prune_eval_ppl_after": perplexity(student, data.selection)}
         out = folder / "model"
         student.save_pretrained(out)
         tok.save_pretrained(out)

@@ -21,7 +21,7 @@ from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_par
 def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, src_artifact: str,
                   splits: str) -> Quantized:
     """The result's `evaluation`, when the accuracy-aware loop ran, holds the final candidate's and the source's
-    figures on the eval split, with `src_artifact` as the reference: the accept stage reuses them when it
+    figures on the selection split, with `src_artifact` as the reference: the accept stage reuses them when it
     gates against that same artifact instead of evaluating both again."""
     folder, done = open_stage(cfg, stage, key, Quantized)
     if done is not None:
@@ -32,7 +32,7 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
     data = load_splits(splits)
     out = folder / "artifact"
     shape = Shape.of_manifest(read_manifest(src_artifact, verify=False))
-    check_stage_memory("quantize", shape, block=data.eval.shape[1])
+    check_stage_memory("quantize", shape, block=data.selection.shape[1])
     cuda = cfg.quantize.target == "cuda"  # the fp16 CUDA form, nothing to choose among
     forms = 2 if cfg.quantize.method == "auto" and not cuda else 1  # auto writes each weight form before it keeps one
     size = 2 * shape.params if cuda else forms * int8_bytes(shape)
@@ -47,14 +47,14 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
             artifact = out
         elif "auto" in (cfg.quantize.method, cfg.quantize.kv_cache):
             # the forms (weights x K/V cache) the stage chooses from, gated on the selection split, fastest kept
-            choice = choose_quant_form(src_artifact, out, data.calib, data.eval, cfg.quantize, cfg.accept,
+            choice = choose_quant_form(src_artifact, out, data.calib, data.selection, cfg.quantize, cfg.accept,
                                        on_trial=lambda form, i, m: trials.append({"form": form, **m}))
             res = choice.result
             report, artifact = res.report, Path(res.artifact)
             evaluation = {"reference": str(src_artifact), "splits": str(splits), "candidate": res.metrics,
                           "baseline": res.baseline}
         elif cfg.accept.enabled and cfg.accept.relax_trials > 0:
-            res = quantize_with_acceptance(src_artifact, out, data.calib, data.eval, cfg.quantize, cfg.accept,
+            res = quantize_with_acceptance(src_artifact, out, data.calib, data.selection, cfg.quantize, cfg.accept,
                                            on_trial=lambda i, m: (log_metrics(m.get("metrics", {}), step=i), trials.append(m)))
             report, artifact = res.report, Path(res.artifact)
             evaluation = {"reference": str(src_artifact), "splits": str(splits), "candidate": res.metrics,

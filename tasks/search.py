@@ -148,7 +148,7 @@ def search_baseline_task(cfg: PipelineConfig, stage: str, key: str, parent_run_i
     if done is not None:
         return done
     with child_run(parent_run_id, stage):
-        sel = load_splits(splits).eval
+        sel = load_splits(splits).selection
         figures = evaluate_onnx(baseline, sel)
         if _criteria(cfg) == "quality" and cfg.accept.max_downstream_drop is not None:
             figures.update(downstream_scores(baseline, sel, None, cfg.accept.downstream_items, seed=cfg.data.seed))
@@ -165,7 +165,7 @@ def search_gate_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id
         return done
     with child_run(parent_run_id, stage) as run:
         log_params({"search_mlp_ratio": cfg.prune.mlp_ratio})
-        sel = load_splits(splits).eval
+        sel = load_splits(splits).selection
         cand = evaluate_onnx(candidate, sel, reference_artifact=baseline)
         criteria = _criteria(cfg)
         acfg = gate_config(cfg)
@@ -250,7 +250,7 @@ def time_candidates(artifacts: dict[str, str], splits: str, rounds: int = 2, thr
 
     from compress.quantize import decode_step_ms
 
-    prompt = [int(t) for t in np.asarray(load_splits(splits).eval)[0][:32]]
+    prompt = [int(t) for t in np.asarray(load_splits(splits).selection)[0][:32]]
     return decode_step_ms(artifacts, rounds=rounds, prompt=prompt, threads=threads)
 
 

@@ -123,7 +123,7 @@ def tiny_splits(tiny_tokenizer):
     """Train/calib/eval/test blocks of 32 tokens from the embedded corpus, 8 held-out blocks of stdlib code."""
     from compress.data import make_splits
 
-    return make_splits(tiny_tokenizer, "embedded", block_size=32, train_blocks=64, calib_blocks=8, eval_blocks=8,
+    return make_splits(tiny_tokenizer, "embedded", block_size=32, train_blocks=64, calib_blocks=8, selection_blocks=8,
                        test_blocks=8, seed=0, heldout_blocks=8)
 
 

@@ -70,7 +70,7 @@ def test_accept_gates_on_the_test_split_and_reuses_the_selection_figures(prefect
     # spooled logits the candidate's evaluation reads), the candidate on both; none on eval.
     def split(b):
         return ("test" if np.array_equal(b, held.test) else "heldout" if np.array_equal(b, held.heldout)
-                else "eval" if np.array_equal(b, splits.eval) else "?")
+                else "eval" if np.array_equal(b, splits.selection) else "?")
 
     assert sorted(split(b) for _, b in measured) == ["heldout", "test"], measured
     assert sorted(split(b) for _, b in references) == ["heldout", "test"], references

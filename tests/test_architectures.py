@@ -159,7 +159,7 @@ def test_static_int8(family, artifacts, tiny_splits, tmp_path):
     rep = quantize_artifact(folder, tmp_path / "int8", tiny_splits.calib, cfg)
     assert read_manifest(tmp_path / "int8", verify=True)["quantization"]["method"] == "static"
     assert rep.quantized_linears >= 8 and rep.bytes_after < rep.bytes_before
-    got, agree, rel = _against_fp32(folder, tmp_path / "int8", tiny_splits.eval[:4])
+    got, agree, rel = _against_fp32(folder, tmp_path / "int8", tiny_splits.selection[:4])
     print(f"{family}: int8 {rep.quantized_linears} linears, top-1 {agree:.3f}, rel err {rel:.4f}")
     assert np.isfinite(got).all() and agree > 0.85 and rel < 0.1
 
@@ -263,7 +263,7 @@ def test_int8_kv_cache(family, scales, artifacts, tiny_splits, tmp_path):
                          kv_cache="int8", kv_cache_scales=scales)
     rep = quantize_artifact(folder, tmp_path / "kv8", tiny_splits.calib, cfg)
     assert read_manifest(tmp_path / "kv8", verify=True)["kv_dtype"] == "int8" and rep.settings["kv_cache_layers"] >= 2
-    got, agree, rel = _against_fp32(folder, tmp_path / "kv8", tiny_splits.eval[:4])
+    got, agree, rel = _against_fp32(folder, tmp_path / "kv8", tiny_splits.selection[:4])
     print(f"{family}: int8 K/V per {scales} (and weight-only int8) against fp32: top-1 {agree:.3f}, rel err {rel:.4f}, "
           f"K evened out in {rep.settings['kv_cache_equalized_layers']} of {rep.settings['kv_cache_layers']} layers")
     assert np.isfinite(got).all() and agree > 0.85 and rel < 0.1
@@ -285,7 +285,7 @@ def test_key_equalization_keeps_the_float_model(family, artifacts, tiny_splits, 
     out = tmp_path / "eq"
     n, absmax, _, _ = equalized_copy(folder, tiny_splits.calib[:2], out)
     assert n == (0 if family in ("qwen3", "gemma3") else sum(k.endswith(".key") for k in absmax))
-    ids = [int(t) for t in tiny_splits.eval[0][:40]]
+    ids = [int(t) for t in tiny_splits.selection[0][:40]]
     assert np.array_equal(load_lm(folder, verify=False).prefill(ids)[0], load_lm(out, verify=False).prefill(ids)[0])
 
 

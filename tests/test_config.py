@@ -97,6 +97,15 @@ def test_block_sizes_have_one_meaning_each():
     assert server.serve.kv_block_size == 8
 
 
+def test_the_selection_split_has_one_name():
+    """data.eval_blocks is now data.selection_blocks, as its figures (selection_*) and DataSplits.selection are."""
+    with pytest.warns(FutureWarning, match="data.eval_blocks is deprecated.*data.selection_blocks"):
+        cfg = load_config(None, ["data.eval_blocks=12"])
+    assert cfg.data.selection_blocks == 12
+    with pytest.raises(ConfigError, match="give only selection_blocks"):  # configs/tiny.yaml sets the new name
+        load_config("configs/tiny.yaml", ["data.eval_blocks=12"])
+
+
 def test_the_top_level_seed_that_did_nothing_is_refused_with_the_seeds_that_act():
     with pytest.raises(ConfigError, match=r"seed \(top level\) was removed.*data\.seed.*distill\.seed.*benchmark\.seed"):
         load_config(None, ["seed=1"])

@@ -121,10 +121,10 @@ def test_step_schedule_staircase_and_alpha_and_lr():
 def test_evaluate_matches_torch_eval(tiny_model, other_student, tiny_splits):
     from compress.evaluate.torch_eval import kl_and_agreement, perplexity
 
-    ev = evaluate(other_student, tiny_model, tiny_splits.eval)
-    ref = kl_and_agreement(other_student, tiny_model, tiny_splits.eval)
-    assert ev["perplexity"] == pytest.approx(perplexity(other_student, tiny_splits.eval), rel=1e-5)
-    assert ev["teacher_perplexity"] == pytest.approx(perplexity(tiny_model, tiny_splits.eval), rel=1e-5)
+    ev = evaluate(other_student, tiny_model, tiny_splits.selection)
+    ref = kl_and_agreement(other_student, tiny_model, tiny_splits.selection)
+    assert ev["perplexity"] == pytest.approx(perplexity(other_student, tiny_splits.selection), rel=1e-5)
+    assert ev["teacher_perplexity"] == pytest.approx(perplexity(tiny_model, tiny_splits.selection), rel=1e-5)
     assert ev["kl"] == pytest.approx(ref["kl"], rel=1e-5)
     assert ev["top1_agreement"] == ref["top1_agreement"]
 
@@ -263,7 +263,7 @@ def test_teacher_topk_cache_runs_the_teacher_once_per_block(tiny_model, other_st
                      tmp_path / "cache", progress=False)
     # evals before and after, and the probe's two forwards (logits; last hidden state) that check the teacher's
     # logits are its head applied to its last hidden state (compress/distill/fused.py::split_head)
-    other = 2 * math.ceil(len(tiny_splits.eval) / 4) + 2
+    other = 2 * math.ceil(len(tiny_splits.selection) / 4) + 2
     assert n_full - other == 2 * epoch
     assert calls["n"] - other == epoch  # the second epoch reuses the cache
     # k = vocab keeps everything: the same training, up to float summation order.
@@ -309,15 +309,15 @@ def test_hidden_state_loss_pulls_each_layer_toward_the_teacher_layer_it_was_cut_
     with pytest.raises(ValueError, match="no layer map"):
         distill(copy.deepcopy(pruned), trained_tiny4, tiny_splits, cfg.model_copy(update={"hidden_weight": 1.0}),
                 tmp_path / "nomap", progress=False)
-    before = _hidden_error(pruned, trained_tiny4, tiny_splits.eval, layers)
+    before = _hidden_error(pruned, trained_tiny4, tiny_splits.selection, layers)
     logits_only = copy.deepcopy(pruned)
     distill(logits_only, trained_tiny4, tiny_splits, cfg, tmp_path / "kd", progress=False)
     logs: list[dict] = []
     with_hidden = copy.deepcopy(pruned)
     rep_h = distill(with_hidden, trained_tiny4, tiny_splits, cfg.model_copy(update={"hidden_weight": 1.0}),
                     tmp_path / "hidden", progress=False, teacher_layers=layers, on_log=lambda s, m: logs.append(m))
-    kd_err = _hidden_error(logits_only, trained_tiny4, tiny_splits.eval, layers)
-    hidden_err = _hidden_error(with_hidden, trained_tiny4, tiny_splits.eval, layers)
+    kd_err = _hidden_error(logits_only, trained_tiny4, tiny_splits.selection, layers)
+    hidden_err = _hidden_error(with_hidden, trained_tiny4, tiny_splits.selection, layers)
     # measured: 0.272 before, 0.245 after logits alone, 0.211 with the hidden-state term
     assert hidden_err < 0.9 * kd_err < 0.9 * before, (before, kd_err, hidden_err)
     train = [m for m in logs if "hidden_loss" in m]
@@ -325,7 +325,7 @@ def test_hidden_state_loss_pulls_each_layer_toward_the_teacher_layer_it_was_cut_
     assert train[0]["loss"] == pytest.approx(train[0]["kd_loss"] + train[0]["hidden_loss"], rel=1e-6)
     assert rep_h.kl_after < rep_h.kl_before  # the logit KD still does its part
     # the plan's map, not the identity: mapping student layer 2 to teacher layer 2 instead of 3 is another loss
-    wrong = _hidden_error(with_hidden, trained_tiny4, tiny_splits.eval, list(range(3)))
+    wrong = _hidden_error(with_hidden, trained_tiny4, tiny_splits.selection, list(range(3)))
     assert wrong != pytest.approx(hidden_err, rel=1e-3)
 
 

@@ -60,11 +60,11 @@ def test_training_splits_modes_and_cache(trained_tiny4, tiny_splits, tiny_tokeni
     assert len(mixed.train) == len(tiny_splits.train) + 8
     assert np.array_equal(mixed.train[:len(tiny_splits.train)], tiny_splits.train)
     assert np.array_equal(mixed.calib, tiny_splits.calib)
-    # the eval split: the corpus's blocks, then as many of the teacher's samples, none of them trained on
-    n = len(tiny_splits.eval)
-    assert len(mixed.eval) == 2 * n and np.array_equal(mixed.eval[:n], tiny_splits.eval)
+    # the selection split: the corpus's blocks, then as many of the teacher's samples, none of them trained on
+    n = len(tiny_splits.selection)
+    assert len(mixed.selection) == 2 * n and np.array_equal(mixed.selection[:n], tiny_splits.selection)
     trained_on = {tuple(b) for b in mixed.train}
-    assert not any(tuple(b) in trained_on for b in mixed.eval[n:])
+    assert not any(tuple(b) in trained_on for b in mixed.selection[n:])
     # a re-run reads the cache: no teacher needed, the same blocks
     again = training_splits(tiny_splits, None, None, cfg, cache, progress=False)
     assert np.array_equal(again.train, mixed.train)
@@ -90,8 +90,8 @@ def test_chat_data_is_the_teachers_own_conversations_in_its_template(trained_tin
     out = training_splits(tiny_splits, trained_tiny4, tok, cfg, tmp_path / "train_chat.npz", progress=False)
     block = tiny_splits.train.shape[1]
     assert out.train.shape == (8, block)  # only the teacher's conversations
-    assert len(out.eval) == 2 * len(tiny_splits.eval)  # as many held-out conversations join the selection split
-    assert (out.train[:, :len(opening)] == opening).all() and (out.eval[-1, :len(opening)] == opening).all()
+    assert len(out.selection) == 2 * len(tiny_splits.selection)  # as many held-out conversations join the selection split
+    assert (out.train[:, :len(opening)] == opening).all() and (out.selection[-1, :len(opening)] == opening).all()
     body = out.train[:, len(opening):]
     assert not np.isin(body, unused).any()  # never a special token the template does not write
     assert len({tuple(r) for r in body}) == 8  # sampled, not one conversation repeated

@@ -18,14 +18,14 @@ BASE = {"perplexity": 20.0, "top1_agreement": 1.0, "decode_tokens_per_s": 40.0, 
 
 @pytest.fixture(scope="module")
 def fp32_eval(tiny_artifact, tiny_splits):
-    return evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_artifact=tiny_artifact, decode_steps=12)
+    return evaluate_onnx(tiny_artifact, tiny_splits.selection, reference_artifact=tiny_artifact, decode_steps=12)
 
 
 def test_fp32_onnx_perplexity_equals_torch(fp32_eval, tiny_model, tiny_splits, tiny_artifact):
-    ref = perplexity(tiny_model, tiny_splits.eval)
+    ref = perplexity(tiny_model, tiny_splits.selection)
     assert fp32_eval["perplexity"] == pytest.approx(ref, rel=1e-3)
     assert fp32_eval["top1_agreement"] == 1.0 and fp32_eval["kl_to_reference"] < 1e-9
-    assert fp32_eval["eval_tokens"] == tiny_splits.eval.shape[0] * (tiny_splits.eval.shape[1] - 1)
+    assert fp32_eval["eval_tokens"] == tiny_splits.selection.shape[0] * (tiny_splits.selection.shape[1] - 1)
     assert fp32_eval["size_bytes"] == (tiny_artifact / "model.onnx").stat().st_size
     assert 0 < fp32_eval["decode_ms_per_token"] < 1000
     assert fp32_eval["decode_tokens_per_s"] == pytest.approx(1000 / fp32_eval["decode_ms_per_token"])
@@ -38,10 +38,10 @@ def test_golden_prefix_match(tiny_model, tiny_tokenizer, tiny_artifact, tiny_spl
         with torch.no_grad():
             out = tiny_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
         golden.append((ids, out[0, len(ids):].tolist()))
-    ok = evaluate_onnx(tiny_artifact, tiny_splits.eval[:2], golden=golden, latency=False)
+    ok = evaluate_onnx(tiny_artifact, tiny_splits.selection[:2], golden=golden, latency=False)
     assert ok["golden_prefix_match"] == 1.0
     broken = [(p, g[:4] + [(g[4] + 1) % 512] + g[5:]) for p, g in golden]  # first mismatch at token 4 of 8
-    bad = evaluate_onnx(tiny_artifact, tiny_splits.eval[:2], golden=[{"prompt_ids": p, "greedy_ids": g} for p, g in broken], latency=False)
+    bad = evaluate_onnx(tiny_artifact, tiny_splits.selection[:2], golden=[{"prompt_ids": p, "greedy_ids": g} for p, g in broken], latency=False)
     assert bad["golden_prefix_match"] == pytest.approx(0.5)
 
 
@@ -74,7 +74,7 @@ def test_broken_quantization_is_rejected(tiny_artifact, tiny_splits, fp32_eval, 
     q.prepare()
     q.ranges = {t: (-1e6, 1e6) for t in q.ranges}
     q.write(tmp_path / "broken")
-    m = evaluate_onnx(tmp_path / "broken", tiny_splits.eval, reference_artifact=tiny_artifact, latency=False)
+    m = evaluate_onnx(tmp_path / "broken", tiny_splits.selection, reference_artifact=tiny_artifact, latency=False)
     v = accept(m, fp32_eval, AcceptConfig())
     assert not v.accepted
     assert any("max_perplexity_ratio" in r for r in v.reasons) and any("min_top1_agreement" in r for r in v.reasons)
@@ -84,7 +84,7 @@ def test_accuracy_aware_loop_relaxes_until_accepted(tiny_artifact, tiny_splits, 
     qcfg = QuantizeConfig(method="static", keep_float=[], keep_float_as="float", quantize_embedding=False)
     acfg = AcceptConfig(max_perplexity_ratio=1.05, min_top1_agreement=0.99, relax_trials=2, relax_groups_per_trial=4)
     seen = []
-    res = quantize_with_acceptance(tiny_artifact, tmp_path / "cand", tiny_splits.calib, tiny_splits.eval, qcfg, acfg,
+    res = quantize_with_acceptance(tiny_artifact, tmp_path / "cand", tiny_splits.calib, tiny_splits.selection, qcfg, acfg,
                                    baseline=fp32_eval, on_trial=lambda i, rec: seen.append(rec),
                                    eval_kwargs={"latency": False})
     assert [r["trial"] for r in seen] == list(range(len(seen))) and len(seen) >= 2
@@ -97,7 +97,7 @@ def test_accuracy_aware_loop_relaxes_until_accepted(tiny_artifact, tiny_splits, 
 def test_accuracy_aware_loop_rejects_after_the_last_trial(tiny_artifact, tiny_splits, fp32_eval, tmp_path):
     qcfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=True)
     acfg = AcceptConfig(max_perplexity_ratio=1.0, min_top1_agreement=1.0, relax_trials=1, relax_groups_per_trial=1)
-    res = quantize_with_acceptance(tiny_artifact, tmp_path / "cand", tiny_splits.calib, tiny_splits.eval, qcfg, acfg,
+    res = quantize_with_acceptance(tiny_artifact, tmp_path / "cand", tiny_splits.calib, tiny_splits.selection, qcfg, acfg,
                                    baseline=fp32_eval, eval_kwargs={"latency": False})
     assert not res.verdict.accepted and len(res.trials) == 2
     assert "accept.relax_trials=1" in res.verdict.reasons[-1]
@@ -106,11 +106,11 @@ def test_accuracy_aware_loop_rejects_after_the_last_trial(tiny_artifact, tiny_sp
 def test_agreement_from_cached_reference_top1(tiny_artifact, tiny_splits, fp32_eval):
     from compress.evaluate.onnx_eval import prefill_logits
 
-    top1 = prefill_logits(tiny_artifact, tiny_splits.eval).argmax(-1)
-    m = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=top1, latency=False)
+    top1 = prefill_logits(tiny_artifact, tiny_splits.selection).argmax(-1)
+    m = evaluate_onnx(tiny_artifact, tiny_splits.selection, reference_top1=top1, latency=False)
     assert m["top1_agreement"] == 1.0 and "kl_to_reference" not in m
     shifted = np.roll(top1, 1, axis=1)
-    m2 = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=shifted, latency=False)
+    m2 = evaluate_onnx(tiny_artifact, tiny_splits.selection, reference_top1=shifted, latency=False)
     assert m2["top1_agreement"] == pytest.approx(float((shifted[:, :-1] == top1[:, :-1]).mean()))
 
 
@@ -118,20 +118,20 @@ def test_agreement_counts_exactly_the_positions_perplexity_scores(tiny_artifact,
     """Position s-1's logits predict a token outside the block: perplexity never scores it, nor may agreement."""
     from compress.evaluate.onnx_eval import prefill_logits
 
-    top1 = prefill_logits(tiny_artifact, tiny_splits.eval).argmax(-1)
-    n, s = tiny_splits.eval.shape
+    top1 = prefill_logits(tiny_artifact, tiny_splits.selection).argmax(-1)
+    n, s = tiny_splits.selection.shape
     last_only = top1.copy()
     last_only[:, :-1] = (top1[:, :-1] + 1) % 7  # differs at every scored position, agrees at the last one
-    m = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=last_only, latency=False)
+    m = evaluate_onnx(tiny_artifact, tiny_splits.selection, reference_top1=last_only, latency=False)
     assert m["eval_tokens"] == n * (s - 1) and m["top1_agreement"] == 0.0
     all_but_last = top1.copy()
     all_but_last[:, -1] = (top1[:, -1] + 1) % 7  # agrees at every scored position only
-    m = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=all_but_last, latency=False)
+    m = evaluate_onnx(tiny_artifact, tiny_splits.selection, reference_top1=all_but_last, latency=False)
     assert m["top1_agreement"] == 1.0
     # The same positions, counted: one disagreement at a scored position costs exactly 1 / eval_tokens.
     one_off = top1.copy()
     one_off[0, 0] = (top1[0, 0] + 1) % 7
-    m = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_top1=one_off, latency=False)
+    m = evaluate_onnx(tiny_artifact, tiny_splits.selection, reference_top1=one_off, latency=False)
     assert m["top1_agreement"] == pytest.approx(1 - 1 / m["eval_tokens"])
 
 
@@ -143,9 +143,9 @@ def test_large_vocabularies_evaluate_in_smaller_batches_with_the_same_figures(ti
     assert onnx_eval.logits_batch(4, 128, 49_152) == 4  # SmolLM2: as asked
     assert onnx_eval.logits_batch(4, 128, 128_256) == 2  # Llama 3: 65.7 MB a block
     assert onnx_eval.logits_batch(4, 4096, 128_256) == 1
-    ref = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_artifact=tiny_artifact, latency=False)
+    ref = evaluate_onnx(tiny_artifact, tiny_splits.selection, reference_artifact=tiny_artifact, latency=False)
     monkeypatch.setattr(onnx_eval, "LOGITS_BATCH_BYTES", 1)  # one block per batch
-    one = evaluate_onnx(tiny_artifact, tiny_splits.eval, reference_artifact=tiny_artifact, latency=False)
+    one = evaluate_onnx(tiny_artifact, tiny_splits.selection, reference_artifact=tiny_artifact, latency=False)
     assert one["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-6)
     assert one["top1_agreement"] == ref["top1_agreement"] == 1.0 and one["eval_tokens"] == ref["eval_tokens"]
 

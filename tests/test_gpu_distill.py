@@ -26,8 +26,8 @@ def test_cpu_rehearsal_of_the_gpu_window(tmp_path):
     assert list(stages) == ["prune", "data", "distill", "export_int8", "verdict", "serve"]
     before, after = stages["prune"]["params"]
     assert after < before  # the cut removed MLP neurons
-    # 64 corpus train blocks and 16 conversations; the eval split gains as many conversations as it had blocks
-    assert stages["data"]["train_blocks"] == 64 + 16 and stages["data"]["eval_blocks"] == 8 + 8
+    # 64 corpus train blocks and 16 conversations; the selection split gains as many conversations as it had blocks
+    assert stages["data"]["train_blocks"] == 64 + 16 and stages["data"]["selection_blocks"] == 8 + 8
     d = stages["distill"]
     assert d["distill_steps"] == math.ceil(2000 / (4 * 31)) and d["plan"]["steps"] == d["distill_steps"]
     assert d["distill_planned_seconds"] > 0 and d["evals"][-1]["step"] == d["distill_steps"]

@@ -314,7 +314,7 @@ def test_int8_kv_cache(gqa_artifact, tiny_splits, tmp_path, scales):
         assert (n_scales[0] == n_scales[1] > 1) if scales == "channel" else n_scales == [1, 1], n_scales
     past = [i for i in g.input if i.name.startswith("past_key_values.")]
     assert past and all(i.type.tensor_type.elem_type == TensorProto.INT8 for i in past)
-    blocks = tiny_splits.eval[:4]
+    blocks = tiny_splits.selection[:4]
     f32 = load_lm(tmp_path / "f32", verify=False).prefill_batch(blocks)
     i8 = load_lm(tmp_path / "i8", verify=False).prefill_batch(blocks)
     rel = float(np.abs(i8 - f32).max() / np.abs(f32).max())
@@ -353,7 +353,7 @@ def test_quantize_gqa_artifact(tiny_artifact, gqa_artifact, tiny_splits, tmp_pat
         assert read_manifest(tmp_path / name)["attention_layout"] == name
         fp, q = load_lm(art), load_lm(tmp_path / name)
         agree, err = [], []
-        for block in tiny_splits.eval[:4]:
+        for block in tiny_splits.selection[:4]:
             a, b = fp.logits(block.tolist()), q.logits(block.tolist())
             agree.append(float((a.argmax(-1) == b.argmax(-1)).mean()))
             err.append(float(np.abs(a - b).mean()))

@@ -92,7 +92,7 @@ def test_quantize_auto_keeps_the_fastest_accepted_form(tiny_gqa, tiny_splits, tm
     with pytest.raises(QuantizeError, match="auto"):
         Quantizer(tiny_gqa, tiny_splits.calib, QuantizeConfig(method="auto"))
     acfg = AcceptConfig(enabled=True, max_perplexity_ratio=1.5, min_top1_agreement=0.5, relax_trials=0)
-    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval,
+    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.selection,
                                QuantizeConfig(method="auto", auto_forms=["weight_only", "dynamic_token"],
                                               quantize_embedding=False, smoothquant_alpha=None), acfg)
     print({n: (f["accepted"], f.get("decode_ms_per_step")) for n, f in choice.forms.items()})
@@ -119,7 +119,7 @@ def test_quantize_auto_for_many_users_keeps_the_form_with_the_most_tokens_per_s_
     acfg = AcceptConfig(enabled=True, max_perplexity_ratio=1.5, min_top1_agreement=0.5, relax_trials=0)
     qcfg = QuantizeConfig(method="auto", auto_forms=["weight_only", "dynamic_token"], quantize_embedding=True,
                           smoothquant_alpha=None, auto_concurrency=8, auto_profile=[4])
-    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, acfg)
+    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.selection, qcfg, acfg)
     forms = choice.forms
     assert all(f["accepted"] and f["tokens_per_s_b1"] > 0 and f["tokens_per_s_b8"] > 0 for f in forms.values())
     at8 = {n: f["tokens_per_s_b8"] for n, f in forms.items()}
@@ -153,11 +153,11 @@ def test_quantize_auto_judges_every_form_against_one_reference_pass(tiny_gqa, ti
     qcfg = QuantizeConfig(method="auto", auto_forms=["weight_only", "dynamic_token"], quantize_embedding=False,
                           smoothquant_alpha=None)
     monkeypatch.setattr(ev.ReferencePass, "__init__", counted)
-    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, acfg)
+    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.selection, qcfg, acfg)
     assert passes == [str(tiny_gqa)]  # one pass for both forms
     for name in qcfg.auto_forms:
         update = AUTO_FORMS[name]
-        alone = quantize_with_acceptance(tiny_gqa, tmp_path / f"alone_{name}", tiny_splits.calib, tiny_splits.eval,
+        alone = quantize_with_acceptance(tiny_gqa, tmp_path / f"alone_{name}", tiny_splits.calib, tiny_splits.selection,
                                          qcfg.model_copy(update=update), acfg)
         shared = choice.forms[name]
         assert alone.verdict.accepted == shared["accepted"] and alone.verdict.reasons == shared["reasons"]

@@ -138,7 +138,7 @@ def test_the_4bit_graph_computes_its_dequantized_weights(int4_tiny, tiny_gqa, ti
     accuracy_level 0 (float compute): equal. Level 4 (the default: the kernel rounds each input to int8 per block of
     32): the error is that rounding's alone, so it is the 8-bit form's at level 4 on the same inputs, within a
     factor of 2 (4-bit weights make the products the rounding errors pass through a little different)."""
-    blocks = tiny_splits.eval[:4]
+    blocks = tiny_splits.selection[:4]
     rel0, agree0 = _kernel_error(int4_tiny[0][0], blocks)
     rel4, agree4 = _kernel_error(int4_tiny[4][0], blocks)
     quantize_artifact(tiny_gqa, tmp_path / "w8", tiny_splits.calib, QuantizeConfig(method="weight_only", smoothquant_alpha=None))
@@ -199,11 +199,11 @@ def test_the_gate_rejects_a_4bit_form_with_one_destroyed_layer(trained_tiny4, ti
     src = tmp_path / "fp32"
     build_gqa_artifact(trained_tiny4, tok, src)
     quantize_artifact(src, tmp_path / "w4", tiny_splits.calib, QuantizeConfig(**W4, int4_keep_int8=0.0))
-    base = evaluate_onnx(src, tiny_splits.eval, latency=False)
+    base = evaluate_onnx(src, tiny_splits.selection, latency=False)
     cfg = AcceptConfig(max_perplexity_ratio=1.10, min_top1_agreement=0.80)
 
     def verdict(label):
-        m = evaluate_onnx(tmp_path / "w4", tiny_splits.eval, reference_artifact=src, latency=False)
+        m = evaluate_onnx(tmp_path / "w4", tiny_splits.selection, reference_artifact=src, latency=False)
         v = accept(m, base, cfg, criteria="fidelity")
         print(f"{label}: perplexity ratio {m['perplexity'] / base['perplexity']:.3f}, top-1 {m['top1_agreement']:.3f}",
               v.reasons)
@@ -224,7 +224,7 @@ def test_auto_keeps_int8_when_4bit_fails_and_says_why(tiny_gqa, tiny_splits, tmp
 
     qcfg = QuantizeConfig(method="auto", auto_forms=["weight_only", "weight_only_int4"])
     acfg = AcceptConfig(min_top1_agreement=0.9, max_perplexity_ratio=1.5, relax_trials=0)
-    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, acfg)
+    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.selection, qcfg, acfg)
     f4 = choice.forms["weight_only_int4"]
     print({n: (f["accepted"], round(f["metrics"]["top1_agreement"], 3)) for n, f in choice.forms.items()})
     assert choice.chosen == "weight_only"

@@ -39,7 +39,7 @@ def test_the_cache_forms_in_the_order_of_their_speed():
 def test_auto_keeps_a_float_cache_where_int8_fails_the_gate_and_says_what_it_cost(tiny_gqa, tiny_splits, tmp_path,
                                                                                  clipped_int8_cache):
     qcfg = QuantizeConfig(method="weight_only", kv_cache="auto", auto_concurrency=32, smoothquant_alpha=None)
-    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, GATE)
+    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.selection, qcfg, GATE)
     assert choice.chosen == "weight_only" and choice.kv_chosen == "float32"
     att = choice.forms["weight_only"]["kv_attempts"]
     assert [a["kv"] for a in att] == ["int8_tensor", "int8_channel", "float32"]
@@ -60,7 +60,7 @@ def test_auto_keeps_a_float_cache_where_int8_fails_the_gate_and_says_what_it_cos
 
 def test_for_many_users_an_int8_cache_that_passes_is_kept_after_one_attempt(tiny_gqa, tiny_splits, tmp_path):
     qcfg = QuantizeConfig(method="weight_only", kv_cache="auto", auto_concurrency=32, smoothquant_alpha=None)
-    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.eval, qcfg, GATE)
+    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.selection, qcfg, GATE)
     assert (choice.chosen, choice.kv_chosen) == ("weight_only", "int8_tensor")
     assert [a["kv"] for a in choice.forms["weight_only"]["kv_attempts"]] == ["int8_tensor"]
     assert read_manifest(tmp_path / "q")["kv_dtype"] == "int8" and choice.hints() == []

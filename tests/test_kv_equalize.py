@@ -34,7 +34,7 @@ def test_equalized_graph_computes_the_same_logits_and_the_predicted_ranges(tiny_
     out = tmp_path / "eq"
     n, absmax, spread, predicted = equalized_copy(tiny_gqa, tiny_splits.calib[:4], out)
     assert n == sum(k.endswith(".key") for k in absmax)
-    ids = [int(t) for t in tiny_splits.eval[0][:48]]
+    ids = [int(t) for t in tiny_splits.selection[0][:48]]
     ref = load_lm(tiny_gqa, verify=False).prefill(ids)[0]
     got = load_lm(out, verify=False).prefill(ids)[0]
     assert np.array_equal(ref, got)

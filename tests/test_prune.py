@@ -99,9 +99,9 @@ def test_structured_removes_exactly_the_planned_parts(tiny4, tiny_splits):
         assert torch.equal(s.self_attn.o_proj.weight, t.self_attn.o_proj.weight[:, g * 32:(g + 1) * 32])
     masked = copy.deepcopy(tiny4)
     mask_plan(masked, plan)
-    ref, got = _logits(masked, tiny_splits.eval), _logits(student, tiny_splits.eval)
+    ref, got = _logits(masked, tiny_splits.selection), _logits(student, tiny_splits.selection)
     assert torch.allclose(got, ref, atol=1e-4, rtol=0), float((got - ref).abs().max())
-    assert not torch.allclose(got, _logits(tiny4, tiny_splits.eval), atol=1e-2)
+    assert not torch.allclose(got, _logits(tiny4, tiny_splits.selection), atol=1e-2)
 
 
 @pytest.mark.parametrize("importance", ["activation", "weight_norm"])
@@ -138,7 +138,7 @@ def test_pruned_model_save_load_roundtrip(tiny4, tiny_splits, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", dtype=torch.float32).eval()
     assert loaded.config.num_hidden_layers == 3 and loaded.config.intermediate_size == 96
     assert loaded.config.num_attention_heads == 2 and loaded.config.num_key_value_heads == 1
-    assert torch.equal(_logits(loaded, tiny_splits.eval), _logits(student, tiny_splits.eval))
+    assert torch.equal(_logits(loaded, tiny_splits.selection), _logits(student, tiny_splits.selection))
 
 
 def _tiny_family(kind: str, vocab: int):
@@ -167,18 +167,18 @@ def test_other_llama_family_members_prune_and_roundtrip(kind, tiny_splits, tmp_p
                                                              protected_layers=[0]))
     masked = copy.deepcopy(model)
     mask_plan(masked, rep.plan)
-    assert torch.allclose(_logits(student, tiny_splits.eval), _logits(masked, tiny_splits.eval), atol=1e-4, rtol=0)
+    assert torch.allclose(_logits(student, tiny_splits.selection), _logits(masked, tiny_splits.selection), atol=1e-4, rtol=0)
     student.save_pretrained(tmp_path / kind)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / kind, dtype=torch.float32).eval()
     assert loaded.config.model_type == kind and loaded.config.num_hidden_layers == 2
-    assert torch.equal(_logits(loaded, tiny_splits.eval), _logits(student, tiny_splits.eval))
+    assert torch.equal(_logits(loaded, tiny_splits.selection), _logits(student, tiny_splits.selection))
 
 
 def test_zero_ratios_change_nothing(tiny_model, tiny_splits):
-    ref = _logits(tiny_model, tiny_splits.eval)
+    ref = _logits(tiny_model, tiny_splits.selection)
     for cfg in (_cfg(), _cfg(method="unstructured", sparsity=0.0), _cfg(method="both", sparsity=0.0)):
         student, rep = prune_model(tiny_model, tiny_splits.calib, cfg)
-        assert torch.equal(_logits(student, tiny_splits.eval), ref)
+        assert torch.equal(_logits(student, tiny_splits.selection), ref)
         assert rep.params_after == rep.params_before
         assert student is not tiny_model
 
@@ -224,7 +224,7 @@ def structured_artifact(tiny4, tiny, tiny_splits, tmp_path_factory):
 def test_structured_export_matches_torch(structured_artifact, tiny_splits):
     student, folder, manifest = structured_artifact
     assert manifest["num_layers"] == 3 and manifest["num_kv_heads"] == 1 and manifest["num_heads"] == 2
-    ids = tiny_splits.eval[:2]
+    ids = tiny_splits.selection[:2]
     ref = _logits(student, ids).numpy()
     got = _ort_logits(folder, ids)
     assert np.abs(got - ref).max() < 1e-3
@@ -345,8 +345,8 @@ def test_zeros_survive_onnx_export(tiny_model, tiny_tokenizer, tiny_splits, tmp_
         found += [a for a in inits if a.shape == w.shape and np.array_equal(a, w)]
         assert found, f"{name} not found among the ONNX initializers"
         assert (found[0] == 0).sum() == int((~mask).sum())
-    got = _ort_logits(tmp_path / "sparse", tiny_splits.eval[:2])
-    assert np.abs(got - _logits(student, tiny_splits.eval).numpy()).max() < 1e-3
+    got = _ort_logits(tmp_path / "sparse", tiny_splits.selection[:2])
+    assert np.abs(got - _logits(student, tiny_splits.selection).numpy()).max() < 1e-3
 
 
 def test_sensitivity_allocation_keeps_mean_and_order():

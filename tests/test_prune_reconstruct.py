@@ -74,7 +74,7 @@ def test_refit_lowers_each_layers_error_on_held_out_tokens(teacher, students, ti
     for proj, keep_of in (("mlp.down_proj", lambda i: plan.keep_neurons[i]),
                           ("self_attn.o_proj", lambda i: [g * plan.n_rep * plan.head_dim + k for g in plan.keep_groups[i]
                                                           for k in range(plan.n_rep * plan.head_dim)])):
-        xs = _proj_io(teacher, tiny_splits.eval, proj)
+        xs = _proj_io(teacher, tiny_splits.selection, proj)
         for i, x in enumerate(xs):
             keep = torch.tensor(keep_of(i))
             y = x @ decoder_layers(teacher)[i].get_submodule(proj).weight.detach().T
@@ -86,7 +86,7 @@ def test_refit_lowers_each_layers_error_on_held_out_tokens(teacher, students, ti
 
 
 def test_refit_keeps_the_model_closer_and_perplexity_no_worse(teacher, students, tiny_splits):
-    ev = tiny_splits.eval
+    ev = tiny_splits.selection
     mse = {k: _logit_mse(s, teacher, ev) for k, (s, _) in students.items()}
     ppl = {k: perplexity(s, ev) for k, (s, _) in students.items()}
     assert mse["student"] < 0.9 * mse["cut"] and mse["teacher"] < 0.9 * mse["cut"], mse
@@ -105,7 +105,7 @@ def test_refit_with_dropped_layers_and_a_huge_ridge(teacher, calib, tiny_splits)
     cut, _ = prune_model(teacher, calib, _cfg(head_ratio=0.0, layer_ratio=0.25, reconstruct=False))
     fit, rep = prune_model(teacher, calib, _cfg(head_ratio=0.0, layer_ratio=0.25))
     assert len(decoder_layers(fit)) == 3 and [r["layer"] for r in rep.reconstruction.rows] == [0, 1, 2]
-    assert _logit_mse(fit, teacher, tiny_splits.eval) < _logit_mse(cut, teacher, tiny_splits.eval)
+    assert _logit_mse(fit, teacher, tiny_splits.selection) < _logit_mse(cut, teacher, tiny_splits.selection)
     stiff, _ = prune_model(teacher, calib, _cfg(head_ratio=0.0, reconstruct_ridge=1e9))
     plain, _ = prune_model(teacher, calib, _cfg(head_ratio=0.0, reconstruct=False))
     for a, b in zip(decoder_layers(stiff), decoder_layers(plain)):

@@ -38,7 +38,7 @@ def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def fp32_logits(tiny_artifact, tiny_splits):
-    return prefill_logits(tiny_artifact, tiny_splits.eval)
+    return prefill_logits(tiny_artifact, tiny_splits.selection)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_static_artifact_is_valid_int8_and_close_to_fp32(static_artifacts, fp32_
         q, s = inits[n.input[0]], numpy_helper.to_array(inits[n.input[1]])
         assert s.shape == (q.dims[1],) and (s > 0).all()
     assert rep.bytes_after < rep.bytes_before
-    logits = prefill_logits(folder, tiny_splits.eval)
+    logits = prefill_logits(folder, tiny_splits.selection)
     assert np.isfinite(logits).all()
     assert _rel_err(logits, fp32_logits) < 0.05
     assert _agreement(logits, fp32_logits) > 0.9
@@ -105,7 +105,7 @@ def test_kept_groups_fall_back_to_weight_only_int8(tiny_artifact, tiny_splits, f
     assert rep.quantized_linears == 12 and len(rep.float_linears) == 2
     float_inits = [i for i in m.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2 and min(i.dims) >= 64]
     assert [i.name for i in float_inits] == ["model.lm_head.weight"]  # only the (unquantized) embedding table
-    logits = prefill_logits(tmp_path / "fb", tiny_splits.eval)
+    logits = prefill_logits(tmp_path / "fb", tiny_splits.selection)
     assert _rel_err(logits, fp32_logits) < 0.05 and _agreement(logits, fp32_logits) > 0.9
 
 
@@ -113,7 +113,7 @@ def test_calibration_reads_only_calib_blocks(static_artifacts, tiny_splits, tiny
     _, rep = static_artifacts["minmax"]
     assert rep.calib_blocks == len(tiny_splits.calib)
     assert rep.calib_sha256 == hashlib.sha256(np.ascontiguousarray(tiny_splits.calib).tobytes()).hexdigest()
-    assert rep.calib_sha256 != hashlib.sha256(np.ascontiguousarray(tiny_splits.eval).tobytes()).hexdigest()
+    assert rep.calib_sha256 != hashlib.sha256(np.ascontiguousarray(tiny_splits.selection).tobytes()).hexdigest()
     # the activation scales follow the data they were calibrated on
     cfg = QuantizeConfig(method="static", keep_float=[], quantize_embedding=False, smoothquant_alpha=None)
     a = Quantizer(tiny_artifact, tiny_splits.calib, cfg)
@@ -151,7 +151,7 @@ def test_weight_only_uses_matmulnbits_and_shrinks(tiny_artifact, tiny_splits, fp
     attrs = {a.name: a.i for a in nbits[0].attribute}
     assert attrs["bits"] == 8 and attrs["accuracy_level"] == 4 and attrs["block_size"] == 32
     assert rep.bytes_after < 0.75 * rep.bytes_before
-    logits = prefill_logits(tmp_path / "wo", tiny_splits.eval)
+    logits = prefill_logits(tmp_path / "wo", tiny_splits.selection)
     assert _rel_err(logits, fp32_logits) < 0.03 and _agreement(logits, fp32_logits) > 0.93
     read_manifest(tmp_path / "wo", verify=True)
 
@@ -161,7 +161,7 @@ def test_dynamic_int8(tiny_artifact, tiny_splits, fp32_logits, tmp_path):
     rep = quantize_artifact(tiny_artifact, tmp_path / "dyn", tiny_splits.calib, cfg)
     ops = _ops(tmp_path / "dyn")
     assert ops.get("DynamicQuantizeLinear", 0) >= 1 and ops.get("MatMulInteger", 0) == 14
-    logits = prefill_logits(tmp_path / "dyn", tiny_splits.eval)
+    logits = prefill_logits(tmp_path / "dyn", tiny_splits.selection)
     assert _rel_err(logits, fp32_logits) < 0.05 and _agreement(logits, fp32_logits) > 0.9
     assert rep.smoothed_tensors == 6  # 2 layers x (attention norm, mlp norm, down_proj input)
 
@@ -176,14 +176,14 @@ def test_dynamic_per_token_int8(tiny_artifact, tiny_splits, fp32_logits, tmp_pat
     assert ops.get("Split", 0) == _ops(tiny_artifact).get("Split", 0)
     assert ops.get("QuantizeLinear", 0) == ops.get("Abs", 0) == 8 and "Round" not in ops and "MatMulInteger" not in ops
     assert rep.calib_blocks == 0 and rep.settings["activations"].startswith("symmetric per-token")
-    logits = prefill_logits(tmp_path / "tok", tiny_splits.eval)
+    logits = prefill_logits(tmp_path / "tok", tiny_splits.selection)
     # one range per token: closer to fp32 than one range per batch
     tensor = quantize_artifact(tiny_artifact, tmp_path / "ten", None, cfg.model_copy(update={"activation_granularity": "tensor"}))
-    per_tensor = prefill_logits(tmp_path / "ten", tiny_splits.eval)
+    per_tensor = prefill_logits(tmp_path / "ten", tiny_splits.selection)
     assert _rel_err(logits, fp32_logits) < 0.03 and _agreement(logits, fp32_logits) > 0.95
     assert _rel_err(logits, fp32_logits) < _rel_err(per_tensor, fp32_logits)
     # batch-1 decode on the rewritten graph (ranks 3 -> 2 -> 3 reshapes) matches prefill
-    toks = load_lm(tmp_path / "tok", verify=False).greedy(tiny_splits.eval[0][:8].tolist(), 4)
+    toks = load_lm(tmp_path / "tok", verify=False).greedy(tiny_splits.selection[0][:8].tolist(), 4)
     assert len(toks) == 4 and toks[0] == int(logits[0, 7].argmax())
 
 
@@ -201,9 +201,9 @@ def test_per_token_w8a8_is_lean_and_its_lm_head_is_int8_too(tiny_artifact, tiny_
     assert ops.get("Reshape", 0) == base.get("Reshape", 0) + 1  # the quantized embedding's own
     names = [i.name for i in onnx.load(str(tmp_path / "tok" / "model.onnx")).graph.initializer]
     assert len(names) == len(set(names))  # the lm_head's rewrite reuses the shared constants, never repeats them
-    logits = prefill_logits(tmp_path / "tok", tiny_splits.eval)
+    logits = prefill_logits(tmp_path / "tok", tiny_splits.selection)
     assert _rel_err(logits, fp32_logits) < 0.05 and _agreement(logits, fp32_logits) > 0.9
-    toks = load_lm(tmp_path / "tok", verify=False).greedy(tiny_splits.eval[0][:8].tolist(), 4)
+    toks = load_lm(tmp_path / "tok", verify=False).greedy(tiny_splits.selection[0][:8].tolist(), 4)
     assert toks[0] == int(logits[0, 7].argmax())
 
 
@@ -218,7 +218,7 @@ def test_tied_embedding_is_stored_once_in_8_bit(tiny_artifact, tiny_splits, fp32
     gbq = next(n for n in m.graph.node if n.op_type == "GatherBlockQuantized")
     nbits = next(n for n in m.graph.node if n.op_type == "MatMulNBits")
     assert gbq.input[0] == nbits.input[1]  # one shared uint8 table
-    logits = prefill_logits(tmp_path / "emb", tiny_splits.eval)
+    logits = prefill_logits(tmp_path / "emb", tiny_splits.selection)
     # every linear and the embedding quantized: a little looser than the down_proj-in-float variants
     assert _rel_err(logits, fp32_logits) < 0.08 and _agreement(logits, fp32_logits) > 0.9
     no_emb = quantize_artifact(tiny_artifact, tmp_path / "no_emb", tiny_splits.calib, cfg.model_copy(update={"quantize_embedding": False}))
@@ -232,7 +232,7 @@ def test_smoothquant_is_exact_in_float_and_flattens_outliers(tiny_artifact, tiny
     q = Quantizer(tiny_artifact, tiny_splits.calib, cfg)
     q.prepare()
     assert q.smoothed == 6 and q.inv_scales
-    smoothed = np.concatenate(list(lm_for_model(q.model, q.manifest).prefill_batches(tiny_splits.eval, 2)))
+    smoothed = np.concatenate(list(lm_for_model(q.model, q.manifest).prefill_batches(tiny_splits.selection, 2)))
     np.testing.assert_allclose(smoothed, fp32_logits, rtol=1e-4, atol=1e-3)
     outliers = 0
     for t, inv in q.inv_scales.items():
@@ -275,7 +275,7 @@ def test_tied_lm_head_of_the_per_token_form_is_smoothed_exactly(tiny_artifact, t
     lm = next(n for n in m.graph.node if n.op_type == "MatMul" and n.input[0] == head.tensor)
     m.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(E.T * s[:, None]), "lm_head_T_s"))
     lm.input[1] = "lm_head_T_s"
-    folded = np.concatenate(list(lm_for_model(m, q.manifest).prefill_batches(tiny_splits.eval, 2)))
+    folded = np.concatenate(list(lm_for_model(m, q.manifest).prefill_batches(tiny_splits.selection, 2)))
     np.testing.assert_allclose(folded, fp32_logits, rtol=1e-4, atol=1e-3)
     # the artifact: gamma / s before the lm_head, and the int8 copy is E^T * s
     rep = q.write(tmp_path / "tok")
@@ -289,7 +289,7 @@ def test_tied_lm_head_of_the_per_token_form_is_smoothed_exactly(tiny_artifact, t
     w = oi[mm.input[1]].astype(np.float32) * oi[mm.input[3]].reshape(1, -1)
     ref = E.T * s[:, None]
     assert np.abs(w - ref).max() <= 0.51 * np.abs(ref).max(0).max() / 127
-    logits = prefill_logits(tmp_path / "tok", tiny_splits.eval)
+    logits = prefill_logits(tmp_path / "tok", tiny_splits.selection)
     assert _rel_err(logits, fp32_logits) < 0.05 and _agreement(logits, fp32_logits) > 0.9
     # "auto" keeps it only where it lowers the held-out per-token error
     qa = Quantizer(tiny_artifact, tiny_splits.calib, cfg.model_copy(update={"smoothquant_alpha": "auto"}))

@@ -47,13 +47,13 @@ def stream(tiny_tokenizer):
 
 def _expected_splits(blocks: np.ndarray, seed: int = 0) -> dict[str, np.ndarray]:
     """DATA_FORMAT 3: repeated blocks kept once (first occurrence), then a seeded permutation dealt into four
-    lanes: test / eval / calib take the head of lanes 0 / 1 / 2, train the head of what is left."""
+    lanes: test / selection / calib take the head of lanes 0 / 1 / 2, train the head of what is left."""
     blocks = blocks[np.sort(np.unique(blocks, axis=0, return_index=True)[1])]
     order = np.random.default_rng(seed).permutation(len(blocks))
     test, ev, calib = order[0::4][:TEST], order[1::4][:EVAL], order[2::4][:CALIB]
     used = set(test) | set(ev) | set(calib)
     train = np.array([i for i in order if i not in used][:TRAIN])
-    return {"test": blocks[test], "eval": blocks[ev], "calib": blocks[calib], "train": blocks[train]}
+    return {"test": blocks[test], "selection": blocks[ev], "calib": blocks[calib], "train": blocks[train]}
 
 
 def test_the_rule_per_tokenizer(tiny_tokenizer, bos_tok, tmp_path):
@@ -84,7 +84,7 @@ def test_default_tiny_blocks_are_unchanged(tiny_splits, stream):
 def test_bos_model_blocks_start_with_bos(bos_tok, stream, tmp_path):
     s = make_splits(bos_tok, "embedded", BLOCK, TRAIN, CALIB, EVAL, TEST, seed=0, heldout_source="none")
     assert s.bos_token_id == 1
-    for part in (s.train, s.calib, s.eval, s.test):
+    for part in (s.train, s.calib, s.selection, s.test):
         assert part.shape[1] == BLOCK and (part[:, 0] == 1).all()
     step = BLOCK - 1  # BOS + 31 stream tokens
     n = len(stream) // step
@@ -98,7 +98,7 @@ def test_bos_model_blocks_start_with_bos(bos_tok, stream, tmp_path):
     held = make_splits(bos_tok, "embedded", BLOCK, TRAIN, CALIB, EVAL, TEST, seed=0, heldout_blocks=4).heldout
     assert held.shape == (4, BLOCK) and (held[:, 0] == 1).all() and not (held[:, 1:] == 1).all()
     # A splits file written before the field existed reads as no BOS.
-    np.savez(tmp_path / "old.npz", train=s.train, calib=s.calib, eval=s.eval, source="x", total_tokens=1)
+    np.savez(tmp_path / "old.npz", train=s.train, calib=s.calib, eval=s.selection, source="x", total_tokens=1)
     assert DataSplits.load(tmp_path / "old.npz").bos_token_id is None
 
 
@@ -142,8 +142,8 @@ def test_golden_passes_with_bos(tiny_model, bos_tok, bos_artifact):
 def test_perplexity_scores_the_same_positions(tiny_artifact, tiny_splits, bos_tok):
     from compress.evaluate.onnx_eval import evaluate_onnx
 
-    bos_eval = make_splits(bos_tok, "embedded", BLOCK, TRAIN, CALIB, EVAL, TEST, seed=0, heldout_source="none").eval
-    plain = evaluate_onnx(tiny_artifact, tiny_splits.eval, latency=False)
+    bos_eval = make_splits(bos_tok, "embedded", BLOCK, TRAIN, CALIB, EVAL, TEST, seed=0, heldout_source="none").selection
+    plain = evaluate_onnx(tiny_artifact, tiny_splits.selection, latency=False)
     with_bos = evaluate_onnx(tiny_artifact, bos_eval, latency=False)
     assert plain["eval_tokens"] == with_bos["eval_tokens"] == EVAL * (BLOCK - 1)
     assert np.isfinite(with_bos["perplexity"])

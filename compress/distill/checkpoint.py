@@ -65,7 +65,7 @@ def run_fingerprint(student, splits: DataSplits, cfg) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(cfg.model_dump(mode="json", exclude=set(_RESUME_INDEPENDENT)), sort_keys=True).encode())
     h.update(json.dumps([(n, list(p.shape)) for n, p in student.named_parameters()]).encode())
-    for arr in (splits.train, splits.eval):
+    for arr in (splits.train, splits.selection):
         h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()[:16]
 

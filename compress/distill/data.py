@@ -131,7 +131,7 @@ def training_splits(splits: DataSplits, teacher, tokenizer, cfg, cache: str | Pa
                     progress: bool = True) -> DataSplits:
     """``splits`` with its train blocks replaced by what ``cfg.data`` (a DistillConfig) asks for.
 
-    With generations, the eval split (the distillation's best checkpoint and early stopping) gains as many
+    With generations, the selection split (the distillation's best checkpoint and early stopping) gains as many
     samples of the teacher as it has corpus blocks, sampled in the same pass and never trained on: a student
     trained on the teacher's text is selected on it too, not on the corpus alone (which on SmolLM2 kept
     picking the untrained step 0). Only the distill stage reads these splits; the other stages keep theirs.
@@ -143,7 +143,7 @@ def training_splits(splits: DataSplits, teacher, tokenizer, cfg, cache: str | Pa
     cache = Path(cache)
     if cache.is_file():
         return DataSplits.load(cache)
-    n_eval = len(splits.eval)
+    n_eval = len(splits.selection)
     chat = cfg.data in ("chat", "chat_mix")
     generated = teacher_generations(
         teacher, cfg.generated_blocks + n_eval, splits.train.shape[1], seed=cfg.seed,
@@ -152,7 +152,7 @@ def training_splits(splits: DataSplits, teacher, tokenizer, cfg, cache: str | Pa
         progress=progress, opening=chat_opening(tokenizer, splits.bos_token_id) if chat else None)
     train, held = generated[:cfg.generated_blocks], generated[cfg.generated_blocks:]
     out = dataclasses.replace(splits, train=distill_blocks(splits.train, train, cfg.data),
-                              eval=np.concatenate([splits.eval, held]))
+                              selection=np.concatenate([splits.selection, held]))
     tmp = cache.with_name(cache.stem + ".partial.npz")
     out.save(tmp)
     os.replace(tmp, cache)

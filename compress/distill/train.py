@@ -282,8 +282,8 @@ def distill(student, teacher, splits: DataSplits, cfg, workdir: str | Path, *, m
     if rank.main:
         workdir.mkdir(parents=True, exist_ok=True)
     distributed.barrier(rank)
-    if len(splits.train) == 0 or len(splits.eval) == 0:
-        raise DistillError("distillation needs train and eval blocks; raise data.train_blocks / data.eval_blocks")
+    if len(splits.train) == 0 or len(splits.selection) == 0:
+        raise DistillError("distillation needs train and selection blocks; raise data.train_blocks / data.selection_blocks")
     vs, vt = student.config.vocab_size, teacher.config.vocab_size
     if vs != vt:
         raise DistillError(f"student and teacher must share a vocabulary for the KL term (vocab {vs} vs {vt})")
@@ -362,7 +362,7 @@ class Trainer:
         """Eval after optimizer step ``step``: logged, and a new best is checkpointed (last, then best)."""
         state, cfg = self.state, self.cfg
         t0 = time.perf_counter()
-        ev = evaluate(self.student, self.teacher_run, self.splits.eval, cfg.batch_size, self.amp_dtype, self.rank)
+        ev = evaluate(self.student, self.teacher_run, self.splits.selection, cfg.batch_size, self.amp_dtype, self.rank)
         self.eval_seconds = time.perf_counter() - t0
         if not state.before:
             state.before = ev
@@ -483,7 +483,7 @@ class Trainer:
             # The step-0 eval ran cold (first forwards at these shapes, 53 s against 15 s warm for 32 blocks of
             # SmolLM2 in bf16 on 2 cores): one more, warm and unlogged, is what each later eval costs.
             t0 = time.perf_counter()
-            evaluate(self.student, self.teacher_run, self.splits.eval, self.cfg.batch_size, self.amp_dtype, self.rank)
+            evaluate(self.student, self.teacher_run, self.splits.selection, self.cfg.batch_size, self.amp_dtype, self.rank)
             plan = planned(time.perf_counter() - t0)
         self.state.plan = plan.to_dict()
         if self.rank.main:

@@ -12,7 +12,7 @@ handed in is unchanged afterwards. A probe at layer l leaves layers 0..l-1 as th
 were, so their outputs are recorded once and each probe re-runs only layers l..L-1,
 the final norm and the LM head (~40% less compute on SmolLM2; checked against a
 full forward before use, with the full forward as fallback). Only the blocks passed in are read (give it
-the calib split; the eval split must stay unseen until the final measurement).
+the calib split; the selection split must stay unseen until the final measurement).
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ def _attempt_record(kv: str, res: AcceptanceResult) -> dict:
             "size_ratio": float(res.report.size_ratio), "trials": len(res.trials)}
 
 
-def _judge_weight_form(src: Path, out_dir: Path, calib_blocks, eval_blocks, cfg: QuantizeConfig, acfg: AcceptConfig,
+def _judge_weight_form(src: Path, out_dir: Path, calib_blocks, selection_blocks, cfg: QuantizeConfig, acfg: AcceptConfig,
                        *, kvs: dict[str, dict], threads, reference, on_trial) -> tuple[str, AcceptanceResult, list[dict]]:
     """One weight form with each cache form in turn (kvs' order) until one passes: (its cache form, its result,
     every attempt). The faster cache forms get one trial, the last the whole loop; only the returned one's
@@ -261,7 +261,7 @@ def _judge_weight_form(src: Path, out_dir: Path, calib_blocks, eval_blocks, cfg:
         if kvs[kv]:  # {} = the configured cache, which q.cfg has
             q.use_kv_cache(kvs[kv]["kv_cache"], kvs[kv].get("kv_cache_scales", "channel"))
         loop = acfg if k == len(names) - 1 else acfg.model_copy(update={"relax_trials": 0})
-        res = quantize_with_acceptance(src, out_dir.with_name(f"{out_dir.name}.kv_{kv}"), calib_blocks, eval_blocks,
+        res = quantize_with_acceptance(src, out_dir.with_name(f"{out_dir.name}.kv_{kv}"), calib_blocks, selection_blocks,
                                        q.cfg, loop, threads=threads, reference=reference, quantizer=q,
                                        on_trial=(lambda i, m, kv=kv: on_trial(kv, i, m)) if on_trial else None)
         attempts.append(_attempt_record(kv, res))
@@ -278,12 +278,12 @@ def _judge_weight_form(src: Path, out_dir: Path, calib_blocks, eval_blocks, cfg:
 
 
 def _fastest(accepted: list[str], results: dict[str, AcceptanceResult], record: dict[str, dict], qcfg: QuantizeConfig,
-             eval_blocks: np.ndarray, threads: int | None) -> str:
+             selection_blocks: np.ndarray, threads: int | None) -> str:
     """The fastest accepted form (pick_form: forms within auto_speed_tolerance of it tie, the lowest perplexity
     wins): by tokens/s at quantize.auto_concurrency rows on the serving engine, or by the batch-1 decode step when
     that is 1. Each form's speeds go into its ``record``."""
     speed = decode_step_ms({n: results[n].artifact for n in accepted}, threads=threads,
-                           prompt=[int(t) for t in np.asarray(eval_blocks)[0][:32]])
+                           prompt=[int(t) for t in np.asarray(selection_blocks)[0][:32]])
     for n, ms in speed.items():
         record[n]["decode_ms_per_step"] = ms
     ppl = {n: results[n].metrics["perplexity"] for n in accepted}
@@ -302,7 +302,7 @@ def _fastest(accepted: list[str], results: dict[str, AcceptanceResult], record: 
     return pick_form(speed, ppl, qcfg.auto_speed_tolerance)
 
 
-def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_blocks: np.ndarray, eval_blocks: np.ndarray,
+def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_blocks: np.ndarray, selection_blocks: np.ndarray,
                       qcfg: QuantizeConfig, acfg: AcceptConfig, *, threads: int | None = None,
                       forms: dict[str, dict] | None = None, on_trial=None) -> FormChoice:
     """Every weight form of ``forms`` (default: weight_forms(qcfg)) with its cache forms (kv_forms) through the
@@ -320,19 +320,19 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
     record: dict[str, dict] = {}
     # One pass of the source over the selection split for every form and trial: its figures are the baseline,
     # its spooled logits the reference of each form's agreement and KL.
-    with ReferencePass(src, eval_blocks, threads=threads) as reference:
+    with ReferencePass(src, selection_blocks, threads=threads) as reference:
         for name, update in forms.items():
             cfg = qcfg.model_copy(update=update)
             tag = (lambda kv, i, m, name=name: on_trial(f"{name}.kv_{kv}" if kv_auto else name, i, m)) if on_trial else None
             kv, res, attempts = _judge_weight_form(src, out_dir.with_name(f"{out_dir.name}.{name}"), calib_blocks,
-                                                   eval_blocks, cfg, acfg, kvs=kvs, threads=threads,
+                                                   selection_blocks, cfg, acfg, kvs=kvs, threads=threads,
                                                    reference=reference, on_trial=tag)
             results[name] = res
             record[name] = {"accepted": res.verdict.accepted, "reasons": list(res.verdict.reasons),
                             "metrics": dict(res.metrics), "trials": len(res.trials), "kv": kv,
                             "kv_attempts": attempts}
     accepted = [n for n, r in results.items() if r.verdict.accepted]
-    chosen = _fastest(accepted, results, record, qcfg, eval_blocks, threads) if len(accepted) > 1 else \
+    chosen = _fastest(accepted, results, record, qcfg, selection_blocks, threads) if len(accepted) > 1 else \
         (accepted[0] if accepted else None)
     # none passed: the most accurate attempt is kept, to be registered as the rejected candidate
     keep = chosen or min(results, key=lambda n: results[n].metrics["perplexity"])

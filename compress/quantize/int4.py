@@ -3,7 +3,7 @@
 ORT has the 4-bit `MatMulNBits` kernel and a round-to-nearest block quantizer; the tensors are written in its layout by
 compress/nbits.py `pack_w4` (its grid, each block's range searched: quantize.weight_clip). What ORT does not do is decide *which* weights may lose that much
 and *how to scale them first*. Both are measured here on the calibration sample (the calib split's token rows that
-calibration already keeps per linear input, `ActStats.sample`), never on the eval split:
+calibration already keeps per linear input, `ActStats.sample`), never on the selection split:
 
 - ``awq_scales`` / ``choose_awq``: activation-aware scaling as in AWQ (Lin et al., 2023). A weight's input channel j
   that sees large activations is multiplied by s_j = mean|x_j|^alpha before rounding, and x_j divided by it (folded

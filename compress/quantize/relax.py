@@ -35,7 +35,7 @@ def quantize_with_acceptance(
     src_artifact: str | Path,
     out_dir: str | Path,
     calib_blocks: np.ndarray,
-    eval_blocks: np.ndarray,
+    selection_blocks: np.ndarray,
     qcfg: QuantizeConfig,
     acfg: AcceptConfig,
     *, baseline: dict | None = None,
@@ -49,10 +49,10 @@ def quantize_with_acceptance(
 
     Trial 0 uses qcfg as is; each later trial keeps `relax_groups_per_trial` more groups in float, most
     sensitive first (sensitivity scan results when qcfg.sensitivity_trials > 0, else the activation-range
-    proxy). Calibration runs once, on calib_blocks only; eval_blocks (the selection split) are used only for the
+    proxy). Calibration runs once, on calib_blocks only; selection_blocks (the selection split) are used only for the
     loop's gate. The pipeline's verdict is the accept stage's, on the test split no trial has seen (tasks/accept.py).
     on_trial(i, record) is called after every trial (for MLflow child runs). reference: the source's
-    ReferencePass over eval_blocks (its figures are the baseline; choose_quant_form shares one between forms),
+    ReferencePass over selection_blocks (its figures are the baseline; choose_quant_form shares one between forms),
     made here when not given (and no reference_top1 is in eval_kwargs). quantizer: one already calibrated on
     this source (choose_quant_form writes several K/V forms from one), else one is made from qcfg.
     """
@@ -64,29 +64,29 @@ def quantize_with_acceptance(
     own_ref = reference is None and "reference_top1" not in ekw
     if own_ref:
         # One pass of the source, spooled: its figures are the baseline, its logits every trial's reference.
-        reference = ReferencePass(src, eval_blocks, threads=ekw.get("threads"), latency=ekw.get("latency", True))
+        reference = ReferencePass(src, selection_blocks, threads=ekw.get("threads"), latency=ekw.get("latency", True))
     try:
         q = quantizer or Quantizer(src, calib_blocks, qcfg, threads=threads)
-        return _loop(q, out_dir, eval_blocks, acfg, baseline=baseline, on_trial=on_trial, ekw=ekw, reference=reference)
+        return _loop(q, out_dir, selection_blocks, acfg, baseline=baseline, on_trial=on_trial, ekw=ekw, reference=reference)
     finally:
         if own_ref:
             reference.close()
 
 
-def _loop(q: Quantizer, out_dir: Path, eval_blocks, acfg: AcceptConfig, *, baseline: dict | None, on_trial, ekw: dict,
+def _loop(q: Quantizer, out_dir: Path, selection_blocks, acfg: AcceptConfig, *, baseline: dict | None, on_trial, ekw: dict,
           reference: ReferencePass | None) -> AcceptanceResult:
-    # eval_kwargs may carry reference_top1 (the baseline's argmax on eval_blocks) to skip re-running the baseline
+    # eval_kwargs may carry reference_top1 (the baseline's argmax on selection_blocks) to skip re-running the baseline
     ref = {"reference": reference} if reference is not None else {}
     if baseline is None:
         baseline = reference.figures if reference is not None else evaluate_onnx(
-            q.src, eval_blocks, **{k: v for k, v in ekw.items() if k != "reference_top1"})
+            q.src, selection_blocks, **{k: v for k, v in ekw.items() if k != "reference_top1"})
     # The loop gates on the selection split alone: the other genres are the verdict's (tasks/accept.py).
     loop_cfg = acfg.model_copy(update={"max_heldout_perplexity_ratio": None})
     extra: list[str] = []
     trials: list[dict] = []
     for i in range(acfg.relax_trials + 1):
         report = q.write(out_dir, extra)
-        metrics = evaluate_onnx(out_dir, eval_blocks, **ref, **ekw)
+        metrics = evaluate_onnx(out_dir, selection_blocks, **ref, **ekw)
         verdict = accept(metrics, baseline, loop_cfg, criteria="fidelity")  # quantization: stay the source
         rec = {"trial": i, "float_groups": list(report.float_linears), "extra_float_groups": list(extra),
                "metrics": {**metrics, **report.metrics(), **verdict.metrics}, "accepted": verdict.accepted, "reasons": list(verdict.reasons)}

@@ -5,7 +5,7 @@ the quantizable groups (one decoder layer's q/k/v, o, gate/up or down linears), 
 quantize first. `candidate_ranking` scores every group from the calibration statistics alone, with no
 model run; `sensitivity_scan` runs the model with one group quantized at a time for the top
 `sensitivity_trials` of that ranking, because a local error does not always predict the logits' error.
-The eval split is never used here, so the gate's figures stay an honest held-out measurement.
+The selection split is never used here, so the gate's figures stay an honest held-out measurement.
 """
 
 from __future__ import annotations
