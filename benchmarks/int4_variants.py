@@ -17,7 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from benchmarks.burst import cpu_flags
 from compress.config import QuantizeConfig
