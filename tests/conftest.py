@@ -162,3 +162,12 @@ def tiny_flow_run(prefect_harness, mlflow_store, tmp_path_factory):
     overrides = [f"workdir={work}"]
     out = compress_flow(config="configs/tiny.yaml", overrides=overrides)
     return {"out": out, "workdir": work, "overrides": overrides}
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An httpx client on the module's ``server`` fixture (a BackgroundServer), 30 s timeout."""
+    from served import http_on
+
+    with http_on(server) as c:
+        yield c

@@ -19,7 +19,7 @@ from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
 from serve.runners.onnx_session import CPU
 from step_gate import held_steps, seen_cancels
-from served import http_on, on_socket, serve_cfg
+from served import on_socket, serve_cfg
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,12 +40,6 @@ def server(tiny_artifact):
                      admin_token=TOKEN)
     with on_socket(app) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with http_on(server) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

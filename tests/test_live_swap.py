@@ -20,7 +20,7 @@ from serve.engine.sampling import SamplingParams
 from serve.registry.resolver import ModelSourceError, parse_model_uri
 from serve.registry.source import ModelManager
 from step_gate import held_steps
-from served import http_on, on_socket, serve_cfg
+from served import on_socket, serve_cfg
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -106,12 +106,6 @@ def server(versions, mlflow_store):
     app = create_app(f"models:/{NAME}@champion", cfg(poll_interval_s=POLL_S), tracking_uri=mlflow_store)
     with on_socket(app) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with http_on(server) as c:
-        yield c
 
 
 def served(http) -> str | None:

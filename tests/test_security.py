@@ -21,7 +21,7 @@ from compress.config import ModelConfig, PipelineConfig, ServeConfig, load_confi
 from serve.__main__ import build_parser
 from serve.api.app import create_app
 from serve.api.background import BackgroundServer
-from served import http_on, on_socket, serve_cfg
+from served import on_socket, serve_cfg
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,12 +39,6 @@ def server(tiny_artifact):
     app = create_app(str(tiny_artifact), cfg(max_request_bytes=LIMIT), admin_token=TOKEN)
     with on_socket(app) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with http_on(server) as c:
-        yield c
 
 
 # ---- bind address ------------------------------------------------------------------------------------

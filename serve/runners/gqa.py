@@ -63,6 +63,11 @@ from serve.runners.standard import kv_spec
 log = logging.getLogger(__name__)
 
 
+def _part(part: str, name: str) -> property:
+    """A read-only figure of one of the runner's parts (its rows, its split)."""
+    return property(lambda self: getattr(getattr(self, part), name))
+
+
 class _PromptCall(NamedTuple):
     """One call of _run_first_prompts: its binding, the rows (indexes into the step's first prompts) on slots from
     ``first_slot`` (relative to the base), their lengths, the logits and the first position kept in them."""
@@ -122,30 +127,13 @@ class GqaRunner(RunnerBase):
                                  rows_from=decode_split_rows, weights=graph_bytes(manifest), max_slots=self.max_slots)
         self.batched_prompts = 0  # prompts that ran in a call with other first prompts (_run_first_prompts)
 
-    # ---- what the rest of the server reads --------------------------------------------------
-    @property
-    def row_tokens(self) -> int:
-        return self.rows.row_tokens
-
-    @property
-    def gathered_tokens(self) -> int:
-        return self.rows.gathered_tokens
-
-    @property
-    def moved_tokens(self) -> int:
-        return self.rows.moved_tokens
-
-    @property
-    def decode_split_rows(self) -> int:
-        return self.split.rows_from
-
-    @property
-    def split_steps(self) -> int:
-        return self.split.steps
-
-    @property
-    def split_prompt_calls(self) -> int:
-        return self.split.prompt_calls
+    # ---- what the rest of the server reads (the engine's stats, /metrics, tests) -------------------
+    row_tokens = _part("rows", "row_tokens")
+    gathered_tokens = _part("rows", "gathered_tokens")  # positions copied from the pool into rows
+    moved_tokens = _part("rows", "moved_tokens")  # positions copied between rows
+    decode_split_rows = _part("split", "rows_from")
+    split_steps = _part("split", "steps")  # decode steps run as two halves
+    split_prompt_calls = _part("split", "prompt_calls")  # first-prompt batches run as two halves
 
     def kv_bytes(self) -> int:
         """Bytes held for K/V now: the block pool plus the rows."""
