@@ -105,12 +105,13 @@ def _measured(cfg: PipelineConfig) -> list[Setting]:
 
 
 def _distill(d) -> list[Setting]:
+    from compress.distill.report import DistillError
     from compress.distill.train import COMPILE_MIN_TOKENS, amp_dtype_for, resolve_device
 
     rows = []
     try:
         device = resolve_device(d.device)
-    except Exception as e:  # the distill stage says it again where it trains
+    except DistillError as e:  # no GPU here for distill.device cuda: the distill stage says it where it trains
         return [Setting("distill.device", d.device, str(e), False)]
     here = f"on this machine: {device.type}"
     if d.device == "auto":
