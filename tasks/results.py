@@ -8,15 +8,13 @@ result with a figure missing. A renamed field breaks the code that reads it (and
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, TypeVar
 
 from compress.evaluate.gate import CHECKS, gate_metric
 from compress.export import FROM_CHECKPOINT_WEIGHTS
-
-# Part of every stage's Prefect cache key: a result cached by Prefect under another format is not handed on.
-RESULTS_FORMAT = 2
 
 R = TypeVar("R", bound="StageResult")
 
@@ -208,3 +206,17 @@ class Registered:
 def finite(figures: dict) -> dict[str, float]:
     """The numeric, non-NaN figures of a dict (what MLflow and the ratios take)."""
     return {k: v for k, v in figures.items() if isinstance(v, (int, float)) and not math.isnan(v)}
+
+
+def _layout() -> str:
+    """A digest of every result class's name and fields, in order."""
+    h = hashlib.sha256()
+    for cls in sorted((c for c in globals().values() if isinstance(c, type) and c.__module__ == __name__
+                       and hasattr(c, "__dataclass_fields__")), key=lambda c: c.__name__):
+        h.update(f"{cls.__name__}({','.join(f.name for f in fields(cls))})".encode())
+    return h.hexdigest()[:8]
+
+
+# Part of every stage's Prefect cache key: a result Prefect pickled under another layout of these classes (a field
+# renamed, added or dropped) is never handed on; the stage's DONE.json is then refused by from_json and recomputed.
+RESULTS_FORMAT = _layout()

@@ -156,3 +156,21 @@ def test_the_docs_table_of_stage_results_is_the_code():
                if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == results.__name__
                and c is not results.StageResult}
     assert rows == classes
+
+
+def test_the_prefect_cache_key_follows_the_result_classes_fields(monkeypatch):
+    """A renamed field changes RESULTS_FORMAT (a digest of every class's fields), so Prefect never hands on a result
+    it pickled under the old layout."""
+    import dataclasses
+
+    from tasks import results
+
+    before = results._layout()
+    renamed = dataclasses.make_dataclass("Loaded", [("model_dir", str), ("split_file", str), ("heldout", str),
+                                                    ("info", dict), ("exporter_auto", list), ("metrics", dict)],
+                                         bases=(results.StageResult,), frozen=True)
+    renamed.__module__ = results.__name__
+    monkeypatch.setattr(results, "Loaded", renamed)
+    assert results._layout() != before
+    monkeypatch.undo()
+    assert results._layout() == before == results.RESULTS_FORMAT
