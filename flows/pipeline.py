@@ -42,7 +42,7 @@ from tasks.load import load_task
 from tasks.register import register_task
 from tasks.results import Benchmarked, Judged, Registered
 from tasks.search import (Branch, Chain, SearchSummary, TeacherStages, branch_config, candidate_chain,
-                          search_baseline_task, search_branch_task, stage_row, summarize_search)
+                          search_baseline_task, search_branch_task, StageRecorder, summarize_search)
 from tasks.tracking import flatten, log_json, log_metrics, log_params
 
 
@@ -57,17 +57,8 @@ KEY_FIGURES = {
 }
 
 
-class StageTimer:
-    """Wall time and key figures of each stage, for the run summary."""
-
-    def __init__(self):
-        self.rows: list[dict] = []
-
-    def run(self, name: str, fn, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        self.rows.append(stage_row(name, time.perf_counter() - t0, out))
-        return out
+class StageTimer(StageRecorder):
+    """Wall time and key figures of each stage (StageRecorder.run), and the run summary made of them."""
 
     def markdown(self, cfg: PipelineConfig, run, tracking_uri: str, registered: list[Registered],
                  verdict: Judged | None = None, champion_vs: dict | None = None, ui: str | None = None) -> str:

@@ -18,7 +18,7 @@ from compress.evaluate import chat_limit
 from compress.evaluate.verdict import judge
 from tasks.common import cache_key_fn, mark_done, open_stage, workdir
 from tasks.load import load_splits
-from tasks.results import Judged, judged
+from tasks.results import Judged
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
 
 def _same(a: str, b: str) -> bool:
@@ -61,8 +61,6 @@ def accept_task(cfg: PipelineConfig, stage: str, key: str, *, parent_run_id: str
                                                                             "max_chat_judged_ratio")]
             log_figure(chat_eval.plot_by_kind(chat, *limits), "chat_by_kind.png")
         log_json(j.record(chat=chat, split="test"), "verdict.json")
-    return mark_done(folder, judged(verdict, metrics=j.metrics, candidate=j.candidate, baseline=j.baseline, side=j.side,
-                                    genres=j.genres, heldout_source=j.heldout_source, selection=j.selection,
-                                    evaluated_in=j.evaluated_in, seconds=j.seconds, reference=j.reference,
-                                    chat_note=j.chat_note, chat_by_kind=chat.get("by_kind", {}),
-                                    run_id=run.info.run_id if run is not None else None))
+    return mark_done(folder, Judged.from_json(j.record(
+        metrics=j.metrics, gate=dict(verdict.metrics), chat_by_kind=chat.get("by_kind", {}),
+        run_id=run.info.run_id if run is not None else None)))

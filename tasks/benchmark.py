@@ -7,6 +7,8 @@ Every figure is also reported as a ratio to the baseline measured in the same ru
 
 from __future__ import annotations
 
+import math
+
 from prefect import task
 
 from compress.config import PipelineConfig
@@ -14,8 +16,13 @@ from loadtest.batch1 import compare_with_genai, genai_metrics
 from loadtest.serve_bench import benchmark_artifact, ratios
 from loadtest.workloads import fit_to_context, make_workload
 from tasks.common import cache_key_fn, mark_done, open_stage
-from tasks.results import Benchmarked, finite
+from tasks.results import Benchmarked
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
+
+
+def finite(figures: dict) -> dict[str, float]:
+    """The numeric, non-NaN figures of a dict (what MLflow and the ratios take)."""
+    return {k: v for k, v in figures.items() if isinstance(v, (int, float)) and not math.isnan(v)}
 
 
 @task(name="benchmark", cache_key_fn=cache_key_fn, persist_result=True)

@@ -9,7 +9,6 @@ result with a figure missing. A renamed field breaks the code that reads it (and
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -201,11 +200,6 @@ class Registered:
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def finite(figures: dict) -> dict[str, float]:
-    """The numeric, non-NaN figures of a dict (what MLflow and the ratios take)."""
-    return {k: v for k, v in figures.items() if isinstance(v, (int, float)) and not math.isnan(v)}
 
 
 def _layout() -> str:

@@ -43,6 +43,21 @@ def _plain_run(name: str, fn: Callable, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+class StageRecorder:
+    """Each stage's row (name, wall seconds, the figures its result logged) as ``run`` calls it: the flow's
+    summary table, or a search branch's rows."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def run(self, name: str, fn: Callable, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.rows.append({"stage": name, "seconds": time.perf_counter() - t0,
+                          "metrics": dict(getattr(out, "metrics", None) or {})})
+        return out
+
+
 @dataclass(frozen=True)
 class Chain:
     """What a candidate's chain made: the candidate artifact, its cache key (what the accept and benchmark keys chain
@@ -201,27 +216,15 @@ def search_branch_task(cfg: PipelineConfig, parent_run_id: str | None, tracking_
     each stage inside caches under its key, so a re-run redoes only what is missing."""
     # On a Dask worker in another process (or machine) nothing has pointed MLflow at the store yet.
     mlflow.set_tracking_uri(tracking_uri)
-    rows: list[dict] = []
-
-    def run(name, fn, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        rows.append(stage_row(name, time.perf_counter() - t0, out))
-        return out
-
-    chain = candidate_chain(cfg, parent_run_id, t, run=run)
+    rec = StageRecorder()
+    chain = candidate_chain(cfg, parent_run_id, t, run=rec.run)
     from compress.evaluate.chat import sets_digest
 
     k = stage_key(cfg, "search_gate", ["accept"], chain.cand_key, t.k_exp, f"chat{sets_digest(cfg.search.chat_sets)}")
-    gate = run("search_gate", submit_stage, search_gate_task, cfg, "search_gate", k, parent_run_id=parent_run_id,
+    gate = rec.run("search_gate", submit_stage, search_gate_task, cfg, "search_gate", k, parent_run_id=parent_run_id,
                candidate=chain.candidate, baseline=t.teacher.artifact, splits=t.loaded.splits,
                baseline_figures=baseline_figures)
-    return Branch(ratio=cfg.prune.mlp_ratio, chain=chain, gate=gate, rows=rows)
-
-
-def stage_row(name: str, seconds: float, out) -> dict:
-    """A stage's row of the run summary: its name, wall seconds and the figures its result logged."""
-    return {"stage": name, "seconds": seconds, "metrics": dict(getattr(out, "metrics", None) or {})}
+    return Branch(ratio=cfg.prune.mlp_ratio, chain=chain, gate=gate, rows=rec.rows)
 
 
 def branch_candidate(branch: Branch, ms_per_token: float | None) -> Candidate:

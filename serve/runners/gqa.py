@@ -112,7 +112,7 @@ class GqaRunner(RunnerBase):
         row_tokens = int(row_tokens) if row_tokens else self.max_slots * self.max_len
         if row_tokens < 1:
             raise RunnerError(f"row_tokens {row_tokens}: the KV rows need room for at least one position")
-        self.rows = KvRows(self.store, (self.n_kv, self.kv_heads, self.head_dim, 0), self.dtype,
+        self.rows = KvRows(self.store, self.dtype, n_kv=self.n_kv, kv_heads=self.kv_heads, head_dim=self.head_dim,
                            num_blocks=num_blocks, block_size=block_size, max_slots=self.max_slots,
                            max_len=self.max_len, row_tokens=row_tokens, bytes_per_token=self.bytes_per_token)
         self.pool = self.rows.pool

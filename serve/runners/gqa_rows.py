@@ -54,10 +54,10 @@ class Slot:
 class KvRows:
     """The pool and the rows, on ``store`` (host arrays, or GPU tensors for the CUDA form: serve/kv/device.py)."""
 
-    def __init__(self, store, shape: tuple[int, int, int, int], dtype, *, num_blocks: int, block_size: int,
+    def __init__(self, store, dtype, *, n_kv: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  max_slots: int, max_len: int, row_tokens: int, bytes_per_token: int):
         self.store, self.dtype, self.block_size = store, dtype, block_size
-        self.n_kv, self.kv_heads, self.head_dim, _ = shape
+        self.n_kv, self.kv_heads, self.head_dim = n_kv, kv_heads, head_dim
         self.max_slots, self.max_len, self.row_tokens = max_slots, max_len, row_tokens
         self.bytes_per_token = bytes_per_token
         self.pool = store.zeros((self.n_kv, num_blocks, self.kv_heads, block_size, self.head_dim))
