@@ -100,8 +100,11 @@ class ExportConfig(Section):
     # tensor (quantize.weight_block_size and accuracy_level), with no fp32 copy in memory, on disk or in the registry: it is
     # the candidate (the quantize stage has nothing left to do), golden and acceptance judge it against the checkpoint
     # as stored, and the baseline version records the checkpoint by digest. gqa layout only; not with pruning or
-    # distillation. auto: int8 from 1B parameters when neither is on, float32 otherwise (docs/models.md#large-models).
-    # int4: as int8, with the decoder's linears at 4 bits (round-to-nearest, quantize.weight_symmetric) but for the
+    # distillation. auto: from 1B parameters when neither is on, int4 where the quantize section weighs 4 bits
+    # (quantize.method auto with weight_only_int4 in auto_forms, or weight_bits 4), gated on the selection split, with
+    # int8 written instead where it fails (method auto) and the forms table saying why; int8 otherwise; float32 below
+    # 1B (docs/models.md#large-models). int4: as int8, with the decoder's linears at 4 bits (round-to-nearest with the
+    # range search, quantize.weight_symmetric) but for the
     # quantize.int4_keep_int8 share of groups with the largest measured 4-bit weight error, which stay at 8 bits, as do
     # the lm_head and the embedding (docs/quantization.md#4-bit-weights).
     weights: Literal["auto", "float32", "int8", "int4"] = "auto"

@@ -25,7 +25,7 @@ from compress.artifact import read_manifest
 from compress.config import ConfigError, PipelineConfig, load_config, project_root
 from compress.data import DATA_FORMAT
 from compress.evaluate import chat as chat_eval
-from compress.export import EXPORT_FORMAT
+from compress.export import EXPORT_FORMAT, fallback_weights
 from compress.memory import shape_of_folder
 from compress.resolve import resolve_config
 from compress.scorecard import card_params, form_of, scorecard
@@ -37,10 +37,11 @@ from tasks.accept import accept_task
 from tasks.benchmark import benchmark_task
 from tasks.common import stage_key, submit_stage
 from tasks.export import export_task
+from tasks.export_gate import export_gate_task
 from tasks.golden import golden_task
 from tasks.load import load_task
 from tasks.register import register_task
-from tasks.results import Benchmarked, Judged, Registered
+from tasks.results import Benchmarked, Judged, Quantized, Registered
 from tasks.search import (Branch, Chain, SearchSummary, TeacherStages, branch_config, candidate_chain,
                           search_baseline_task, search_branch_task, StageRecorder, summarize_search)
 from tasks.tracking import flatten, log_json, log_metrics, log_params
@@ -260,7 +261,7 @@ def quantize_rejection(choice: dict) -> Judged:
     """A rejected verdict for a quantize stage none of whose forms passed the gate on the selection split: the run
     stops there (the accept stage would judge, on the test split, a form already known to fail). Its reasons name
     every form's failed checks; the most accurate form is the registered, rejected candidate."""
-    reasons = [f"no INT8 form passed the gate on the selection split ({len(choice['attempts'])} tried); the most "
+    reasons = [f"no quantized form passed the gate on the selection split ({len(choice['attempts'])} tried); the most "
                f"accurate is registered as the rejected candidate"]
     reasons += [f"{a['form']} with {a['kv_label']}: {a['failed']}" for a in choice["attempts"]]
     best = min(choice["attempts"], key=lambda a: a["perplexity_ratio"])
@@ -433,7 +434,9 @@ def export_key_part(cfg: PipelineConfig, weights: str) -> str:
 
 def teacher_stages(cfg: PipelineConfig, pid: str, timer: StageTimer) -> TeacherStages:
     """load, then every `auto` resolved (logged once: resolved_config.json), then export and golden under the
-    resolved config, which the rest of the run uses (``TeacherStages.resolved.cfg``)."""
+    resolved config, which the rest of the run uses (``TeacherStages.resolved.cfg``). When export.weights auto wrote
+    4 bits from the checkpoint, the graph is gated on the selection split, and where it fails the export writes 8 bits
+    instead (``written_forms``)."""
     k_load = stage_key(cfg, "load", ["model", "data"], f"data{DATA_FORMAT}")
     loaded = timer.run("load", submit_stage, load_task, cfg, "load", k_load, parent_run_id=pid)
     resolved = resolve_config(cfg, params=shape_of_folder(loaded.model_dir, cfg.model.trust_remote_code).params,
@@ -441,7 +444,19 @@ def teacher_stages(cfg: PipelineConfig, pid: str, timer: StageTimer) -> TeacherS
     for s in resolved.settings:
         get_run_logger().info("resolved %s: %s (%s)", s.key, s.value, s.why)
     log_json(resolved.to_json(), "resolved_config.json")
+    fallback = fallback_weights(cfg.export.weights, resolved.cfg.export.weights, resolved.cfg)
     cfg = resolved.cfg
+    k_exp, teacher, gold = export_and_golden(cfg, pid, timer, loaded, k_load)
+    forms = None
+    if fallback:
+        cfg, k_exp, teacher, gold, forms = written_forms(cfg, pid, timer, loaded, k_load, (k_exp, teacher, gold),
+                                                         fallback)
+        resolved = replace(resolved, cfg=cfg)
+    return TeacherStages(resolved, k_load, loaded, k_exp, teacher, gold, forms)
+
+
+def export_and_golden(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, k_load: str):
+    """The export under cfg.export.weights and its golden check: (the export's key, Exported, Golden)."""
     weights = cfg.export.weights
     k_exp = stage_key(cfg, "export", ["export"], k_load, f"format{EXPORT_FORMAT}", export_key_part(cfg, weights))
     teacher = timer.run("export", submit_stage, export_task, cfg, "export", k_exp, parent_run_id=pid,
@@ -449,7 +464,37 @@ def teacher_stages(cfg: PipelineConfig, pid: str, timer: StageTimer) -> TeacherS
     k_gold = stage_key(cfg, "golden", ["golden"], k_exp)
     gold = timer.run("golden", submit_stage, golden_task, cfg, "golden", k_gold, parent_run_id=pid,
                      model_dir=loaded.model_dir, artifact=teacher.artifact)
-    return TeacherStages(resolved, k_load, loaded, k_exp, teacher, gold)
+    return k_exp, teacher, gold
+
+
+def written_forms(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, k_load: str, first: tuple,
+                  fallback: str):
+    """export.weights auto from the checkpoint: the first graph (4 bits) gated on the selection split; where it
+    fails, ``fallback`` (8 bits) written, checked and gated too. Returns the run's config, the kept export's key,
+    Exported and Golden, and the forms as a Quantized result (the attempts table, the kept form's figures for the
+    accept stage; chosen None when none passed, so the run ends Rejected before the accept stage)."""
+    k_exp, teacher, gold = first
+    attempts, evaluation = [], None
+    while True:
+        k = stage_key(cfg, "export_gate", ["accept"], k_exp, f"data{DATA_FORMAT}")
+        gate = timer.run("export_gate", submit_stage, export_gate_task, cfg, "export_gate", k, parent_run_id=pid,
+                         artifact=teacher.artifact, weights=teacher.weights, splits=loaded.splits,
+                         model_dir=loaded.model_dir)
+        attempts.append(gate.attempt)
+        if gate.accepted:
+            evaluation = gate.evaluation
+            break
+        if teacher.weights == fallback:
+            break
+        get_run_logger().warning("export: the %s graph failed the gate on the selection split (%s); writing %s "
+                                 "from the checkpoint instead", teacher.weights, gate.attempt["failed"], fallback)
+        cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"weights": fallback})})
+        k_exp, teacher, gold = export_and_golden(cfg, pid, timer, loaded, k_load)
+    kept = attempts[-1]
+    choice = {"attempts": attempts, "chosen": kept["form"] if kept["accepted"] else None, "kv": kept["kv"],
+              "hints": []}
+    forms = Quantized(artifact=teacher.artifact, evaluation=evaluation, choice=choice, metrics={})
+    return cfg, k_exp, teacher, gold, forms
 
 
 def register_baseline(cfg: PipelineConfig, pid: str, timer: StageTimer, t: TeacherStages) -> Registered:

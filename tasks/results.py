@@ -80,6 +80,18 @@ class Golden(StageResult):
 
 
 @dataclass(frozen=True)
+class FormGated(StageResult):
+    """export_gate: a graph written from the checkpoint (export.weights auto) judged on the selection split against
+    the checkpoint: passed or not, its forms-table row, and the figures the accept stage may reuse (``evaluation``:
+    reference, splits, candidate, baseline)."""
+
+    accepted: bool
+    attempt: dict
+    evaluation: dict
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
 class Pruned(StageResult):
     """prune: the student checkpoint, its masks (unstructured pruning) and which teacher layers it kept."""
 

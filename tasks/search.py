@@ -61,7 +61,8 @@ class StageRecorder:
 @dataclass(frozen=True)
 class Chain:
     """What a candidate's chain made: the candidate artifact, its cache key (what the accept and benchmark keys chain
-    from), the quantize stage's result (None when off) and the student's checkpoint folder."""
+    from), the quantize stage's result (None when off; for a graph export.weights auto wrote from the checkpoint,
+    the forms the export weighed) and the student's checkpoint folder."""
 
     candidate: str
     cand_key: str
@@ -80,6 +81,8 @@ class TeacherStages:
     k_exp: str
     teacher: Exported
     gold: Golden
+    # export.weights auto from the checkpoint: the forms the export weighed on the selection split (tasks/export_gate.py)
+    forms: Quantized | None = None
 
 
 def candidate_chain(cfg: PipelineConfig, pid: str | None, t: TeacherStages, run: Callable = _plain_run) -> Chain:
@@ -111,6 +114,7 @@ def candidate_chain(cfg: PipelineConfig, pid: str | None, t: TeacherStages, run:
         candidate = student.artifact
     quant = None
     if teacher.from_checkpoint:
+        quant = t.forms  # the forms export.weights auto weighed, when it did
         # the export wrote the weight-only INT8 (4-bit) graph from the checkpoint: it is the candidate, nothing is
         # left to quantize (W8A8 would calibrate the fp32 graph, which was never written)
         stage_logger().info("quantize: skipped, the export wrote the %s candidate from the checkpoint "

@@ -11,7 +11,7 @@ import pytest
 
 from compress.artifact import checkpoint_digest, read_manifest
 from compress.config import ConfigError, load_config
-from compress.export.weights import fp32_needed_by, resolve_weights
+from compress.export.weights import fallback_weights, fp32_needed_by, int4_wanted_by, resolve_weights
 from compress.memory import GIB, MemoryBudgetError, Shape, check_stage_memory
 from serve.artifact import ArtifactError
 
@@ -21,6 +21,9 @@ INT8_RUN = ["prune.enabled=false", "distill.enabled=false", "quantize.method=wei
 
 def test_auto_writes_int8_from_1b_parameters_unless_a_stage_needs_fp32():
     assert resolve_weights("auto", 1_240_000_000, None)[0] == "int8"
+    weights, why = resolve_weights("auto", 1_240_000_000, None, "quantize.method auto weighs weight_only_int4")
+    assert weights == "int4" and "int8 where it fails" in why
+    assert resolve_weights("auto", 135_000_000, None, "quantize.weight_bits 4")[0] == "float32"
     assert resolve_weights("auto", 135_000_000, None)[0] == "float32"
     weights, why = resolve_weights("auto", 7_600_000_000, "pruning or distillation starts from the fp32 model")
     assert weights == "float32" and "pruning" in why
@@ -29,6 +32,17 @@ def test_auto_writes_int8_from_1b_parameters_unless_a_stage_needs_fp32():
     assert "pruning" in fp32_needed_by(load_config("configs/tiny.yaml"))
     w8a8 = load_config("configs/large.yaml", ["quantize.method=static"])
     assert "quantize.method static" in fp32_needed_by(w8a8)
+
+
+def test_4_bits_first_only_where_the_quantize_section_weighs_them_and_8_bits_only_as_auto_s_fallback():
+    shipped = load_config("configs/default.yaml")
+    assert "weight_only_int4" in int4_wanted_by(shipped)
+    assert fallback_weights("auto", "int4", shipped) == "int8"
+    assert fallback_weights("int4", "int4", shipped) is None  # the user named the weights: judged as they are
+    int8_only = load_config("configs/default.yaml", ['quantize.auto_forms=["weight_only","dynamic_token"]'])
+    assert int4_wanted_by(int8_only) is None
+    asked = load_config("configs/default.yaml", ["quantize.method=weight_only", "quantize.weight_bits=4"])
+    assert int4_wanted_by(asked) == "quantize.weight_bits 4" and fallback_weights("auto", "int4", asked) is None
 
 
 @pytest.mark.parametrize("extra, names", [
@@ -99,6 +113,41 @@ def test_the_baseline_version_records_the_checkpoint_by_digest(int8_run, tmp_pat
         Engine(folder)
     served = download(f"models:/tiny-int8/{cand['version']}", tmp_path / "cand")
     assert (served / "MLmodel").is_file() and read_manifest(served)["quantization"]["written_from"] == "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def auto_run(prefect_harness, mlflow_store, tmp_path_factory):
+    """export.weights auto on a tiny model taken for a large one (the 1B threshold lowered), with an agreement limit
+    its 4-bit graph misses (0.68 on the selection split) and its 8-bit one meets (0.97)."""
+    import compress.export.weights as weights
+    from flows.pipeline import compress_flow
+
+    work = tmp_path_factory.mktemp("work_auto")
+    over = ["prune.enabled=false", "distill.enabled=false", "quantize.method=auto", "accept.relax_trials=0",
+            "export.weights=auto", "accept.min_top1_agreement=0.8", "registry.model_name=tiny-auto-weights",
+            "mlflow.experiment=tiny-auto-weights", f"workdir={work}"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(weights, "CHECKPOINT_FROM_PARAMS", 1000)
+        return compress_flow(config="configs/tiny.yaml", overrides=over)
+
+
+def test_auto_writes_4_bits_first_and_8_bits_where_the_gate_rejects_them_saying_why(auto_run):
+    out = auto_run
+    stages = [row["stage"] for row in out["stages"]]
+    assert stages.count("export") == 2 and stages.count("export_gate") == 2 and "quantize" not in stages
+    gates = [row["metrics"] for row in out["stages"] if row["stage"] == "export_gate"]
+    assert gates[0]["auto_weight_only_int4_accepted"] == 0.0
+    assert gates[0]["auto_weight_only_int4_top1_agreement"] < 0.8 <= gates[1]["auto_weight_only_top1_agreement"]
+    assert gates[1]["auto_weight_only_accepted"] == 1.0
+    # the 4-bit graph is the smaller one: what the fallback gave up, in the same table
+    assert gates[0]["auto_weight_only_int4_size_ratio"] < gates[1]["auto_weight_only_size_ratio"]
+    cand = read_manifest(out["candidate_artifact"])
+    assert cand["quantization"]["written_from"] == "checkpoint" and cand["quantization"]["weight_bits"] == 8
+    verdict = out["verdict"]
+    assert verdict["accepted"], verdict["reasons"]
+    # the accept stage reused the kept form's selection figures instead of measuring them again
+    assert verdict["evaluated_in"] == "quantize"
+    assert verdict["side"]["selection_top1_agreement"] == pytest.approx(gates[1]["auto_weight_only_top1_agreement"])
 
 
 def test_the_docs_name_the_keys_and_paths_that_exist():

@@ -248,6 +248,12 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
     return Verdict(not reasons, reasons, m, criteria, checks)
 
 
+def failed_checks(verdict: Verdict) -> str:
+    """The failed checks of a verdict with their values and limits, e.g. 'top1_agreement 0.885 (limit 0.9)'."""
+    return "; ".join(f"{c['name']} {c['value']:.4g} (limit {c['limit']:.4g})" for c in verdict.checks
+                     if not c["passed"]) or "; ".join(verdict.reasons)
+
+
 def genre_table(checks: list[dict]) -> list[dict]:
     """One row per genre: passed only when every check of it passed; its checks' values and limits."""
     rows: dict[str, dict] = {}

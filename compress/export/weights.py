@@ -38,16 +38,41 @@ def fp32_needed_by(cfg) -> str | None:
     return None
 
 
-def resolve_weights(setting: str, params: int, fp32_needed: str | None) -> tuple[str, str]:
-    """(float32 | int8 | int4, why) for export.weights ``setting``; ``fp32_needed``: fp32_needed_by's reason, if any."""
+def int4_wanted_by(cfg) -> str | None:
+    """Why a run whose export.weights is auto writes 4 bits first from the checkpoint (the quantize stage's choice
+    includes weight_only_int4), or None (then 8 bits, as before)."""
+    q = cfg.quantize
+    if q.enabled and q.method == "auto" and "weight_only_int4" in q.auto_forms:
+        return "quantize.method auto weighs weight_only_int4"
+    if q.enabled and q.method == "weight_only" and q.weight_bits == 4:
+        return "quantize.weight_bits 4"
+    return None
+
+
+def resolve_weights(setting: str, params: int, fp32_needed: str | None, int4_wanted: str | None = None
+                    ) -> tuple[str, str]:
+    """(float32 | int8 | int4, why) for export.weights ``setting``; ``fp32_needed``: fp32_needed_by's reason, if any;
+    ``int4_wanted``: int4_wanted_by's. With auto from 1B parameters, 4 bits where the run weighs them (the flow gates
+    the 4-bit graph on the selection split and writes 8 bits instead where it fails: ``fallback_weights``)."""
     if setting != "auto":
         return setting, f"export.weights: {setting}"
     if fp32_needed:
         return "float32", f"export.weights auto: float32, {fp32_needed}"
     if params >= CHECKPOINT_FROM_PARAMS:
-        return "int8", (f"export.weights auto: int8 written from the checkpoint ({params / 1e9:.2f}B parameters, from "
-                        f"{CHECKPOINT_FROM_PARAMS / 1e9:g}B no fp32 graph is written)")
+        size = (f"{params / 1e9:.2f}B parameters, from {CHECKPOINT_FROM_PARAMS / 1e9:g}B no fp32 graph is written")
+        if int4_wanted:
+            return "int4", (f"export.weights auto: int4 written from the checkpoint ({size}; {int4_wanted}), gated on "
+                            f"the selection split, int8 where it fails")
+        return "int8", f"export.weights auto: int8 written from the checkpoint ({size})"
     return "float32", f"export.weights auto: float32 ({params / 1e6:.0f}M parameters, below {CHECKPOINT_FROM_PARAMS / 1e9:g}B)"
+
+
+def fallback_weights(setting: str, resolved: str, cfg) -> str | None:
+    """The weights written instead when the graph of ``resolved`` fails the selection split's gate: int8 after an
+    int4 that export.weights auto chose for quantize.method auto; None otherwise (weights the user named, or
+    quantize.weight_bits 4 asked for, are judged as they are)."""
+    auto = setting == "auto" and cfg.quantize.enabled and cfg.quantize.method == "auto"
+    return "int8" if auto and resolved == "int4" else None
 
 
 def written_int8(manifest: dict) -> bool:

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from compress.config import AcceptConfig, QuantizeConfig
+from compress.evaluate.gate import failed_checks
 from compress.evaluate.onnx_eval import ReferencePass
 from compress.quantize.relax import AcceptanceResult, quantize_with_acceptance
 
@@ -79,12 +80,6 @@ def kv_forms(qcfg: QuantizeConfig, manifest: dict) -> dict[str, dict]:
 def kv_label(name: str) -> str:
     return {"int8_tensor": "int8 K/V per tensor", "int8_channel": "int8 K/V per channel",
             "float32": "float32 K/V"}.get(name, name)
-
-
-def failed_checks(verdict) -> str:
-    """The failed checks of a verdict with their values and limits, e.g. 'top1_agreement 0.885 (limit 0.9)'."""
-    return "; ".join(f"{c['name']} {c['value']:.4g} (limit {c['limit']:.4g})" for c in verdict.checks
-                     if not c["passed"]) or "; ".join(verdict.reasons)
 
 
 @dataclass

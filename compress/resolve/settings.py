@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from compress.config import ConfigError, PipelineConfig
 from compress.evaluate.checkpoint_ref import resolve as reference_is_checkpoint
 from compress.evaluate.gate import CHAT_LIMITS, chat_limit, resolve_criteria
-from compress.export.weights import FROM_CHECKPOINT_WEIGHTS, fp32_needed_by, resolve_weights
+from compress.export.weights import FROM_CHECKPOINT_WEIGHTS, fp32_needed_by, int4_wanted_by, resolve_weights
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _export(cfg: PipelineConfig, params: int, exporter_auto: tuple[str, str]) ->
     if cfg.export.weights == "auto":
         exp = cfg.export.exporter if cfg.export.exporter != "auto" else exporter_auto[0]
         probe = cfg.model_copy(update={"export": cfg.export.model_copy(update={"exporter": exp})})
-        weights, why = resolve_weights("auto", params, fp32_needed_by(probe))
+        weights, why = resolve_weights("auto", params, fp32_needed_by(probe), int4_wanted_by(probe))
         rows.append(Setting("export.weights", weights, why, True))
     return rows
 

@@ -1,0 +1,43 @@
+"""Task: the selection split's gate for a graph export.weights auto wrote from the checkpoint
+(compress/evaluate/written_form.py): its figures logged as the quantize stage logs each form's (auto_<form>_*), so
+the MLflow compare page lines runs of both paths up, and marked done.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+
+from compress.config import PipelineConfig
+from tasks.common import cache_key_fn, mark_done, open_stage, stage_logger
+from tasks.load import load_splits
+from tasks.results import FormGated
+from tasks.tracking import child_run, log_metrics, log_params
+
+
+@task(name="export_gate", cache_key_fn=cache_key_fn, persist_result=True)
+def export_gate_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, *, artifact: str,
+                     weights: str, splits: str, model_dir: str) -> FormGated:
+    """artifact: the export's graph, written with ``weights`` (int4 | int8) from the checkpoint in ``model_dir``;
+    splits: the load stage's splits file (its selection split is read)."""
+    folder, done = open_stage(cfg, stage, key, FormGated)
+    if done is not None:
+        return done
+    from compress.evaluate.written_form import gate_written_form
+
+    with child_run(parent_run_id, stage) as run:
+        g = gate_written_form(cfg, artifact, weights, load_splits(splits).selection, model_dir=model_dir,
+                              splits=splits)
+        a, name = g.attempt, f"auto_{g.attempt['form']}"
+        metrics = {f"{name}_accepted": float(g.accepted), f"{name}_perplexity_ratio": a["perplexity_ratio"],
+                   f"{name}_top1_agreement": a["top1_agreement"], f"{name}_size_ratio": a["size_ratio"]}
+        log_params({"export_gate_weights": weights})
+        log_metrics(metrics)
+        if run is not None:
+            import mlflow
+
+            mlflow.set_tags({"export_form": weights, "verdict": "accepted" if g.accepted else "rejected",
+                             **({"failed": a["failed"][:4000]} if a["failed"] else {})})
+        stage_logger().info("export_gate: the %s graph %s on the selection split (perplexity ratio %.4f, top-1 "
+                            "agreement %.4f%s)", weights, "passed" if g.accepted else "failed", a["perplexity_ratio"],
+                            a["top1_agreement"], f"; {a['failed']}" if a["failed"] else "")
+    return mark_done(folder, FormGated(accepted=g.accepted, attempt=a, evaluation=g.evaluation, metrics=metrics))
