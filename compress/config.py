@@ -386,6 +386,12 @@ class QuantizeConfig(Section):
     sensitivity_blocks: int = Field(4, ge=1)
     # weight_only: weights per scale along K (a power of two >= 16); formerly quantize.block_size.
     weight_block_size: int = Field(32, ge=16)
+    # 4-bit weights: weights per scale of the 4-bit MatMulNBits (and of a 4-bit embedding table); null = weight_block_size.
+    # The 8-bit parts of a 4-bit graph (the groups kept at 8 bits, the lm_head, a tied table) keep weight_block_size,
+    # whose blocks at accuracy_level 4 are also those the kernel rounds the lm_head's input in. 64 halves the 4-bit
+    # scales and zero points (4.56 bits a weight against 5.125): Qwen2.5-Coder-1.5B 0.171x fp32 and a batch-1 step
+    # 1.13x faster, but with the whole graph at 64 its top-1 agreement fell to 0.895 (docs/quantization.md).
+    int4_block_size: int | None = Field(None, ge=16)
     # weight_only: bits per weight. 4 halves the bytes a decode step reads against 8 (MatMulNBits 4-bit; the tied
     # embedding / lm_head and the groups weight_algorithm and int4_keep_int8 pick stay at 8 bits); docs/quantization.md.
     weight_bits: Literal[4, 8] = 8
@@ -427,6 +433,10 @@ class QuantizeConfig(Section):
     def w4_clip(self, awq: bool) -> bool:
         """Whether 4-bit blocks get the range search (weight_clip, resolved for a form with or without AWQ)."""
         return self.weight_clip == "mse" or (self.weight_clip == "auto" and not awq)
+
+    def w4_block(self) -> int:
+        """The 4-bit parts' block (int4_block_size, else weight_block_size)."""
+        return int(self.int4_block_size or self.weight_block_size)
 
 
 class AcceptConfig(Section):

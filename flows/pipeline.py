@@ -428,7 +428,7 @@ def export_key_part(cfg: PipelineConfig, weights: str) -> str:
         return f"int8b{q.weight_block_size}a{q.accuracy_level}"
     if weights == "int4":
         return (f"int4b{q.weight_block_size}a{q.accuracy_level}s{int(q.weight_symmetric)}k{q.int4_keep_int8}"
-                f"c{int(q.w4_clip(False))}h{int(q.int4_lm_head)}")
+                f"c{int(q.w4_clip(False))}h{int(q.int4_lm_head)}" + (f"f{q.w4_block()}" if q.int4_block_size else ""))
     return ""
 
 

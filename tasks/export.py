@@ -20,7 +20,7 @@ def _int4_plan(model, q):
     from compress.export.weights import int4_plan
 
     plan = int4_plan(model, q.weight_block_size, q.weight_symmetric, q.int4_keep_int8, q.w4_clip(False),
-                     q.int4_lm_head)
+                     q.int4_lm_head, q.w4_block())
     stage_logger().info("export: 4-bit weights, %d of %d groups at 8 bits by measured 4-bit weight error "
                         "(largest %s %.4f)", len(plan.int8_groups), len(plan.errors),
                         *max(plan.errors.items(), key=lambda kv: kv[1]))

@@ -313,3 +313,36 @@ def test_an_untied_lm_head_at_4_bits_when_asked_and_golden_rounds_it_the_same_wa
     golden = record_golden(model, tok, ["The cat sat on the mat", "a b c"], 8, 6)
     thr, _ = int8_thresholds(copy.deepcopy(model), golden, 32, 4, GoldenConfig().int8_margin, int4=again)
     assert not compare_from_config(tmp_path / "a", golden, GoldenConfig(), thresholds=thr, decode_against="self").failures
+
+
+def test_a_4bit_block_of_its_own_keeps_the_8bit_parts_at_theirs_and_golden_rounds_both(tmp_path):
+    """quantize.int4_block_size: the 4-bit MatMulNBits (and the untied 4-bit table) use their own block, the 8-bit parts
+    (the kept group, the lm_head) keep weight_block_size; the manifest records it, and golden's rounded reference,
+    rebuilt from the manifest, rounds each part (and each input, at accuracy_level 4) in its own blocks and passes."""
+    import copy
+
+    from compress.config import GoldenConfig, QuantizeConfig
+    from compress.evaluate.golden import compare_from_config, record_golden
+    from compress.evaluate.golden_int8 import int8_thresholds
+    from compress.export.gqa import build_gqa_artifact
+    from compress.export.weights import Int4Plan, int4_plan
+    from compress.tiny import build_tiny
+
+    assert QuantizeConfig(int4_block_size=64).w4_block() == 64 and QuantizeConfig().w4_block() == 32
+    model, tok = build_tiny("phi3", seed=0)  # untied: a 4-bit table too
+    plan = int4_plan(model, 16, False, 0.1, block4=32)
+    assert plan.block == 32 and plan.block4(16) == 32
+    _, man = build_gqa_artifact(model, tok, tmp_path / "a", int8=(16, 4), int4=plan)
+    assert man["quantization"]["int4_block_size"] == 32 and man["quantization"]["block_size"] == 16
+    g = onnx.load(str(tmp_path / "a" / "model.onnx"), load_external_data=False).graph
+    blocks = {(next(a.i for a in n.attribute if a.name == "bits"), next(a.i for a in n.attribute if a.name == "block_size"))
+              for n in g.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
+    assert blocks == {(4, 32), (8, 16)}, blocks
+    again = Int4Plan.from_quantization(man["quantization"])
+    assert again == plan
+    golden = record_golden(model, tok, ["The cat sat on the mat", "a b c"], 8, 6)
+    thr, _ = int8_thresholds(copy.deepcopy(model), golden, 16, 4, GoldenConfig().int8_margin, int4=again)
+    assert not compare_from_config(tmp_path / "a", golden, GoldenConfig(), thresholds=thr, decode_against="self").failures
+    # rounded as if every part had the 8-bit parts' block, the reference is further from the graph than its tolerance
+    wrong, _ = int8_thresholds(copy.deepcopy(model), golden, 16, 4, 1.0, int4=Int4Plan(**{**again.__dict__, "block": 0}))
+    assert wrong["max_abs_error"] != thr["max_abs_error"]

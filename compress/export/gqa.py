@@ -188,15 +188,16 @@ class _Graph:
             return y
         K, N = wt.shape
         bits = 4 if self.int4 is not None and self.int4.at_4_bits(module) else 8
+        block = self.int4.block4(self.int8[0]) if bits == 4 else self.int8[0]
         packed, scales, zero_points = (
-            pack_w4(wt, self.int8[0], self.int4.symmetric, self.int4.clip) if bits == 4 else
+            pack_w4(wt, block, self.int4.symmetric, self.int4.clip) if bits == 4 else
             self._q8.qbits_block_quant(np.ascontiguousarray(wt, np.float32)))
         inputs = [x, self.init(f"{w_name}_Q{bits}", packed), self.init(f"{w_name}_scales", scales)]
         if bits == 4 and not self.int4.symmetric:
             inputs.append(self.init(f"{w_name}_zero_points", zero_points))
         kw = {"accuracy_level": self.int8[1]} if self.int8[1] else {}
         (y,) = self.node("MatMulNBits", inputs, [out], f"{path}/MatMul_Q{bits}", module=module,
-                         domain=MS_DOMAIN, K=K, N=N, bits=bits, block_size=self.int8[0], **kw)
+                         domain=MS_DOMAIN, K=K, N=N, bits=bits, block_size=block, **kw)
         return y
 
     def init(self, name: str, arr: np.ndarray) -> str:
@@ -415,7 +416,7 @@ def _embedding_q4(g: _Graph, E: np.ndarray) -> str:
     """An untied table as 4-bit blocks along the hidden axis (compress/nbits.py's grid, the plan's rounding), read by
     the token Gather (GatherBlockQuantized, two codes a byte)."""
     V, K = E.shape
-    b = g.int8[0]
+    b = g.int4.block4(g.int8[0])
     packed, scales, zps = pack_w4(E.T, b, g.int4.symmetric, g.int4.clip)  # E.T: blocks along the hidden axis
     if zps is None:  # symmetric: the kernel's implied zero point, written out for the Gather
         zps = np.full((V, (scales.shape[1] + 1) // 2), 0x88, np.uint8)

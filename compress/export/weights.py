@@ -111,6 +111,7 @@ class Int4Plan:
     clip: bool = True
     embedding_bits: int = 8
     lm_head_bits: int = 8  # 4: an untied lm_head at 4 bits too (quantize.int4_lm_head)
+    block: int = 0  # the 4-bit parts' block (quantize.int4_block_size); 0: the graph's own (weight_block_size)
     errors: dict[str, float] = field(default_factory=dict, compare=False)  # group -> measured 4-bit weight error
 
     def at_4_bits(self, module: str | None) -> bool:
@@ -119,12 +120,16 @@ class Int4Plan:
         g = group_of(module or "")
         return g is not None and g not in self.int8_groups
 
+    def block4(self, block: int) -> int:
+        """The 4-bit parts' block in a graph whose 8-bit parts have ``block``."""
+        return self.block or block
+
     def manifest(self, block: int, accuracy_level: int) -> dict:
-        return {"weight_bits": 4, "weight_symmetric": self.symmetric, "weight_clip": "mse" if self.clip else "none",
+        return {"weight_bits": 4, "int4_block_size": self.block4(block), "weight_symmetric": self.symmetric, "weight_clip": "mse" if self.clip else "none",
                 "embedding_bits": self.embedding_bits, "lm_head_bits": self.lm_head_bits,
                 "int8_groups": sorted(self.int8_groups),
                 "weights": (f"int4 block-wise ({'symmetric' if self.symmetric else 'asymmetric'}, "
-                            f"{'mse-clipped' if self.clip else 'rtn'}, block {block}, MatMulNBits accuracy_level "
+                            f"{'mse-clipped' if self.clip else 'rtn'}, block {self.block4(block)}, MatMulNBits accuracy_level "
                             f"{accuracy_level}); {len(self.int8_groups)} groups at 8 bits, the lm_head at "
                             f"{self.lm_head_bits}, the embedding at {self.embedding_bits}")}
 
@@ -136,15 +141,17 @@ class Int4Plan:
         # graphs written before quantize.weight_clip were ORT's round-to-nearest with an 8-bit table
         return cls(frozenset(q.get("int8_groups", [])), bool(q.get("weight_symmetric")),
                    q.get("weight_clip", "none") == "mse", int(q.get("embedding_bits", 8)),
-                   int(q.get("lm_head_bits", 8)))
+                   int(q.get("lm_head_bits", 8)),
+                   0 if q.get("int4_block_size", q.get("block_size")) == q.get("block_size") else int(q["int4_block_size"]))
 
 
 def int4_plan(model, block: int, symmetric: bool, keep_int8: float, clip: bool = True,
-              lm_head_4bit: bool = False) -> Int4Plan:
+              lm_head_4bit: bool = False, block4: int | None = None) -> Int4Plan:
     """Which decoder-layer groups stay at 8 bits in the 4-bit graph written from the checkpoint: the ``keep_int8``
     share with the largest measured 4-bit weight error (||W - Q4(W)|| / ||W||, the weights of a group together;
     read one tensor at a time in fp32). No activations are at hand at export time, so this is the weights' own
-    measure; the quantize stage's 4-bit form (fp32 graph) ranks by the output error on the calib rows instead."""
+    measure; the quantize stage's 4-bit form (fp32 graph) ranks by the output error on the calib rows instead.
+    ``block4``: the 4-bit parts' block where it is not ``block`` (quantize.int4_block_size)."""
     import torch
 
     from compress.nbits import w4_weight_error  # torch: not at import (flows/pipeline.py imports this module)
@@ -157,7 +164,7 @@ def int4_plan(model, block: int, symmetric: bool, keep_int8: float, clip: bool =
             continue
         w = mod.weight.detach().float().numpy().T  # [K, N], blocks along K as MatMulNBits stores them
         e = float((w**2).sum())
-        lost[g] = lost.get(g, 0.0) + w4_weight_error(w, block, symmetric, clip) * e  # a group's tensors weighed together
+        lost[g] = lost.get(g, 0.0) + w4_weight_error(w, block4 or block, symmetric, clip) * e  # a group's tensors weighed together
         energy[g] = energy.get(g, 0.0) + e
         del w
     rel = {g: lost[g] / max(energy[g], 1e-30) for g in lost}
@@ -165,4 +172,5 @@ def int4_plan(model, block: int, symmetric: bool, keep_int8: float, clip: bool =
     keep = frozenset(ranked[: int(np.ceil(keep_int8 * len(ranked)))])
     out = model.get_output_embeddings()
     tied = out is not None and out.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
-    return Int4Plan(keep, symmetric, clip, 8 if tied else 4, 4 if lm_head_4bit and not tied else 8, rel)
+    return Int4Plan(keep, symmetric, clip, 8 if tied else 4, 4 if lm_head_4bit and not tied else 8,
+                    block4 if block4 and block4 != block else 0, rel)

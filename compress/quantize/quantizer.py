@@ -193,7 +193,7 @@ class Quantizer:
                                      reduce_range=self.reduce_range, num_kv_heads=int(self.manifest["num_kv_heads"]),
                                      head_dim=int(self.manifest["head_dim"]), threads=self.threads, calibration_cache=self.calibration_cache,
                                      on_event=self.on_event, extra_tensors=(head.tensor,) if head else (),
-                                     awq=(cfg.weight_block_size, cfg.weight_symmetric, cfg.w4_clip(True)) if self.awq else None)
+                                     awq=(cfg.w4_block(), cfg.weight_symmetric, cfg.w4_clip(True)) if self.awq else None)
             self.stats, self.inv_scales, self.ranges, self.linears = c.stats, c.inv_scales, c.ranges, c.linears
             self.smooth_report = list(c.smooth_report)
             if head is not None:
@@ -249,7 +249,8 @@ class Quantizer:
         elif cfg.method == "dynamic":
             model = dynamic_per_tensor(model, linears, cfg.per_channel, self.reduce_range)
         else:
-            model = weight_only(model, linears, cfg.weight_block_size, cfg.accuracy_level, bits=cfg.weight_bits,
+            model = weight_only(model, linears, cfg.w4_block() if self.int4 else cfg.weight_block_size,
+                                cfg.accuracy_level, bits=cfg.weight_bits,
                                 symmetric=cfg.weight_symmetric if self.int4 else True, clip=cfg.w4_clip(self.awq))
         if fallback and rest and cfg.keep_float_as == "weight_only" and (cfg.method != "weight_only" or self.int4):
             model = weight_only(model, rest, pow2_block(cfg.weight_block_size), cfg.accuracy_level)
@@ -329,7 +330,7 @@ class Quantizer:
             "weights": "int8 symmetric " + ("per-channel" if cfg.per_channel else "per-tensor") if cfg.method != "weight_only"
             else (f"int4 block-wise ({'symmetric' if cfg.weight_symmetric else 'asymmetric'}, {cfg.weight_algorithm}, "
                   f"{'mse-clipped, ' if cfg.w4_clip(self.awq) else ''}"
-                  f"block {cfg.weight_block_size}, MatMulNBits accuracy_level {cfg.accuracy_level}); "
+                  f"block {cfg.w4_block()}, MatMulNBits accuracy_level {cfg.accuracy_level}); "
                   f"{len(self.int8_groups or [])} groups at 8 bits")
             if self.int4 else f"int8 block-wise (block {cfg.weight_block_size}, MatMulNBits accuracy_level {cfg.accuracy_level})",
             "weight_bits": cfg.weight_bits,

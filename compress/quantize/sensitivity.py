@@ -80,7 +80,7 @@ def candidate_ranking(q: QuantizerView) -> list[str]:
             score[g] = 0.0
         elif st.sample is not None and cfg.method == "weight_only" and cfg.weight_bits == 4:
             x = st.sample * inv if inv is not None else st.sample
-            score[g] = w4_output_error(x, [tensor_array(inits[l.weight]) for l in ls], cfg.weight_block_size,
+            score[g] = w4_output_error(x, [tensor_array(inits[l.weight]) for l in ls], cfg.w4_block(),
                                        cfg.weight_symmetric, clip=cfg.w4_clip(cfg.weight_algorithm == "awq"))
         elif st.sample is not None and cfg.method != "weight_only":
             x = st.sample * inv if inv is not None else st.sample
