@@ -95,7 +95,8 @@ def int8_thresholds(model, golden: GoldenSet, block_size: int, accuracy_level: i
     ``golden`` (recorded from ``model`` as it is). Rounds ``model`` in place: record golden first, drop it after.
 
     max_abs_error (and off_threshold): margin x the rounded checkpoint's largest top-k logit distance to the
-    reference, at least ``floor``; min_top1_agreement: the rounded checkpoint's worst prompt's disagreement, margin
+    reference, at least ``floor`` (batched_max_abs_error: that distance itself, for the left-padded batch against the
+    prompts alone); min_top1_agreement: the rounded checkpoint's worst prompt's disagreement, margin
     times, less one position (a near tie the fp32 arithmetic may also flip). int4: the 4-bit graph's Int4Plan."""
     hooks = fake_quantize_(model, block_size, accuracy_level, int4)
     try:
@@ -114,4 +115,9 @@ def int8_thresholds(model, golden: GoldenSet, block_size: int, accuracy_level: i
     top1 = max(0.0, 1.0 - margin * (1.0 - min(agreements)) - 1.0 / min(positions))
     figures = {"golden_int8_expected_max_abs_error": max(errors), "golden_int8_expected_top1_agreement": min(agreements),
                "golden_int8_margin": margin}
-    return {"max_abs_error": tol, "off_threshold": tol, "max_off_count": 0, "min_top1_agreement": top1}, figures
+    # The left-padded batch against the prompts alone: two paths of the same graph may round apart by less than the
+    # rounding moved the logits (ONNX Runtime's 4-bit kernels at block 64 take another path for another number of
+    # rows: Qwen2.5-Coder-1.5B 0.26-0.31 apart, where block 32 holds to fp32's 0.01), never by more
+    batched = max(max(errors), floor)
+    return {"max_abs_error": tol, "off_threshold": tol, "max_off_count": 0, "min_top1_agreement": top1,
+            "batched_max_abs_error": batched}, figures
