@@ -130,7 +130,8 @@ class ServeConfig(Section):
     # From this many decode rows on (0 = never), a gqa step on the CPU runs as two halves at once on a second
     # session with half the threads: 5-16 % more tokens/s and 10-25 % less CPU per token at 32-64 rows on 2 cores; the
     # second session is a second copy of the weights (made at start-up when max_batch_size reaches this size; never
-    # for a graph over 2 GiB of weights, serve/runners/gqa_split.SPLIT_MAX_WEIGHT_BYTES: a 7B's server would hold two).
+    # for a graph over 1 GiB of weights, serve/runners/gqa_split.SPLIT_MAX_WEIGHT_BYTES: a 4-bit 1.5B's server
+    # would hold 1.8x llama.cpp's RSS, a 7B's two copies of its weights).
     # benchmarks/history.md run 10.
     decode_split_rows: int = Field(16, ge=0)
     # Where a gqa runner keeps its block pool and KV rows: "auto" = GPU memory on the CUDA EP for the CUDA form's

@@ -21,9 +21,11 @@ from serve.runners.onnx_session import CPU, artifact_session
 
 log = logging.getLogger(__name__)
 
-# The split decode's second session is a second copy of the weights: worth 5-16 % tokens/s for SmolLM2 or a 1B
-# (0.2-1.5 GB), not 8.6 GB more for a 7B, whose server would then hold twice its INT8 weights.
-SPLIT_MAX_WEIGHT_BYTES = 2 * 2**30
+# The split decode's second session is a second copy of the weights: worth 5-16 % tokens/s for SmolLM2 (0.2 GB), not
+# 8.6 GB more for a 7B. Qwen2.5-Coder-1.5B's 4-bit graph (1.29 GiB) gained 6 % at 8 users and 3 % at 32 for 1.5 GiB
+# more RSS (1.8x llama.cpp's Q4_K_M server against 1.07x without; benchmarks/results/sweep_qwen_coder_1.5b_int4_anchor.json):
+# a 4-bit graph is chosen for its memory, so from 1 GiB of weights the server holds one copy.
+SPLIT_MAX_WEIGHT_BYTES = 2**30
 
 
 def balanced_cut(lens: Sequence[int], head_share: float) -> int:
