@@ -228,7 +228,7 @@ def test_no_int8_form_passing_stops_the_run_before_acceptance(tiny_flow_run, mlf
     out = e.value.outcome
     v = out["verdict"]
     assert not v["accepted"] and v["split"] == "selection"
-    assert v["reasons"][0].startswith("no INT8 form passed the gate on the selection split (3 tried)")
+    assert v["reasons"][0].startswith("no quantized form passed the gate on the selection split (3 tried)")
     assert [r.split(":")[0] for r in v["reasons"][1:]] == [
         "weight_only with int8 K/V per tensor", "weight_only with int8 K/V per channel", "weight_only with float32 K/V"]
     assert all("kl " in r and "(limit 1e-12)" in r for r in v["reasons"][1:])
