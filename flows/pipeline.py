@@ -476,7 +476,7 @@ def written_forms(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, k_lo
     k_exp, teacher, gold = first
     attempts, evaluation = [], None
     while True:
-        k = stage_key(cfg, "export_gate", ["accept"], k_exp, f"data{DATA_FORMAT}")
+        k = stage_key(cfg, "export_gate", ["accept"], k_exp)  # k_exp chains the load stage's (model, data) key
         gate = timer.run("export_gate", submit_stage, export_gate_task, cfg, "export_gate", k, parent_run_id=pid,
                          artifact=teacher.artifact, weights=teacher.weights, splits=loaded.splits,
                          model_dir=loaded.model_dir)

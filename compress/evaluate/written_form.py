@@ -13,7 +13,7 @@ import numpy as np
 
 from compress.artifact import read_manifest
 from compress.config import PipelineConfig
-from compress.evaluate.gate import accept, failed_checks
+from compress.evaluate.gate import accept, failed_checks, selection_limits
 from compress.evaluate.verdict import against_baseline, reference_of
 
 FORM_OF_WEIGHTS = {"int4": "weight_only_int4", "int8": "weight_only"}
@@ -37,7 +37,7 @@ def gate_written_form(cfg: PipelineConfig, artifact: str, weights: str, selectio
     if ref is None:
         raise ValueError(f"{artifact}: not a graph written from the checkpoint (export.weights int8 or int4)")
     base, cand = against_baseline(artifact, artifact, selection, reference=ref)
-    limits = cfg.accept.model_copy(update={"max_heldout_perplexity_ratio": None})
+    limits = selection_limits(cfg.accept, 0.0)  # the accept section's, less the held-out source's check
     verdict = accept(cand, base, limits, criteria="fidelity")  # the same model, rounded: stay the checkpoint
     fp32 = 4.0 * int(read_manifest(artifact, verify=False).get("num_parameters") or 0)  # the column's "x source"
     ppl_ratio = cand["perplexity"] / base["perplexity"] if base["perplexity"] > 0 else float("inf")

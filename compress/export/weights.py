@@ -125,7 +125,8 @@ class Int4Plan:
         return self.block or block
 
     def manifest(self, block: int, accuracy_level: int) -> dict:
-        return {"weight_bits": 4, "int4_block_size": self.block4(block), "weight_symmetric": self.symmetric, "weight_clip": "mse" if self.clip else "none",
+        return {"weight_bits": 4, "int4_block_size": self.block4(block), "weight_symmetric": self.symmetric,
+                "weight_clip": "mse" if self.clip else "none",
                 "embedding_bits": self.embedding_bits, "lm_head_bits": self.lm_head_bits,
                 "int8_groups": sorted(self.int8_groups),
                 "weights": (f"int4 block-wise ({'symmetric' if self.symmetric else 'asymmetric'}, "
