@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import threading
@@ -345,3 +346,22 @@ def test_drain_timeout_shuts_down_a_model_that_is_never_released(tiny_artifact):
         assert not old.engine.running
     finally:
         mgr.shutdown()
+
+
+def test_a_killed_servers_download_root_is_swept_by_the_next(tmp_path):
+    import subprocess
+    import sys
+
+    from serve.registry.resolver import ROOT_PREFIX, sweep_orphan_roots
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"{ROOT_PREFIX}{dead.pid}-abc"
+    (orphan / "m-v1-1").mkdir(parents=True)
+    (orphan / "m-v1-1" / "model.onnx").write_bytes(b"x" * 10)
+    live = tmp_path / f"{ROOT_PREFIX}{os.getpid()}-def"
+    live.mkdir()
+    legacy = tmp_path / f"{ROOT_PREFIX}g4zowxti"
+    legacy.mkdir()
+    assert sweep_orphan_roots(tmp_path) == [orphan]
+    assert not orphan.exists() and live.is_dir() and legacy.is_dir()

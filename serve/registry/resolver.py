@@ -5,7 +5,9 @@ artifact folder) into a version number and a local folder an Engine can load; lo
 swapping and draining engines is serve/registry/source.py's. The registry is reached only
 through ``serve.registry.client`` (which imports MLflow lazily), so serving a local folder
 needs no MLflow at all. A downloaded version gets a folder of its own under the download
-root (deleted by ``cleanup`` when the root is ours); a local folder is used in place.
+root (deleted by ``cleanup`` when the root is ours); a local folder is used in place. A server killed
+before its cleanup (a Ray Serve replica is killed, not closed) leaves its root behind: the next server
+on the machine deletes the roots whose process is gone (``sweep_orphan_roots``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODELS_SCHEME = "models:/"
+ROOT_PREFIX = "compressor-serve-"  # then the owning process id, "-", mkdtemp's letters
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def sweep_orphan_roots(tmp: str | Path | None = None) -> list[Path]:
+    """Delete download roots under the temp folder whose owning process no longer runs; returns them. Roots
+    named without a process id (written before ids were part of the name) are left alone."""
+    gone = []
+    for root in Path(tmp or tempfile.gettempdir()).glob(f"{ROOT_PREFIX}*"):
+        pid = root.name[len(ROOT_PREFIX):].split("-", 1)[0]
+        if root.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(root, ignore_errors=True)
+            gone.append(root)
+    return gone
 
 
 class ModelSourceError(RuntimeError):
@@ -119,7 +144,8 @@ class ModelSource:
         if not spec.is_registry:
             return LocalVersion(self.served_name, None, None, spec.path, downloaded=False)
         if self._download_root is None:
-            self._download_root = Path(tempfile.mkdtemp(prefix="compressor-serve-"))
+            sweep_orphan_roots()
+            self._download_root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))
         dst = self._download_root / f"{spec.name}-v{version}-{time.monotonic_ns()}"
         dst.mkdir(parents=True)
         try:
