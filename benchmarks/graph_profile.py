@@ -123,8 +123,12 @@ def profile_by_op(profile_json: str | Path, skip_runs: int) -> tuple[dict[str, f
 
 def compare(graphs: dict[str, str], prompt: list[int], steps: int = 64, threads: int = 0, rounds: int = 3) -> dict:
     """Histograms, interleaved decode timing and per-op kernel time for each named graph file."""
+    with tempfile.TemporaryDirectory(prefix="graph_profile_") as tmp:  # optimized graphs, profiles: MBs each
+        return _compare(graphs, prompt, steps, threads, rounds, tmp)
+
+
+def _compare(graphs: dict[str, str], prompt: list[int], steps: int, threads: int, rounds: int, tmp: str) -> dict:
     out: dict = {"prompt_tokens": len(prompt), "steps": steps, "threads": threads, "graphs": {}}
-    tmp = tempfile.mkdtemp(prefix="graph_profile_")
     runners = {}
     for name, path in graphs.items():
         opt = os.path.join(tmp, f"{name}_optimized.onnx")

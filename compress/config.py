@@ -384,7 +384,9 @@ class QuantizeConfig(Section):
     sensitivity_keep: int = Field(0, ge=0)
     # Calib blocks each sensitivity trial is scored on.
     sensitivity_blocks: int = Field(4, ge=1)
-    # weight_only: weights per scale along K (a power of two >= 16); formerly quantize.block_size.
+    # weight_only: weights per scale along K (a power of two >= 16; MatMulNBits pads K up to a whole block); an 8-bit
+    # embedding table whose width it does not divide is rounded in the largest power of two that does
+    # (compress/blocks.py: SmolLM2's 576 at 128 -> 64). configs/default.yaml sets 128. Formerly quantize.block_size.
     weight_block_size: int = Field(32, ge=16)
     # 4-bit weights: weights per scale of the 4-bit MatMulNBits (and of a 4-bit embedding table); null = weight_block_size.
     # The 8-bit parts of a 4-bit graph (the groups kept at 8 bits, the lm_head, a tied table) keep weight_block_size,
@@ -412,6 +414,11 @@ class QuantizeConfig(Section):
     # at 8 bits when the gate asks (accept.relax_trials). 0.25: Qwen2.5-Coder-1.5B-Instruct passed the demo's gate with
     # a quarter (test top-1 0.904) and missed it with a tenth (0.899); docs/quantization.md#4-bit-weights.
     int4_keep_int8: float = Field(0.25, ge=0, le=1)
+    # The 4-bit graph export.weights auto writes from a checkpoint (>= 1B): shares of groups at 8 bits tried before
+    # int4_keep_int8, in order (the smaller graph first). Each is written and gated on the selection split; the first
+    # that passes is kept, then int4_keep_int8's graph, then 8 bits. configs/default.yaml tries 0.1: on
+    # Qwen2.5-Coder-1.5B-Instruct it passed at 0.179x fp32 where 0.25 is 0.188x (docs/quantization.md#4-bit-weights).
+    int4_keep_int8_tries: list[float] = Field(default_factory=list)
     # 4-bit graph written from a checkpoint (export.weights int4): an untied lm_head at 4 bits too (a tied one stays
     # with its 8-bit table). Off by default: a 4-bit lm_head has caused repetition loops, and llama.cpp's Q4_K_M keeps
     # it at 6 bits; the chat set's judged ratio is the check that would catch it.
@@ -433,6 +440,14 @@ class QuantizeConfig(Section):
     def w4_clip(self, awq: bool) -> bool:
         """Whether 4-bit blocks get the range search (weight_clip, resolved for a form with or without AWQ)."""
         return self.weight_clip == "mse" or (self.weight_clip == "auto" and not awq)
+
+    @field_validator("int4_keep_int8_tries")
+    @classmethod
+    def _shares(cls, v: list[float]) -> list[float]:
+        bad = [x for x in v if not 0 <= x <= 1]
+        if bad:
+            raise ValueError(f"quantize.int4_keep_int8_tries: shares of groups are between 0 and 1, got {bad}")
+        return v
 
     def w4_block(self) -> int:
         """The 4-bit parts' block (int4_block_size, else weight_block_size)."""

@@ -25,7 +25,7 @@ from compress.artifact import read_manifest
 from compress.config import ConfigError, PipelineConfig, load_config, project_root
 from compress.data import DATA_FORMAT
 from compress.evaluate import chat as chat_eval
-from compress.export import EXPORT_FORMAT, fallback_weights
+from compress.export import EXPORT_FORMAT, fallback_weights, int4_keep_ladder
 from compress.memory import shape_of_folder
 from compress.resolve import resolve_config
 from compress.scorecard import card_params, form_of, scorecard
@@ -279,8 +279,9 @@ def forms_markdown(choice: dict) -> str:
     for a in choice["attempts"]:
         levels = sorted((int(k[len("tokens_per_s_b"):]), v) for k, v in a.items() if k.startswith("tokens_per_s_b"))
         tps = f"{levels[-1][1]:.0f} at {levels[-1][0]}" if levels else ""
-        kept = a["form"] == choice["chosen"] and a["kv"] == choice["kv"]
-        lines.append(f"| {a['form']}{' (kept)' if kept else ''} | {a['kv_label']} | "
+        kept = a["form"] == choice["chosen"] and a["kv"] == choice["kv"] and a["accepted"]
+        share = f" ({a['int8_groups']} groups at 8 bits)" if a.get("int8_share") is not None else ""
+        lines.append(f"| {a['form']}{share}{' (kept)' if kept else ''} | {a['kv_label']} | "
                      f"{'yes' if a['accepted'] else '**no**'} | {a.get('size_ratio', float('nan')):.3f} | "
                      f"{a['perplexity_ratio']:.4f} | {a['top1_agreement']:.4f} | "
                      f"{tps} | {a['failed']} |")
@@ -446,11 +447,14 @@ def teacher_stages(cfg: PipelineConfig, pid: str, timer: StageTimer) -> TeacherS
     log_json(resolved.to_json(), "resolved_config.json")
     fallback = fallback_weights(cfg.export.weights, resolved.cfg.export.weights, resolved.cfg)
     cfg = resolved.cfg
+    shares = int4_keep_ladder(cfg.quantize) if fallback else []
+    if shares:
+        cfg = with_int4_keep(cfg, shares[0])
     k_exp, teacher, gold = export_and_golden(cfg, pid, timer, loaded, k_load)
     forms = None
     if fallback:
         cfg, k_exp, teacher, gold, forms = written_forms(cfg, pid, timer, loaded, k_load, (k_exp, teacher, gold),
-                                                         fallback)
+                                                         shares[1:] + [fallback])
         resolved = replace(resolved, cfg=cfg)
     return TeacherStages(resolved, k_load, loaded, k_exp, teacher, gold, forms)
 
@@ -467,15 +471,21 @@ def export_and_golden(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, 
     return k_exp, teacher, gold
 
 
+def with_int4_keep(cfg: PipelineConfig, share: float) -> PipelineConfig:
+    """cfg with quantize.int4_keep_int8 = share (the 4-bit graph's groups at 8 bits)."""
+    return cfg.model_copy(update={"quantize": cfg.quantize.model_copy(update={"int4_keep_int8": share})})
+
+
 def written_forms(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, k_load: str, first: tuple,
-                  fallback: str):
+                  then: list):
     """export.weights auto from the checkpoint: the first graph (4 bits) gated on the selection split; where it
-    fails, ``fallback`` (8 bits) written, checked and gated too. Returns the run's config, the kept export's key,
-    Exported and Golden, and the forms as a Quantized result (the attempts table, the kept form's figures for the
-    accept stage; chosen None when none passed, so the run ends Rejected before the accept stage)."""
+    fails, each of ``then`` in turn (a share of groups at 8 bits for another 4-bit graph, then "int8") written,
+    checked and gated too, until one passes. Returns the run's config, the kept export's key, Exported and Golden,
+    and the forms as a Quantized result (the attempts table, the kept form's figures for the accept stage; chosen
+    None when none passed, so the run ends Rejected before the accept stage)."""
     k_exp, teacher, gold = first
     attempts, evaluation = [], None
-    while True:
+    for nxt in [*then, None]:
         k = stage_key(cfg, "export_gate", ["accept"], k_exp)  # k_exp chains the load stage's (model, data) key
         gate = timer.run("export_gate", submit_stage, export_gate_task, cfg, "export_gate", k, parent_run_id=pid,
                          artifact=teacher.artifact, weights=teacher.weights, splits=loaded.splits,
@@ -484,11 +494,17 @@ def written_forms(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, k_lo
         if gate.accepted:
             evaluation = gate.evaluation
             break
-        if teacher.weights == fallback:
+        if nxt is None:
             break
-        get_run_logger().warning("export: the %s graph failed the gate on the selection split (%s); writing %s "
-                                 "from the checkpoint instead", teacher.weights, gate.attempt["failed"], fallback)
-        cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"weights": fallback})})
+        if isinstance(nxt, str):
+            get_run_logger().warning("export: the %s graph failed the gate on the selection split (%s); writing %s "
+                                     "from the checkpoint instead", teacher.weights, gate.attempt["failed"], nxt)
+            cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"weights": nxt})})
+        else:
+            get_run_logger().warning("export: the 4-bit graph with %.0f %% of its groups at 8 bits failed the gate on "
+                                     "the selection split (%s); writing it with %.0f %%", 100 * cfg.quantize.int4_keep_int8,
+                                     gate.attempt["failed"], 100 * nxt)
+            cfg = with_int4_keep(cfg, nxt)
         k_exp, teacher, gold = export_and_golden(cfg, pid, timer, loaded, k_load)
     kept = attempts[-1]
     choice = {"attempts": attempts, "chosen": kept["form"] if kept["accepted"] else None, "kv": kept["kv"],

@@ -124,7 +124,8 @@ def auto_run(prefect_harness, mlflow_store, tmp_path_factory):
 
     work = tmp_path_factory.mktemp("work_auto")
     over = ["prune.enabled=false", "distill.enabled=false", "quantize.method=auto", "accept.relax_trials=0",
-            "export.weights=auto", "accept.min_top1_agreement=0.8", "registry.model_name=tiny-auto-weights",
+            "export.weights=auto", "accept.min_top1_agreement=0.8", "quantize.int4_keep_int8_tries=[0.0]",
+            "registry.model_name=tiny-auto-weights",
             "mlflow.experiment=tiny-auto-weights", f"workdir={work}"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(weights, "CHECKPOINT_FROM_PARAMS", 1000)
@@ -134,20 +135,46 @@ def auto_run(prefect_harness, mlflow_store, tmp_path_factory):
 def test_auto_writes_4_bits_first_and_8_bits_where_the_gate_rejects_them_saying_why(auto_run):
     out = auto_run
     stages = [row["stage"] for row in out["stages"]]
-    assert stages.count("export") == 2 and stages.count("export_gate") == 2 and "quantize" not in stages
+    # the ladder: 4 bits with no group at 8 bits (int4_keep_int8_tries), then with int4_keep_int8's share, then 8 bits
+    assert stages.count("export") == 3 and stages.count("export_gate") == 3 and "quantize" not in stages
     gates = [row["metrics"] for row in out["stages"] if row["stage"] == "export_gate"]
-    assert gates[0]["auto_weight_only_int4_accepted"] == 0.0
-    assert gates[0]["auto_weight_only_int4_top1_agreement"] < 0.8 <= gates[1]["auto_weight_only_top1_agreement"]
-    assert gates[1]["auto_weight_only_accepted"] == 1.0
-    # the 4-bit graph is the smaller one: what the fallback gave up, in the same table
-    assert gates[0]["auto_weight_only_int4_size_ratio"] < gates[1]["auto_weight_only_size_ratio"]
+    assert gates[0]["auto_weight_only_int4_accepted"] == gates[1]["auto_weight_only_int4_accepted"] == 0.0
+    assert gates[1]["auto_weight_only_int4_top1_agreement"] < 0.8 <= gates[2]["auto_weight_only_top1_agreement"]
+    assert gates[2]["auto_weight_only_accepted"] == 1.0
+    # each try keeps more at 8 bits, so each is larger: what the fallback gave up, in the same table
+    assert (gates[0]["auto_weight_only_int4_size_ratio"] < gates[1]["auto_weight_only_int4_size_ratio"]
+            < gates[2]["auto_weight_only_size_ratio"])
     cand = read_manifest(out["candidate_artifact"])
     assert cand["quantization"]["written_from"] == "checkpoint" and cand["quantization"]["weight_bits"] == 8
     verdict = out["verdict"]
     assert verdict["accepted"], verdict["reasons"]
     # the accept stage reused the kept form's selection figures instead of measuring them again
     assert verdict["evaluated_in"] == "quantize"
-    assert verdict["side"]["selection_top1_agreement"] == pytest.approx(gates[1]["auto_weight_only_top1_agreement"])
+    assert verdict["side"]["selection_top1_agreement"] == pytest.approx(gates[2]["auto_weight_only_top1_agreement"])
+
+
+def test_the_forms_table_names_each_4_bit_try_by_its_8_bit_groups_and_marks_one_kept():
+    from flows.pipeline import forms_markdown
+
+    row = {"kv": "float32", "kv_label": "as exported", "perplexity_ratio": 1.0, "top1_agreement": 0.9, "failed": ""}
+    attempts = [{**row, "form": "weight_only_int4", "int8_share": 0.0, "int8_groups": 0, "accepted": False,
+                 "failed": "top1_agreement 0.7 (limit 0.8)"},
+                {**row, "form": "weight_only_int4", "int8_share": 0.25, "int8_groups": 3, "accepted": True}]
+    table = forms_markdown({"attempts": attempts, "chosen": "weight_only_int4", "kv": "float32", "hints": []})
+    lines = [ln for ln in table.splitlines() if ln.startswith("| weight_only_int4")]
+    assert lines[0].startswith("| weight_only_int4 (0 groups at 8 bits) |") and "(kept)" not in lines[0]
+    assert lines[1].startswith("| weight_only_int4 (3 groups at 8 bits) (kept) |")
+
+
+def test_the_keep_ladder_tries_each_share_once_and_checks_them():
+    from compress.config import ConfigError, QuantizeConfig, load_config
+    from compress.export.weights import int4_keep_ladder
+
+    assert int4_keep_ladder(QuantizeConfig(int4_keep_int8_tries=[0.1, 0.25], int4_keep_int8=0.25)) == [0.1, 0.25]
+    assert int4_keep_ladder(QuantizeConfig()) == [0.25]
+    assert int4_keep_ladder(load_config("configs/default.yaml").quantize)[0] < 0.25
+    with pytest.raises(ConfigError, match="int4_keep_int8_tries"):
+        load_config("configs/tiny.yaml", ["quantize.int4_keep_int8_tries=[1.5]"])
 
 
 def test_the_docs_name_the_keys_and_paths_that_exist():

@@ -227,6 +227,26 @@ def test_tied_embedding_is_stored_once_in_8_bit(tiny_artifact, tiny_splits, fp32
     assert no_emb.bytes_after - rep.bytes_after > 4 * table - table - 9 * table // 32 - 1024
 
 
+def test_a_block_wider_than_the_table_rounds_the_table_in_the_widest_block_that_fits(tiny_artifact, tiny_splits,
+                                                                                       fp32_logits, tmp_path):
+    """weight_block_size 128 on a 64-wide table (SmolLM2: 576 = 4.5 x 128): the table still goes to 8 bits, in
+    blocks of 64, and the linears keep 128 (MatMulNBits pads K)."""
+    from compress.blocks import table_block
+
+    assert (table_block(576, 128), table_block(1536, 128), table_block(640, 256), table_block(24, 128)) == (64, 128, 128, 0)
+    cfg = QuantizeConfig(method="weight_only", weight_block_size=128)
+    quantize_artifact(tiny_artifact, tmp_path / "b128", tiny_splits.calib, cfg)
+    m = onnx.load(str(tmp_path / "b128" / "model.onnx"))
+    attr = {n.name: {a.name: a.i for a in n.attribute} for n in m.graph.node if n.op_type in ("GatherBlockQuantized", "MatMulNBits")}
+    gbq = next(n for n in m.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and n.input[1] == gbq.input[0])
+    assert attr[gbq.name]["block_size"] == attr[head.name]["block_size"] == 64
+    assert {a["block_size"] for k, a in attr.items() if k not in (gbq.name, head.name)} == {128}
+    assert not [i for i in m.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and np.prod(i.dims) >= 512 * 64]
+    logits = prefill_logits(tmp_path / "b128", tiny_splits.selection)
+    assert _rel_err(logits, fp32_logits) < 0.05 and _agreement(logits, fp32_logits) > 0.9
+
+
 def test_smoothquant_is_exact_in_float_and_flattens_outliers(tiny_artifact, tiny_splits, fp32_logits):
     cfg = QuantizeConfig(method="static", smoothquant_alpha=0.5)
     q = Quantizer(tiny_artifact, tiny_splits.calib, cfg)

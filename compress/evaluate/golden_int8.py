@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from compress.blocks import table_block
 from compress.evaluate.golden import GoldenSet
 
 
@@ -70,17 +71,20 @@ def fake_quantize_(model, block_size: int, accuracy_level: int, int4=None) -> li
     emb = model.get_input_embeddings().weight
     tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
     block4 = int4.block4(block_size) if int4 is not None else block_size
+    table = table_block(emb.shape[1], block_size)  # the tied table's rows in whole blocks (compress/blocks.py)
     if tied:  # one 8-bit table read by the Gather and the lm_head (gqa._embedding_q8's arithmetic)
-        _round_rows_(emb.data, block_size, signed_max=False)
+        _round_rows_(emb.data, table, signed_max=False)
     elif int4 is not None and int4.embedding_bits == 4:  # gqa._embedding_q4
         _round_rows_4bit_(emb.data, block4, int4.symmetric, int4.clip)
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
             b = block_size  # the kernel rounds the input in blocks of the node's own block size
-            if int4 is not None and int4.at_4_bits(names.get(id(mod))):
+            if tied and mod.weight.data_ptr() == emb.data_ptr():
+                b = table
+            elif int4 is not None and int4.at_4_bits(names.get(id(mod))):
                 b = block4
                 _round_rows_4bit_(mod.weight.data, b, int4.symmetric, int4.clip)
-            elif not (tied and mod.weight.data_ptr() == emb.data_ptr()):
+            else:
                 _round_rows_(mod.weight.data, b)
             if accuracy_level == 4:
                 hooks.append(mod.register_forward_pre_hook(

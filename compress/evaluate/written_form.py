@@ -39,9 +39,13 @@ def gate_written_form(cfg: PipelineConfig, artifact: str, weights: str, selectio
     base, cand = against_baseline(artifact, artifact, selection, reference=ref)
     limits = selection_limits(cfg.accept, 0.0)  # the accept section's, less the held-out source's check
     verdict = accept(cand, base, limits, criteria="fidelity")  # the same model, rounded: stay the checkpoint
-    fp32 = 4.0 * int(read_manifest(artifact, verify=False).get("num_parameters") or 0)  # the column's "x source"
+    manifest = read_manifest(artifact, verify=False)
+    fp32 = 4.0 * int(manifest.get("num_parameters") or 0)  # the column's "x source"
     ppl_ratio = cand["perplexity"] / base["perplexity"] if base["perplexity"] > 0 else float("inf")
+    q = manifest.get("quantization") or {}
+    share = cfg.quantize.int4_keep_int8 if weights == "int4" else None
     attempt = {"form": FORM_OF_WEIGHTS.get(weights, weights), "weights": weights, "kv": "float32",
+               "int8_share": share, "int8_groups": len(q.get("int8_groups", [])),
                "kv_label": "as exported", "accepted": verdict.accepted,
                "failed": "" if verdict.accepted else failed_checks(verdict),
                "perplexity_ratio": float(ppl_ratio), "top1_agreement": float(cand.get("top1_agreement", float("nan"))),

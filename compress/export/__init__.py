@@ -18,6 +18,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "version": ["EXPORT_FORMAT"],
     "standard": ["ExportError", "ExportResult", "build_artifact", "export_onnx"],
     "gqa": ["GqaBuildResult", "build_gqa_artifact", "build_gqa_model", "choose_exporter"],
-    "weights": ["FROM_CHECKPOINT_WEIGHTS", "fallback_weights", "fp32_needed_by", "int4_wanted_by", "resolve_weights",
-                "written_int8"],
+    "weights": ["FROM_CHECKPOINT_WEIGHTS", "fallback_weights", "fp32_needed_by", "int4_keep_ladder", "int4_wanted_by",
+                "resolve_weights", "written_int8"],
 })

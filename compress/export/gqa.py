@@ -43,6 +43,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from compress.export import gqa_families as fams
+from compress.blocks import table_block
 from compress.artifact import write_manifest
 from compress.export.gqa_families import GqaBuildError
 from compress.export.graph_fusion import fuse_decoder
@@ -348,7 +349,7 @@ def _lm_head(g: _Graph, model, h: str, emb: str, tied: bool, logits_name: str) -
         kw = {"accuracy_level": g.int8[1]} if g.int8[1] else {}
         (logits,) = g.node("MatMulNBits", [h, "model.embed_tokens.weight_q8", "model.embed_tokens.weight_q8_scales"],
                            [out], "/lm_head/MatMul_q8", module="lm_head", domain=MS_DOMAIN, K=K, N=V, bits=8,
-                           block_size=g.int8[0], **kw)
+                           block_size=table_block(K, g.int8[0]), **kw)
     elif tied:
         # Tied: keep one table (quantize_tied_embedding recognises this exact pattern).
         (wt,) = g.node("Transpose", [emb], ["/lm_head/Transpose_output_0"], "/lm_head/Transpose", perm=[1, 0])
@@ -391,7 +392,10 @@ def _embedding_q8(g: _Graph, E: np.ndarray, tied: bool) -> str:
     """The table as 8-bit blocks along the hidden axis, read by the token Gather (GatherBlockQuantized) and, tied, by
     the lm_head (MatMulNBits): compress.quantize.graph.quantize_tied_embedding's arithmetic, written once."""
     V, K = E.shape
-    b = g.int8[0]
+    b = table_block(K, g.int8[0])
+    if not b:
+        raise GqaBuildError(f"the embedding table's width {K} splits into no power-of-two block of at least 16: set "
+                            f"export.weights to float32")
     Eb = E.reshape(V, K // b, b)
     scale = (np.abs(Eb).max(-1) / 127.0).astype(np.float32)
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)

@@ -75,6 +75,12 @@ def fallback_weights(setting: str, resolved: str, cfg) -> str | None:
     return "int8" if auto and resolved == "int4" else None
 
 
+def int4_keep_ladder(q) -> list[float]:
+    """The shares of groups at 8 bits export.weights auto writes 4-bit graphs with, in turn, until one passes the
+    selection split: quantize.int4_keep_int8_tries, then int4_keep_int8 (each once)."""
+    return list(dict.fromkeys([*q.int4_keep_int8_tries, q.int4_keep_int8]))
+
+
 def written_int8(manifest: dict) -> bool:
     """Whether an artifact is the INT8 (or 4-bit) graph the export wrote from the checkpoint (export.weights int8,
     int4)."""

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from compress.blocks import table_block
 from compress.nbits import pack_w4
 from compress.quantize.calibration import Linear
 from serve.runners.onnx_external import save_external, tensor_array
@@ -223,7 +224,8 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
     Returns False (model untouched) when the graph has no such pattern.
     """
     g = model.graph
-    found = _tied_table(g, block_size)
+    block_size = _table_block_of(g, block_size)
+    found = _tied_table(g, block_size) if block_size else None
     if found is None:
         return False
     gather, transposes, lm_heads = found
@@ -259,6 +261,13 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
                                          for n in lm_heads], per_channel, reduce_range)
     _ensure_ms_opset(model)
     return True
+
+
+def _table_block_of(g: onnx.GraphProto, block_size: int) -> int:
+    """The block the token Gather's table is rounded in (compress/blocks.py table_block of its width)."""
+    inits = {i.name: i for i in g.initializer}
+    gather = next((n for n in g.node if n.op_type == "Gather" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2), None)
+    return table_block(int(inits[gather.input[0]].dims[1]), block_size) if gather is not None else block_size
 
 
 def _tied_table(g: onnx.GraphProto, block_size: int):
