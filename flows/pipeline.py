@@ -37,11 +37,11 @@ from tasks.accept import accept_task
 from tasks.benchmark import benchmark_task
 from tasks.common import stage_key, submit_stage
 from tasks.export import export_task
-from tasks.export_gate import export_gate_task
+from tasks.export_gate import export_gate_task, export_timing_task
 from tasks.golden import golden_task
 from tasks.load import load_task
 from tasks.register import register_task
-from tasks.results import Benchmarked, Judged, Quantized, Registered
+from tasks.results import Benchmarked, FormGated, Judged, Quantized, Registered
 from tasks.search import (Branch, Chain, SearchSummary, TeacherStages, branch_config, candidate_chain,
                           search_baseline_task, search_branch_task, StageRecorder, summarize_search)
 from tasks.tracking import flatten, log_json, log_metrics, log_params
@@ -480,37 +480,67 @@ def written_forms(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, k_lo
                   then: list):
     """export.weights auto from the checkpoint: the first graph (4 bits) gated on the selection split; where it
     fails, each of ``then`` in turn (a share of groups at 8 bits for another 4-bit graph, then "int8") written,
-    checked and gated too, until one passes. Returns the run's config, the kept export's key, Exported and Golden,
-    and the forms as a Quantized result (the attempts table, the kept form's figures for the accept stage; chosen
-    None when none passed, so the run ends Rejected before the accept stage)."""
-    k_exp, teacher, gold = first
-    attempts, evaluation = [], None
+    checked and gated too, until one passes. Where a 4-bit graph passed and quantize.auto_forms weighs weight_only,
+    the INT8 graph is written and gated as well, and the two that passed are timed at quantize.auto_concurrency
+    users (``export_timing``): the faster is kept, as the quantize stage keeps its forms. Returns the run's config,
+    the kept export's key, Exported and Golden, and the forms as a Quantized result (the attempts table, the kept
+    form's figures for the accept stage; chosen None when none passed, so the run ends Rejected before the accept
+    stage)."""
+    attempts, passed = [], {}
+    written = first
     for nxt in [*then, None]:
-        k = stage_key(cfg, "export_gate", ["accept"], k_exp)  # k_exp chains the load stage's (model, data) key
-        gate = timer.run("export_gate", submit_stage, export_gate_task, cfg, "export_gate", k, parent_run_id=pid,
-                         artifact=teacher.artifact, weights=teacher.weights, splits=loaded.splits,
-                         model_dir=loaded.model_dir)
+        gate = gate_written(cfg, pid, timer, loaded, written)
         attempts.append(gate.attempt)
         if gate.accepted:
-            evaluation = gate.evaluation
+            passed[gate.attempt["form"]] = (cfg, written, gate)
             break
         if nxt is None:
             break
         if isinstance(nxt, str):
             get_run_logger().warning("export: the %s graph failed the gate on the selection split (%s); writing %s "
-                                     "from the checkpoint instead", teacher.weights, gate.attempt["failed"], nxt)
+                                     "from the checkpoint instead", written[1].weights, gate.attempt["failed"], nxt)
             cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"weights": nxt})})
         else:
             get_run_logger().warning("export: the 4-bit graph with %.0f %% of its groups at 8 bits failed the gate on "
                                      "the selection split (%s); writing it with %.0f %%", 100 * cfg.quantize.int4_keep_int8,
                                      gate.attempt["failed"], 100 * nxt)
             cfg = with_int4_keep(cfg, nxt)
-        k_exp, teacher, gold = export_and_golden(cfg, pid, timer, loaded, k_load)
-    kept = attempts[-1]
-    choice = {"attempts": attempts, "chosen": kept["form"] if kept["accepted"] else None, "kv": kept["kv"],
-              "hints": []}
+        written = export_and_golden(cfg, pid, timer, loaded, k_load)
+    if any(w[1].weights == "int4" for _, w, _ in passed.values()) and "weight_only" in cfg.quantize.auto_forms:
+        cfg8 = cfg.model_copy(update={"export": cfg.export.model_copy(update={"weights": "int8"})})
+        written8 = export_and_golden(cfg8, pid, timer, loaded, k_load)
+        gate8 = gate_written(cfg8, pid, timer, loaded, written8)
+        attempts.append(gate8.attempt)
+        if gate8.accepted:
+            passed[gate8.attempt["form"]] = (cfg8, written8, gate8)
+    chosen = next(iter(passed), None)
+    if len(passed) > 1:
+        k = stage_key(cfg, "export_timing", ["quantize"], *(w[0] for _, w, _ in passed.values()))
+        timed = timer.run("export_timing", submit_stage, export_timing_task, cfg, "export_timing", k,
+                          parent_run_id=pid, artifacts={n: w[1].artifact for n, (_, w, _) in passed.items()},
+                          perplexity={n: g.attempt["perplexity"] for n, (_, _, g) in passed.items()},
+                          splits=loaded.splits)
+        chosen = timed.chosen
+        for a in attempts:
+            if a["accepted"] and a["form"] in timed.records:
+                a.update(timed.records[a["form"]])
+    if chosen is None:
+        cfg, (k_exp, teacher, gold), evaluation, kv = cfg, written, None, attempts[-1]["kv"]
+    else:
+        cfg, (k_exp, teacher, gold), gate = passed[chosen]
+        evaluation, kv = gate.evaluation, gate.attempt["kv"]
+    choice = {"attempts": attempts, "chosen": chosen, "kv": kv, "hints": []}
     forms = Quantized(artifact=teacher.artifact, evaluation=evaluation, choice=choice, metrics={})
     return cfg, k_exp, teacher, gold, forms
+
+
+def gate_written(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, written: tuple) -> FormGated:
+    """export_gate on one written graph (``written``: the export's key, Exported, Golden)."""
+    k_exp, teacher, _ = written
+    k = stage_key(cfg, "export_gate", ["accept"], k_exp)  # k_exp chains the load stage's (model, data) key
+    return timer.run("export_gate", submit_stage, export_gate_task, cfg, "export_gate", k, parent_run_id=pid,
+                     artifact=teacher.artifact, weights=teacher.weights, splits=loaded.splits,
+                     model_dir=loaded.model_dir)
 
 
 def register_baseline(cfg: PipelineConfig, pid: str, timer: StageTimer, t: TeacherStages) -> Registered:

@@ -1,6 +1,7 @@
-"""Task: the selection split's gate for a graph export.weights auto wrote from the checkpoint
-(compress/evaluate/written_form.py): its figures logged as the quantize stage logs each form's (auto_<form>_*), so
-the MLflow compare page lines runs of both paths up, and marked done.
+"""Tasks: the selection split's gate for a graph export.weights auto wrote from the checkpoint
+(compress/evaluate/written_form.py), and the timing of the graphs that passed against each other at the deployment's
+concurrency (compress/quantize/choice.py fastest_form): their figures logged as the quantize stage logs each form's
+(auto_<form>_*, the plot auto_forms_tokens_per_s.png), so the MLflow compare page lines runs of both paths up.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from prefect import task
 from compress.config import PipelineConfig
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_logger
 from tasks.load import load_splits
-from tasks.results import FormGated
-from tasks.tracking import child_run, log_metrics, log_params
+from tasks.results import FormGated, FormsTimed
+from tasks.tracking import child_run, log_figure, log_metrics, log_params
 
 
 @task(name="export_gate", cache_key_fn=cache_key_fn, persist_result=True)
@@ -41,3 +42,32 @@ def export_gate_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: s
                             "agreement %.4f%s)", weights, "passed" if g.accepted else "failed", a["perplexity_ratio"],
                             a["top1_agreement"], f"; {a['failed']}" if a["failed"] else "")
     return mark_done(folder, FormGated(accepted=g.accepted, attempt=a, evaluation=g.evaluation, metrics=metrics))
+
+
+@task(name="export_timing", cache_key_fn=cache_key_fn, persist_result=True)
+def export_timing_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, *,
+                       artifacts: dict[str, str], perplexity: dict[str, float], splits: str) -> FormsTimed:
+    """artifacts: form -> a graph that passed export_gate; perplexity: its selection-split perplexity (the tie-break
+    within quantize.auto_speed_tolerance)."""
+    folder, done = open_stage(cfg, stage, key, FormsTimed)
+    if done is not None:
+        return done
+    from pathlib import Path
+
+    from compress.quantize.choice import fastest_form, profile_figure
+
+    prompt = [int(t) for t in load_splits(splits).selection[0][:32]]
+    records: dict[str, dict] = {n: {} for n in artifacts}
+    with child_run(parent_run_id, stage):
+        chosen = fastest_form({n: Path(p) for n, p in artifacts.items()}, perplexity, records, cfg.quantize, prompt)
+        metrics = {f"auto_{n}_{k}": float(v) for n, r in records.items() for k, v in r.items()}
+        log_params({"auto_concurrency": cfg.quantize.auto_concurrency, "export_timing_chosen": chosen})
+        log_metrics(metrics)
+        fig = profile_figure(records, chosen)
+        if fig is not None:
+            log_figure(fig, "auto_forms_tokens_per_s.png")
+        at = cfg.quantize.auto_concurrency
+        stage_logger().info("export_timing: %s kept (%s)", chosen, ", ".join(
+            f"{n} {r.get(f'tokens_per_s_b{at}', 0):.1f} tokens/s at {at} users" if at > 1 else
+            f"{n} {r['decode_ms_per_step']:.1f} ms a step" for n, r in records.items()))
+    return mark_done(folder, FormsTimed(chosen=chosen, records=records, metrics=metrics))

@@ -92,6 +92,17 @@ class FormGated(StageResult):
 
 
 @dataclass(frozen=True)
+class FormsTimed(StageResult):
+    """export_timing: the graphs written from the checkpoint that passed the selection split, timed against each
+    other on the serving engine: the kept form and each form's speeds (``records``: decode_ms_per_step,
+    tokens_per_s_b<N>)."""
+
+    chosen: str
+    records: dict[str, dict]
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
 class Pruned(StageResult):
     """prune: the student checkpoint, its masks (unstructured pruning) and which teacher layers it kept."""
 

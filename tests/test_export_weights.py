@@ -153,6 +153,41 @@ def test_auto_writes_4_bits_first_and_8_bits_where_the_gate_rejects_them_saying_
     assert verdict["side"]["selection_top1_agreement"] == pytest.approx(gates[2]["auto_weight_only_top1_agreement"])
 
 
+@pytest.fixture(scope="module")
+def timed_run(prefect_harness, mlflow_store, tmp_path_factory):
+    """export.weights auto on a tiny model taken for a large one, under tiny.yaml's loose limits, which its 4-bit graph
+    passes: the INT8 graph is written and gated too, and the two timed at 4 users."""
+    import compress.export.weights as weights
+    from flows.pipeline import compress_flow
+
+    work = tmp_path_factory.mktemp("work_timed")
+    over = ["prune.enabled=false", "distill.enabled=false", "quantize.method=auto", "accept.relax_trials=0",
+            "export.weights=auto", "quantize.auto_concurrency=4", "registry.model_name=tiny-timed-weights",
+            "mlflow.experiment=tiny-timed-weights", f"workdir={work}"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(weights, "CHECKPOINT_FROM_PARAMS", 1000)
+        return compress_flow(config="configs/tiny.yaml", overrides=over)
+
+
+def test_a_passing_4_bit_graph_is_timed_against_int8_and_the_faster_at_the_users_kept(timed_run):
+    from compress.quantize.choice import pick_form
+
+    out = timed_run
+    stages = [row["stage"] for row in out["stages"]]
+    assert stages.count("export") == 2 and stages.count("export_gate") == 2 and stages.count("export_timing") == 1
+    gates = [row["metrics"] for row in out["stages"] if row["stage"] == "export_gate"]
+    assert gates[0]["auto_weight_only_int4_accepted"] == gates[1]["auto_weight_only_accepted"] == 1.0
+    timing = next(row["metrics"] for row in out["stages"] if row["stage"] == "export_timing")
+    tps = {f: timing[f"auto_{f}_tokens_per_s_b4"] for f in ("weight_only_int4", "weight_only")}
+    assert all(v > 0 for v in tps.values()) and "auto_weight_only_int4_tokens_per_s_b1" in timing
+    ppl = {"weight_only_int4": gates[0]["auto_weight_only_int4_perplexity_ratio"],
+           "weight_only": gates[1]["auto_weight_only_perplexity_ratio"]}
+    kept = pick_form({f: 1000.0 / v for f, v in tps.items()}, ppl, 0.05)
+    bits = read_manifest(out["candidate_artifact"])["quantization"]["weight_bits"]
+    assert bits == (4 if kept == "weight_only_int4" else 8)
+    assert out["verdict"]["accepted"] and out["verdict"]["evaluated_in"] == "quantize"
+
+
 def test_the_forms_table_names_each_4_bit_try_by_its_8_bit_groups_and_marks_one_kept():
     from flows.pipeline import forms_markdown
 

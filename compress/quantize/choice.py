@@ -272,29 +272,26 @@ def _judge_weight_form(src: Path, out_dir: Path, calib_blocks, selection_blocks,
     return best[0], best[1], attempts
 
 
-def _fastest(accepted: list[str], results: dict[str, AcceptanceResult], record: dict[str, dict], qcfg: QuantizeConfig,
-             selection_blocks: np.ndarray, threads: int | None) -> str:
-    """The fastest accepted form (pick_form: forms within auto_speed_tolerance of it tie, the lowest perplexity
-    wins): by tokens/s at quantize.auto_concurrency rows on the serving engine, or by the batch-1 decode step when
-    that is 1. Each form's speeds go into its ``record``."""
-    speed = decode_step_ms({n: results[n].artifact for n in accepted}, threads=threads,
-                           prompt=[int(t) for t in np.asarray(selection_blocks)[0][:32]])
+def fastest_form(artifacts: dict[str, Path], perplexity: dict[str, float], record: dict[str, dict],
+                 qcfg: QuantizeConfig, prompt: list[int], threads: int | None = None) -> str:
+    """The fastest of ``artifacts`` (forms that passed the gate; pick_form: forms within auto_speed_tolerance of it
+    tie, the lowest selection-split ``perplexity`` wins): by tokens/s at quantize.auto_concurrency rows on the
+    serving engine, or by the batch-1 decode step when that is 1. Each form's speeds go into its ``record``."""
+    speed = decode_step_ms(artifacts, threads=threads, prompt=prompt)
     for n, ms in speed.items():
         record[n]["decode_ms_per_step"] = ms
-    ppl = {n: results[n].metrics["perplexity"] for n in accepted}
     levels = profile_levels(qcfg)
     if len(levels) > 1:
         # The deployment's concurrency profile: every form's tokens/s at each level on the serving engine, so
         # the run shows the trade (docs/quantization.md); the choice is the most tokens/s at auto_concurrency.
-        by_batch = {b: engine_tokens_per_s({n: results[n].artifact for n in accepted}, b, threads=threads)
-                    for b in levels}
+        by_batch = {b: engine_tokens_per_s(artifacts, b, threads=threads) for b in levels}
         for b, tps in by_batch.items():
             for n, v in tps.items():
                 record[n][f"tokens_per_s_b{b}"] = v
     if qcfg.auto_concurrency > 1:
         at = by_batch[qcfg.auto_concurrency]
-        return pick_form({n: 1000.0 / v for n, v in at.items()}, ppl, qcfg.auto_speed_tolerance)
-    return pick_form(speed, ppl, qcfg.auto_speed_tolerance)
+        return pick_form({n: 1000.0 / v for n, v in at.items()}, perplexity, qcfg.auto_speed_tolerance)
+    return pick_form(speed, perplexity, qcfg.auto_speed_tolerance)
 
 
 def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_blocks: np.ndarray, selection_blocks: np.ndarray,
@@ -327,7 +324,9 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
                             "metrics": dict(res.metrics), "trials": len(res.trials), "kv": kv,
                             "kv_attempts": attempts}
     accepted = [n for n, r in results.items() if r.verdict.accepted]
-    chosen = _fastest(accepted, results, record, qcfg, selection_blocks, threads) if len(accepted) > 1 else \
+    chosen = fastest_form({n: results[n].artifact for n in accepted},
+                          {n: results[n].metrics["perplexity"] for n in accepted}, record, qcfg,
+                          [int(t) for t in np.asarray(selection_blocks)[0][:32]], threads) if len(accepted) > 1 else \
         (accepted[0] if accepted else None)
     # none passed: the most accurate attempt is kept, to be registered as the rejected candidate
     keep = chosen or min(results, key=lambda n: results[n].metrics["perplexity"])
