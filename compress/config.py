@@ -411,8 +411,9 @@ class QuantizeConfig(Section):
     weight_clip: Literal["auto", "mse", "none"] = "auto"
     # 4-bit weights: the share of linear groups (a layer's qkv, o, gate_up or down) kept at 8 bits, those whose
     # measured 4-bit output error on the calib rows is largest (mixed precision); the accuracy-aware loop keeps more
-    # at 8 bits when the gate asks (accept.relax_trials). 0.25: Qwen2.5-Coder-1.5B-Instruct passed the demo's gate with
-    # a quarter (test top-1 0.904) and missed it with a tenth (0.899); docs/quantization.md#4-bit-weights.
+    # at 8 bits when the gate asks (accept.relax_trials). 0.25: with round-to-nearest Qwen2.5-Coder-1.5B-Instruct passed
+    # the demo's gate with a quarter (test top-1 0.904) and missed it with a tenth (0.899); with the range search a
+    # tenth passes (0.903), which configs/default.yaml tries first; docs/quantization.md#4-bit-weights.
     int4_keep_int8: float = Field(0.25, ge=0, le=1)
     # The 4-bit graph export.weights auto writes from a checkpoint (>= 1B): shares of groups at 8 bits tried before
     # int4_keep_int8, in order (the smaller graph first). Each is written and gated on the selection split; the first

@@ -115,21 +115,26 @@ def test_the_baseline_version_records_the_checkpoint_by_digest(int8_run, tmp_pat
     assert (served / "MLmodel").is_file() and read_manifest(served)["quantization"]["written_from"] == "checkpoint"
 
 
-@pytest.fixture(scope="module")
-def auto_run(prefect_harness, mlflow_store, tmp_path_factory):
-    """export.weights auto on a tiny model taken for a large one (the 1B threshold lowered), with an agreement limit
-    its 4-bit graph misses (0.68 on the selection split) and its 8-bit one meets (0.97)."""
+def run_as_large(tmp_path_factory, name: str, extra: list[str]) -> dict:
+    """compress_flow on configs/tiny.yaml with export.weights auto, the tiny model taken for a large one (the 1B
+    threshold lowered), into registered model and experiment ``name``."""
     import compress.export.weights as weights
     from flows.pipeline import compress_flow
 
-    work = tmp_path_factory.mktemp("work_auto")
+    work = tmp_path_factory.mktemp(name)
     over = ["prune.enabled=false", "distill.enabled=false", "quantize.method=auto", "accept.relax_trials=0",
-            "export.weights=auto", "accept.min_top1_agreement=0.8", "quantize.int4_keep_int8_tries=[0.0]",
-            "registry.model_name=tiny-auto-weights",
-            "mlflow.experiment=tiny-auto-weights", f"workdir={work}"]
+            "export.weights=auto", f"registry.model_name={name}", f"mlflow.experiment={name}", f"workdir={work}",
+            *extra]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(weights, "CHECKPOINT_FROM_PARAMS", 1000)
         return compress_flow(config="configs/tiny.yaml", overrides=over)
+
+
+@pytest.fixture(scope="module")
+def auto_run(prefect_harness, mlflow_store, tmp_path_factory):
+    """With an agreement limit its 4-bit graphs miss (0.68 on the selection split) and its 8-bit one meets (0.97)."""
+    return run_as_large(tmp_path_factory, "tiny-auto-weights",
+                        ["accept.min_top1_agreement=0.8", "quantize.int4_keep_int8_tries=[0.0]"])
 
 
 def test_auto_writes_4_bits_first_and_8_bits_where_the_gate_rejects_them_saying_why(auto_run):
@@ -155,18 +160,9 @@ def test_auto_writes_4_bits_first_and_8_bits_where_the_gate_rejects_them_saying_
 
 @pytest.fixture(scope="module")
 def timed_run(prefect_harness, mlflow_store, tmp_path_factory):
-    """export.weights auto on a tiny model taken for a large one, under tiny.yaml's loose limits, which its 4-bit graph
-    passes: the INT8 graph is written and gated too, and the two timed at 4 users."""
-    import compress.export.weights as weights
-    from flows.pipeline import compress_flow
-
-    work = tmp_path_factory.mktemp("work_timed")
-    over = ["prune.enabled=false", "distill.enabled=false", "quantize.method=auto", "accept.relax_trials=0",
-            "export.weights=auto", "quantize.auto_concurrency=4", "registry.model_name=tiny-timed-weights",
-            "mlflow.experiment=tiny-timed-weights", f"workdir={work}"]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(weights, "CHECKPOINT_FROM_PARAMS", 1000)
-        return compress_flow(config="configs/tiny.yaml", overrides=over)
+    """Under tiny.yaml's loose limits, which its 4-bit graph passes: the INT8 graph is written and gated too, and the
+    two timed at 4 users."""
+    return run_as_large(tmp_path_factory, "tiny-timed-weights", ["quantize.auto_concurrency=4"])
 
 
 def test_a_passing_4_bit_graph_is_timed_against_int8_and_the_faster_at_the_users_kept(timed_run):
