@@ -164,3 +164,28 @@ def test_quantize_auto_judges_every_form_against_one_reference_pass(tiny_gqa, ti
         for k in ("perplexity", "top1_agreement", "kl_to_reference", "eval_tokens"):
             assert alone.metrics[k] == shared["metrics"][k], (name, k)
     assert len(passes) == 3  # and each form alone made its own
+
+
+def test_big_graphs_are_timed_one_at_a_time(tiny_gqa, monkeypatch):
+    """Over INTERLEAVED_TIMING_MAX_BYTES in all, each form is timed on its own (one graph in memory at a time); the
+    records and the pick are those of the interleaved timing."""
+    from compress.config import QuantizeConfig
+    from compress.quantize import choice
+    from compress.quantize.choice import pick_form
+
+    seen = []
+    real_step, real_engine = choice.decode_step_ms, choice.engine_tokens_per_s
+    monkeypatch.setattr(choice, "decode_step_ms", lambda a, **kw: (seen.append(sorted(a)), real_step(a, **kw))[1])
+    monkeypatch.setattr(choice, "engine_tokens_per_s",
+                        lambda a, b, **kw: (seen.append(sorted(a)), real_engine(a, b, **kw))[1])
+    forms = {"a": tiny_gqa, "b": tiny_gqa}
+    qcfg = QuantizeConfig(auto_concurrency=2)
+    for limit, calls in ((1 << 40, [["a", "b"]] * 3), (0, [["a"], ["b"]] * 3)):
+        monkeypatch.setattr(choice, "INTERLEAVED_TIMING_MAX_BYTES", limit)
+        seen.clear()
+        record = {"a": {}, "b": {}}
+        kept = choice.fastest_form(forms, {"a": 1.0, "b": 2.0}, record, qcfg, [3, 4, 5, 6])
+        assert seen == calls
+        assert all(set(r) == {"decode_ms_per_step", "tokens_per_s_b1", "tokens_per_s_b2"} for r in record.values())
+        rates = {n: 1000.0 / r["tokens_per_s_b2"] for n, r in record.items()}
+        assert kept == pick_form(rates, {"a": 1.0, "b": 2.0}, qcfg.auto_speed_tolerance)

@@ -272,19 +272,34 @@ def _judge_weight_form(src: Path, out_dir: Path, calib_blocks, selection_blocks,
     return best[0], best[1], attempts
 
 
+# Above this many bytes of graph weights in all, fastest_form times the forms one after another instead of
+# interleaved in one process: two 7B graphs (5.3 GiB at 4 bits, 8 GiB at 8) held at once would pass the memory the
+# large path promises (1.5x the bf16 weights), and steps interleaved across big graphs ran 1.6x slower on a VM
+# that reclaims idle memory (benchmarks/history.md run 18), so nothing is lost in fairness.
+INTERLEAVED_TIMING_MAX_BYTES = 4 << 30
+
+
+def _graph_bytes(artifact: Path) -> int:
+    return sum(f.stat().st_size for f in Path(artifact).glob("model.onnx*"))
+
+
 def fastest_form(artifacts: dict[str, Path], perplexity: dict[str, float], record: dict[str, dict],
                  qcfg: QuantizeConfig, prompt: list[int], threads: int | None = None) -> str:
     """The fastest of ``artifacts`` (forms that passed the gate; pick_form: forms within auto_speed_tolerance of it
     tie, the lowest selection-split ``perplexity`` wins): by tokens/s at quantize.auto_concurrency rows on the
-    serving engine, or by the batch-1 decode step when that is 1. Each form's speeds go into its ``record``."""
-    speed = decode_step_ms(artifacts, threads=threads, prompt=prompt)
+    serving engine, or by the batch-1 decode step when that is 1. Each form's speeds go into its ``record``. Graphs
+    over INTERLEAVED_TIMING_MAX_BYTES together are timed one at a time (one in memory)."""
+    apart = sum(_graph_bytes(p) for p in artifacts.values()) > INTERLEAVED_TIMING_MAX_BYTES
+    groups = [{n: p} for n, p in artifacts.items()] if apart else [artifacts]
+    speed = {n: v for g in groups for n, v in decode_step_ms(g, threads=threads, prompt=prompt).items()}
     for n, ms in speed.items():
         record[n]["decode_ms_per_step"] = ms
     levels = profile_levels(qcfg)
     if len(levels) > 1:
         # The deployment's concurrency profile: every form's tokens/s at each level on the serving engine, so
         # the run shows the trade (docs/quantization.md); the choice is the most tokens/s at auto_concurrency.
-        by_batch = {b: engine_tokens_per_s(artifacts, b, threads=threads) for b in levels}
+        by_batch = {b: {n: v for g in groups for n, v in engine_tokens_per_s(g, b, threads=threads).items()}
+                    for b in levels}
         for b, tps in by_batch.items():
             for n, v in tps.items():
                 record[n][f"tokens_per_s_b{b}"] = v
