@@ -278,7 +278,8 @@ def forms_markdown(choice: dict) -> str:
              "|---|---|---|---:|---:|---:|---:|---|"]
     for a in choice["attempts"]:
         levels = sorted((int(k[len("tokens_per_s_b"):]), v) for k, v in a.items() if k.startswith("tokens_per_s_b"))
-        tps = f"{levels[-1][1]:.0f} at {levels[-1][0]}" if levels else ""
+        tps = (" / ".join(f"{v:.0f}" for _, v in levels) + " at " + " / ".join(str(b) for b, _ in levels)
+               if levels else "")
         kept = a["form"] == choice["chosen"] and a["kv"] == choice["kv"] and a["accepted"]
         share = f" ({a['int8_groups']} groups at 8 bits)" if a.get("int8_share") is not None else ""
         lines.append(f"| {a['form']}{share}{' (kept)' if kept else ''} | {a['kv_label']} | "
@@ -502,8 +503,8 @@ def written_forms(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, k_lo
             cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"weights": nxt})})
         else:
             get_run_logger().warning("export: the 4-bit graph with %.0f %% of its groups at 8 bits failed the gate on "
-                                     "the selection split (%s); writing it with %.0f %%", 100 * cfg.quantize.int4_keep_int8,
-                                     gate.attempt["failed"], 100 * nxt)
+                                     "the selection split (%s); writing it with %.0f %%",
+                                     100 * cfg.quantize.int4_keep_int8, gate.attempt["failed"], 100 * nxt)
             cfg = with_int4_keep(cfg, nxt)
         written = export_and_golden(cfg, pid, timer, loaded, k_load)
     if any(w[1].weights == "int4" for _, w, _ in passed.values()) and "weight_only" in cfg.quantize.auto_forms:

@@ -195,6 +195,9 @@ def test_the_forms_table_names_each_4_bit_try_by_its_8_bit_groups_and_marks_one_
     lines = [ln for ln in table.splitlines() if ln.startswith("| weight_only_int4")]
     assert lines[0].startswith("| weight_only_int4 (0 groups at 8 bits) |") and "(kept)" not in lines[0]
     assert lines[1].startswith("| weight_only_int4 (3 groups at 8 bits) (kept) |")
+    timed = forms_markdown({"attempts": [{**attempts[1], "tokens_per_s_b1": 34.0, "tokens_per_s_b32": 153.6}],
+                            "chosen": "weight_only_int4", "kv": "float32", "hints": []})
+    assert "| 34 / 154 at 1 / 32 |" in timed  # every level timed, the deployment's among them
 
 
 def test_the_keep_ladder_tries_each_share_once_and_checks_them():
