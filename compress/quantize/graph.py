@@ -224,11 +224,10 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
     Returns False (model untouched) when the graph has no such pattern.
     """
     g = model.graph
-    block_size = _table_block_of(g, block_size)
-    found = _tied_table(g, block_size) if block_size else None
+    found = _tied_table(g, block_size)
     if found is None:
         return False
-    gather, transposes, lm_heads = found
+    gather, transposes, lm_heads, block_size = found
     e_name = gather.input[0]
     E = tensor_array(next(i for i in g.initializer if i.name == e_name)).astype(np.float32)
     V, K = E.shape
@@ -263,22 +262,17 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
     return True
 
 
-def _table_block_of(g: onnx.GraphProto, block_size: int) -> int:
-    """The block the token Gather's table is rounded in (compress/blocks.py table_block of its width)."""
-    inits = {i.name: i for i in g.initializer}
-    gather = next((n for n in g.node if n.op_type == "Gather" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2), None)
-    return table_block(int(inits[gather.input[0]].dims[1]), block_size) if gather is not None else block_size
-
-
 def _tied_table(g: onnx.GraphProto, block_size: int):
-    """(the token Gather, the Transposes of its table, the MatMuls reading them) when the table is read only so and
-    its rows split into whole blocks; else None."""
+    """(the token Gather, the Transposes of its table, the MatMuls reading them, the block its rows are rounded in:
+    compress/blocks.py table_block of its width) when the table is read only so and its rows split into whole blocks
+    of some power of two up to ``block_size``; else None."""
     inits = {i.name: i for i in g.initializer}
     gather = next((n for n in g.node if n.op_type == "Gather" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2), None)
     if gather is None:
         return None
     e_name = gather.input[0]
-    if inits[e_name].dims[1] % block_size:
+    block = table_block(int(inits[e_name].dims[1]), block_size)
+    if not block:
         return None
     consumers = [n for n in g.node if e_name in n.input]
     transposes = [n for n in consumers if n.op_type == "Transpose"]
@@ -290,7 +284,7 @@ def _tied_table(g: onnx.GraphProto, block_size: int):
         if not all(u.op_type == "MatMul" and u.input[1] == t.output[0] for u in users):
             return None
         lm_heads += users
-    return gather, transposes, lm_heads
+    return gather, transposes, lm_heads, block
 
 
 def _table_blocks(g: onnx.GraphProto, E: np.ndarray, e_name: str, block_size: int) -> str:
