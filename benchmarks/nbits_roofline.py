@@ -2,7 +2,8 @@
 1536 x 8960 and back, random codes), at several bit widths, block sizes and numbers of rows, in GB/s of weights read
 and G multiply-adds a second.
 
-    python -m benchmarks.nbits_roofline [--layers 48] [--rows 1 8 40] [--threads 2] [--out benchmarks/results/nbits_roofline.json]
+    python -m benchmarks.nbits_roofline [--layers 48] [--rows 1 8 40] [--forms 4:32 4:64 8:32] [--threads 2]
+        [--out benchmarks/results/nbits_roofline.json]
 
 One row is one user's decode step: bound by reading the weights (GB/s). From 8 rows up a step is bound by the int8
 arithmetic of ``accuracy_level`` 4 (GMAC/s), which is also what a prompt costs. 48 layers hold ~420 MB at 4 bits,
@@ -22,7 +23,18 @@ import numpy as np
 from benchmarks.burst import cpu_flags
 
 HIDDEN, INTER = 1536, 8960
-FORMS = ((4, 32), (4, 64), (8, 32))
+FORMS = ("4:32", "4:64", "8:32")
+
+
+def parse_form(text: str) -> tuple[int, int]:
+    """``BITS:BLOCK`` (``4:32``) as a pair; argparse's type, so a bad one is a usage error naming the form."""
+    try:
+        bits, block = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--forms takes BITS:BLOCK, e.g. 4:32 or 8:128, not {text!r}") from None
+    if bits not in (4, 8) or block < 16 or block & (block - 1):
+        raise argparse.ArgumentTypeError(f"--forms {text!r}: bits must be 4 or 8, the block a power of two >= 16")
+    return bits, block
 
 
 def stack(bits: int, block: int, layers: int) -> tuple[bytes, int]:
@@ -78,11 +90,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 40])
+    p.add_argument("--forms", type=parse_form, nargs="+", default=[parse_form(f) for f in FORMS],
+                   help="BITS:BLOCK pairs to measure (default: 4:32 4:64 8:32)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
-    rows = [r for bits, block in FORMS for r in measure(bits, block, a.layers, a.rows, a.threads, a.reps)]
+    rows = [r for bits, block in a.forms for r in measure(bits, block, a.layers, a.rows, a.threads, a.reps)]
     result = {"cpu_flags": cpu_flags(), "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2),
               "layers": a.layers, "shape": [HIDDEN, INTER], "threads": a.threads, "rows": rows}
     if a.out:
