@@ -162,7 +162,7 @@ def one_system(name: str, artifact: Path, levels: list[dict], prefill_rows: list
     return {"nodes": {k: p["nodes"] for k, p in parts.items()},
             "weights_read_per_step_bytes": sum(p["bytes"] for p in parts.values()),
             "macs_per_row": {k: p["macs"] for k, p in parts.items()},
-            "kernel_ms": {k: {r: round(s * 1e3, 4) for r, s in t.items()} for k, t in times.items()}, "levels": out}
+            "kernel_ms": {k: {r: round(s * 1e3, 6) for r, s in t.items()} for k, t in times.items()}, "levels": out}
 
 
 def main(argv=None) -> None:
