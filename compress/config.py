@@ -337,6 +337,11 @@ class QuantizeConfig(Section):
     # auto: how many requests the deployment expects to decode at once. 1 keeps the form fastest for one user;
     # N > 1 the one with the most tokens/s at N rows on the serving engine (both forms' rates are logged).
     auto_concurrency: int = Field(1, ge=1, le=256)
+    # auto: what decides among the forms that pass the gate. "speed": the most tokens/s at auto_concurrency users
+    # (above). "size": the smallest graph, timing nothing: for a deployment bound by memory rather than speed (a 7B
+    # on a 16 GB box). From the checkpoint (export.weights auto) the ladder then stops at the first 4-bit graph that
+    # passes, without writing INT8 beside it.
+    auto_objective: Literal["speed", "size"] = "speed"
     # auto: more concurrency levels at which both forms' tokens/s are measured on the serving engine and logged
     # (auto_<form>_tokens_per_s_b<N>, and a tokens/s-against-users plot), so the MLflow run shows the whole trade,
     # not only 1 and auto_concurrency; e.g. [8, 32, 64]. The choice is still made at auto_concurrency.

@@ -481,8 +481,8 @@ def written_forms(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, k_lo
                   then: list):
     """export.weights auto from the checkpoint: the first graph (4 bits) gated on the selection split; where it
     fails, each of ``then`` in turn (a share of groups at 8 bits for another 4-bit graph, then "int8") written,
-    checked and gated too, until one passes. Where a 4-bit graph passed and quantize.auto_forms weighs weight_only,
-    the INT8 graph is written and gated as well, and the two that passed are timed at quantize.auto_concurrency
+    checked and gated too, until one passes. Where a 4-bit graph passed, quantize.auto_forms weighs weight_only and
+    quantize.auto_objective is speed, the INT8 graph is written and gated as well, and the two that passed are timed at quantize.auto_concurrency
     users (``export_timing``): the faster is kept, as the quantize stage keeps its forms. Returns the run's config,
     the kept export's key, Exported and Golden, and the forms as a Quantized result (the attempts table, the kept
     form's figures for the accept stage; chosen None when none passed, so the run ends Rejected before the accept
@@ -507,7 +507,8 @@ def written_forms(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, k_lo
                                      100 * cfg.quantize.int4_keep_int8, gate.attempt["failed"], 100 * nxt)
             cfg = with_int4_keep(cfg, nxt)
         written = export_and_golden(cfg, pid, timer, loaded, k_load)
-    if any(w[1].weights == "int4" for _, w, _ in passed.values()) and "weight_only" in cfg.quantize.auto_forms:
+    if (any(w[1].weights == "int4" for _, w, _ in passed.values()) and "weight_only" in cfg.quantize.auto_forms
+            and cfg.quantize.auto_objective == "speed"):
         cfg8 = cfg.model_copy(update={"export": cfg.export.model_copy(update={"weights": "int8"})})
         written8 = export_and_golden(cfg8, pid, timer, loaded, k_load)
         gate8 = gate_written(cfg8, pid, timer, loaded, written8)

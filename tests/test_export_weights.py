@@ -184,6 +184,19 @@ def test_a_passing_4_bit_graph_is_timed_against_int8_and_the_faster_at_the_users
     assert out["verdict"]["accepted"] and out["verdict"]["evaluated_in"] == "quantize"
 
 
+def test_auto_for_size_stops_at_the_first_4_bit_graph_that_passes(prefect_harness, mlflow_store, tmp_path_factory):
+    """quantize.auto_objective size: the 4-bit graph passes, so no INT8 graph is written and nothing timed; the
+    4-bit graph is the candidate the accept stage judges."""
+    out = run_as_large(tmp_path_factory, "tiny-size-weights", ["quantize.auto_objective=size",
+                                                                "quantize.auto_concurrency=4"])
+    stages = [row["stage"] for row in out["stages"]]
+    assert stages.count("export") == 1 and stages.count("export_gate") == 1 and "export_timing" not in stages
+    gate = next(row["metrics"] for row in out["stages"] if row["stage"] == "export_gate")
+    assert gate["auto_weight_only_int4_accepted"] == 1.0
+    assert read_manifest(out["candidate_artifact"])["quantization"]["weight_bits"] == 4
+    assert out["verdict"]["accepted"] and out["verdict"]["evaluated_in"] == "quantize"
+
+
 def test_the_forms_table_names_each_4_bit_try_by_its_8_bit_groups_and_marks_one_kept():
     from flows.pipeline import forms_markdown
 

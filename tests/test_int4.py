@@ -233,6 +233,22 @@ def test_auto_keeps_int8_when_4bit_fails_and_says_why(tiny_gqa, tiny_splits, tmp
     assert _nbits(tmp_path / "q") == {8: max(_nbits(tmp_path / "q").values())}  # the kept artifact is 8-bit only
 
 
+def test_auto_for_size_keeps_the_smallest_form_that_passes_and_times_none(tiny_gqa, tiny_splits, tmp_path):
+    """quantize.auto_objective size: with limits both forms meet, the 4-bit graph (the fewer bytes) is kept, by its
+    bytes, and no form is timed."""
+    from compress.quantize.choice import choose_quant_form
+
+    qcfg = QuantizeConfig(method="auto", auto_forms=["weight_only", "weight_only_int4"], auto_objective="size",
+                          auto_concurrency=4)
+    acfg = AcceptConfig(min_top1_agreement=0.3, max_perplexity_ratio=3.0, relax_trials=0)
+    choice = choose_quant_form(tiny_gqa, tmp_path / "q", tiny_splits.calib, tiny_splits.selection, qcfg, acfg)
+    assert all(f["accepted"] for f in choice.forms.values())
+    size = {n: f["graph_bytes"] for n, f in choice.forms.items()}
+    assert choice.chosen == "weight_only_int4" and size["weight_only_int4"] < size["weight_only"]
+    assert size["weight_only_int4"] == sum(p.stat().st_size for p in (tmp_path / "q").glob("model.onnx*"))
+    assert not any(k.startswith(("decode_ms", "tokens_per_s")) for f in choice.forms.values() for k in f)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_4bit_written_from_the_checkpoint_passes_its_golden_and_a_wrong_one_does_not(family, tmp_path):
     """export.weights int4: the gqa builder writes 4-bit MatMulNBits straight from the checkpoint (the plan's worst

@@ -16,7 +16,8 @@ tokens/s with N requests decoding together on the serving engine instead: weight
 kernel for one row, per-token W8A8's integer product several times faster from 8 rows up (benchmarks/history.md); forms within
 ``quantize.auto_speed_tolerance`` of the fastest count as tied, and the lowest selection-split perplexity
 among them wins (timing noise on a shared box must not flip the choice to the less accurate form). The gate's
-verdict is still the accept stage's, on the test split no trial has seen.
+verdict is still the accept stage's, on the test split no trial has seen. With ``quantize.auto_objective: size`` the
+smallest graph that passed is kept instead, and nothing is timed (``smallest_form``).
 
 The K/V cache is part of the choice with ``quantize.kv_cache: auto`` (issue 46: an int8 cache chosen on SmolLM2
 rejected a Gemma 3 that passes with a float one). Each weight form is written with each cache form of
@@ -309,6 +310,15 @@ def fastest_form(artifacts: dict[str, Path], perplexity: dict[str, float], recor
     return pick_form(speed, perplexity, qcfg.auto_speed_tolerance)
 
 
+def smallest_form(artifacts: dict[str, Path], perplexity: dict[str, float], record: dict[str, dict]) -> str:
+    """quantize.auto_objective size: the form of ``artifacts`` with the fewest graph bytes (equal bytes: the lower
+    selection-split ``perplexity``); each form's bytes go into its ``record``."""
+    size = {n: _graph_bytes(p) for n, p in artifacts.items()}
+    for n, b in size.items():
+        record[n]["graph_bytes"] = b
+    return min(size, key=lambda n: (size[n], perplexity[n]))
+
+
 def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_blocks: np.ndarray, selection_blocks: np.ndarray,
                       qcfg: QuantizeConfig, acfg: AcceptConfig, *, threads: int | None = None,
                       forms: dict[str, dict] | None = None, on_trial=None) -> FormChoice:
@@ -339,10 +349,14 @@ def choose_quant_form(src_artifact: str | Path, out_dir: str | Path, calib_block
                             "metrics": dict(res.metrics), "trials": len(res.trials), "kv": kv,
                             "kv_attempts": attempts}
     accepted = [n for n, r in results.items() if r.verdict.accepted]
-    chosen = fastest_form({n: results[n].artifact for n in accepted},
-                          {n: results[n].metrics["perplexity"] for n in accepted}, record, qcfg,
-                          [int(t) for t in np.asarray(selection_blocks)[0][:32]], threads) if len(accepted) > 1 else \
-        (accepted[0] if accepted else None)
+    passed = {n: results[n].artifact for n in accepted}
+    ppl = {n: results[n].metrics["perplexity"] for n in accepted}
+    if len(accepted) < 2:
+        chosen = accepted[0] if accepted else None
+    elif qcfg.auto_objective == "size":
+        chosen = smallest_form(passed, ppl, record)
+    else:
+        chosen = fastest_form(passed, ppl, record, qcfg, [int(t) for t in np.asarray(selection_blocks)[0][:32]], threads)
     # none passed: the most accurate attempt is kept, to be registered as the rejected candidate
     keep = chosen or min(results, key=lambda n: results[n].metrics["perplexity"])
     if out_dir.exists():
