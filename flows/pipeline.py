@@ -482,8 +482,9 @@ def written_forms(cfg: PipelineConfig, pid: str, timer: StageTimer, loaded, k_lo
     """export.weights auto from the checkpoint: the first graph (4 bits) gated on the selection split; where it
     fails, each of ``then`` in turn (a share of groups at 8 bits for another 4-bit graph, then "int8") written,
     checked and gated too, until one passes. Where a 4-bit graph passed, quantize.auto_forms weighs weight_only and
-    quantize.auto_objective is speed, the INT8 graph is written and gated as well, and the two that passed are timed at quantize.auto_concurrency
-    users (``export_timing``): the faster is kept, as the quantize stage keeps its forms. Returns the run's config,
+    quantize.auto_objective is speed, the INT8 graph is written and gated as well, and the two that passed are timed
+    at quantize.auto_concurrency users (``export_timing``): the faster is kept, as the quantize stage keeps its forms
+    (with auto_objective size the first rung that passed is kept, untimed). Returns the run's config,
     the kept export's key, Exported and Golden, and the forms as a Quantized result (the attempts table, the kept
     form's figures for the accept stage; chosen None when none passed, so the run ends Rejected before the accept
     stage)."""
