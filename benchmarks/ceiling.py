@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.burst import cpu_flags
+from benchmarks.prompt_profile import chat_prompts
 from benchmarks.sweep import chats
 
 TARGET = re.compile(r"^(?P<a>[\w.-]+)@(?P<c>\d+)>=(?P<k>[\d.]+)\*(?P<b>[\w.-]+)@(?P<d>\d+)$")
@@ -106,15 +107,6 @@ def time_graph(path: Path, widths: list[int], rows: list[int], threads: int, rep
     return out
 
 
-def prompt_tokens(artifact: Path, prompts: list[list[dict]]) -> list[int]:
-    """Each chat's tokens under the artifact's chat template."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(artifact))
-    return [len(tok(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
-                    add_special_tokens=False)["input_ids"]) for m in prompts]
-
-
 def bound(times: dict, prefill_rows: list[int], c: int, prompts: list[int], tokens_per_request: int) -> dict:
     """Seconds and tokens/s of one level's workload at the kernels' times (see the module docstring)."""
     per_row = min(times["body"][r] / r for r in prefill_rows)
@@ -151,9 +143,10 @@ def one_system(name: str, artifact: Path, levels: list[dict], prefill_rows: list
         times = {k: time_graph(Path(tmp) / f"{k}.onnx", p["widths"], rows, threads, reps) for k, p in parts.items()}
     out = []
     for row in levels:
-        prompts = chats(row["requests"], seed=row["c"])  # the sweep's own prompts at that level
-        b = bound(times, prefill_rows, row["c"], prompt_tokens(artifact, prompts), row["output_tokens"] // row["requests"])
-        b.update(prompts=[m[0]["content"] for m in prompts], measured_tokens_per_s=row["tokens_per_s"],
+        n, c = row["requests"], row["c"]  # the sweep's own prompts at that level, as the server renders them
+        b = bound(times, prefill_rows, c, [len(ids) for ids in chat_prompts(artifact, n, seed=c)],
+                  row["output_tokens"] // n)
+        b.update(prompts=[m[0]["content"] for m in chats(n, seed=c)], measured_tokens_per_s=row["tokens_per_s"],
                  share_of_ceiling=round(row["tokens_per_s"] / b["ceiling_tokens_per_s"], 2))
         out.append(b)
         print(f"{name:>10} c{row['c']:<3} measured {row['tokens_per_s']:6.1f}  ceiling {b['ceiling_tokens_per_s']:6.1f} "
