@@ -167,6 +167,10 @@ class ServeConfig(Section):
     # it never does, for ~13 % of a lone user's tokens/s where nothing is drafted (docs/serving.md, "Speculative
     # decoding").
     uniform_kernels: bool = False
+    # How the model writes tool calls (serve/api/tools.py, docs/serving-api.md "Tool calls"): "auto" reads it off
+    # the chat template (hermes `<tool_call>` for Qwen2.5 / Hermes and templates that know no tools, llama3_json for
+    # Llama 3.x, mistral for `[TOOL_CALLS]`); or name one.
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
     # Check every artifact file against its sha256 in the manifest before serving.
     verify_artifact: bool = True
     # How many recent TTFT / inter-token latency samples the stats snapshot keeps.

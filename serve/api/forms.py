@@ -14,6 +14,9 @@ from typing import Any, ClassVar
 
 from serve.api.chat_template import render_chat
 from serve.api.schemas import ApiError, ChatCompletionRequest, CompletionRequest
+from serve.api.structured import grammar_of, tool_use_of
+from serve.api.tools import ToolUse, detect_format
+from serve.engine.grammar import GrammarSpec
 from serve.engine.tokenizer import encode_chat, encode_prompt
 from serve.registry.source import LoadedModel
 
@@ -27,6 +30,8 @@ class Prompts:
     max_tokens: int | None  # None: as long as the context allows
     logprobs: int | None
     prompt_only: bool = False  # echo with max_tokens 0: one token is run for the prompt's log-probs and dropped
+    structured: GrammarSpec | None = None  # the output's constraint (serve/api/structured.py)
+    tools: ToolUse | None = None  # chat: the tools offered (serve/api/tools.py)
 
 
 def token_str(tok, t: int) -> str:
@@ -78,6 +83,11 @@ def chat_logprobs(tok, ids, lps) -> dict:
                         for t, (lp, top) in zip(ids, lps)]}
 
 
+def tool_finish(reason: str) -> str:
+    """OpenAI's finish reason for an answer that is tool calls: ``tool_calls`` where the model finished them."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 def check_stream_options(body) -> None:
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
@@ -116,7 +126,7 @@ class CompletionForm:
             items.append((ids, prompt))
         # echo with logprobs: the prompt's log-probs too; max_tokens 0 runs one token and drops it
         prompt_only = body.echo and body.max_tokens == 0
-        return Prompts(items, 1 if prompt_only else body.max_tokens, body.logprobs, prompt_only)
+        return Prompts(items, 1 if prompt_only else body.max_tokens, body.logprobs, prompt_only, grammar_of(body))
 
     @staticmethod
     def echo_text(body: CompletionRequest, raw, ids: list[int], tok) -> str:
@@ -166,12 +176,14 @@ class ChatForm:
 
     @staticmethod
     def prompts(lm: LoadedModel, body: ChatCompletionRequest) -> Prompts:
+        tools = tool_use_of(body, detect_format(lm.chat_template, lm.engine.config.tool_call_format))
+        structured = grammar_of(body, tools)
         text = render_chat(lm, body.messages, body.add_generation_prompt, body.continue_final_message,
-                           body.chat_template_kwargs)
+                           body.chat_template_kwargs, tools)
         # The template writes the special tokens itself; BOS only if the model takes one and it did not.
         ids = encode_chat(lm.engine.tokenizer, lm.manifest, text)
         return Prompts([(ids, "")], body.max_completion_tokens or body.max_tokens,
-                       (body.top_logprobs or 0) if body.logprobs else None)
+                       (body.top_logprobs or 0) if body.logprobs else None, structured=structured, tools=tools)
 
     @staticmethod
     def echo_text(body: ChatCompletionRequest, raw, ids: list[int], tok) -> str:
@@ -184,9 +196,23 @@ class ChatForm:
     @staticmethod
     def choice(tok, c, result, out) -> dict:
         lps = out.logprobs if out is not None else None
-        return {"index": c.index, "message": {"role": "assistant", "content": result.text},
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        finish = result.finish_reason
+        if c.tools is not None:
+            content, calls = c.tools.split(result.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = tool_finish(finish)
+        return {"index": c.index, "message": message,
                 "logprobs": chat_logprobs(tok, result.output_ids, lps) if lps is not None else None,
-                "finish_reason": result.finish_reason}
+                "finish_reason": finish}
+
+    @staticmethod
+    def tool_calls_chunk(index: int, calls: list[dict], first: bool) -> dict:
+        """The delta that carries a choice's tool calls, whole (OpenAI's stream shape, each call indexed)."""
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
     @staticmethod
     def token_logprobs(tok, token_id: int, lp, offset: int) -> dict:

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from serve.api.forms import ChatForm, CompletionForm, Form, after, echo_logprobs
+from serve.api.forms import ChatForm, CompletionForm, Form, after, echo_logprobs, tool_finish
 from serve.api.schemas import (ApiError, DetokenizeRequest, TokenizeRequest, error_body, parse, read_json,
                                refuse_unsupported)
 from serve.api.chat_template import render_chat
 from serve.api.result_cache import CachedResult, cache_key
 from serve.api.state import AppState, app_state
 from serve.api.streaming import DisconnectAwareStream, call_at_end, sse
+from serve.api.tools import ToolStream, ToolUse
 from serve.engine.engine import RequestHandle
 from serve.engine.sampling import SamplingError, SamplingParams
 from serve.engine.scheduler import AdmissionError, QueueFullError, RequestTooLargeError
@@ -185,6 +186,7 @@ class Choice:
     key: tuple | None = None
     hit: CachedResult | None = None
     handle: RequestHandle | None = None
+    tools: ToolUse | None = None  # chat with tools: the answer may be tool calls
 
 
 async def wait_results(handles: list[RequestHandle], request: Request):
@@ -233,6 +235,7 @@ def admit_choices(lm: LoadedModel, body, form: Form, cache, choices: list[Choice
         max_tokens = prompts.max_tokens if prompts.max_tokens is not None else context_room(lm, len(ids))
         base = body.sampling(max_tokens, prompts.logprobs)
         base.prompt_logprobs = form.prompt_logprobs(body, prompts.logprobs)
+        base.structured = prompts.structured
         try:
             base.validate()
         except SamplingError as e:
@@ -240,7 +243,8 @@ def admit_choices(lm: LoadedModel, body, form: Form, cache, choices: list[Choice
         for j in range(body.n):
             # n > 1 with a seed: sample j draws from seed + j (as vLLM), so the samples differ reproducibly
             params = base if j == 0 or base.seed is None else dataclasses.replace(base, seed=base.seed + j)
-            choices.append(Choice(p_idx * body.n + j, ids, params, echo_text, prompt_only=prompts.prompt_only))
+            choices.append(Choice(p_idx * body.n + j, ids, params, echo_text, prompt_only=prompts.prompt_only,
+                                  tools=prompts.tools))
     rid = form.id_prefix + uuid.uuid4().hex
     meta = dict(id=rid, created=int(time.time()), model=lm.name, system_fingerprint=fingerprint(lm))
     for c in choices:
@@ -378,6 +382,29 @@ def stream_events(form: Form, meta: dict, choices: list[Choice], prompt_tokens: 
     interleave as tokens come, each naming its ``index``. A chat choice's first chunk (with ``role``) goes out with
     its first token; a request the server cancelled ends with finish_reason ``abort`` (vLLM's name)."""
     chunk = _Chunks(form, meta, choices, include_usage, tok)
+    # chat with tools: text from a call's opener on is held and sent at the end as one tool_calls delta
+    splitters = {c.index: ToolStream(c.tools) for c in choices if c.tools is not None}
+
+    def text_events(c: Choice, text: str, token_id=None, lp=None):
+        split = splitters.get(c.index)
+        if split is not None:
+            text = split.feed(text)
+            if not text:
+                return
+        yield sse(chunk(c.index, text, None, token_id, lp))
+
+    def finish_events(c: Choice, reason: str):
+        split = splitters.get(c.index)
+        if split is not None:
+            rest, calls = split.finish()
+            if rest:
+                yield sse(chunk(c.index, rest, None))
+            if calls:
+                first = chunk.first[c.index]
+                body = chunk(c.index, None, None)  # the chunk's envelope (it marks the choice's first chunk sent)
+                yield sse({**body, "choices": [form.tool_calls_chunk(c.index, calls, first)]})
+                reason = tool_finish(reason)
+        yield sse(chunk(c.index, None, reason))
     # echo with logprobs: the echo chunk carries the prompt's log-probs, so it waits for the prompt's computation
     deferred = {c.index for c in choices if c.echo_text and c.params.prompt_logprobs is not None}
 
@@ -389,8 +416,10 @@ def stream_events(form: Form, meta: dict, choices: list[Choice], prompt_tokens: 
         for c in choices:
             if c.hit is not None:
                 if c.hit.text:
-                    yield sse(chunk(c.index, c.hit.text, None))
-                yield sse(chunk(c.index, None, c.hit.finish_reason))
+                    for e in text_events(c, c.hit.text):
+                        yield e
+                for e in finish_events(c, c.hit.finish_reason):
+                    yield e
                 completion_tokens += c.hit.completion_tokens
         running = [c for c in choices if c.handle is not None]
         if running:
@@ -411,7 +440,8 @@ def stream_events(form: Form, meta: dict, choices: list[Choice], prompt_tokens: 
                         chunk.offset[c.index] = after(lp_obj, c.echo_text)
                         yield sse(chunk(c.index, c.echo_text, None, lp_obj=lp_obj))
                     if (ev.text or ev.logprobs is not None) and not c.prompt_only:
-                        yield sse(chunk(c.index, ev.text, None, ev.token_id, ev.logprobs))
+                        for e in text_events(c, ev.text, ev.token_id, ev.logprobs):
+                            yield e
                     if not ev.finished:
                         continue
                     left -= 1
@@ -422,7 +452,8 @@ def stream_events(form: Form, meta: dict, choices: list[Choice], prompt_tokens: 
                         return
                     completion_tokens += 0 if c.prompt_only else len(c.handle.output_ids)
                     reason = "abort" if ev.finish_reason == "cancelled" else ev.finish_reason
-                    yield sse(chunk(c.index, None, "length" if c.prompt_only and reason == "stop" else reason))
+                    for e in finish_events(c, "length" if c.prompt_only and reason == "stop" else reason):
+                        yield e
             finally:
                 for t in pumps:
                     t.cancel()

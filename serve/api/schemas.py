@@ -136,12 +136,9 @@ UNSUPPORTED_PARAMS: dict[str, Any] = {
     "use_beam_search": _off,
     "length_penalty": lambda v: v in (None, 1, 1.0),
     "prompt_logprobs": _off,
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
-    "guided_decoding_backend": _off, "guided_whitespace_pattern": _off, "structural_tag": _off,
-    "structured_outputs": _off,
-    "tools": _off,
-    "tool_choice": lambda v: v in (None, "none"),
+    # constrained decoding runs on llguidance alone (serve/engine/grammar.py)
+    "guided_decoding_backend": lambda v: v in (None, "", "auto", "guidance", "llguidance"),
+    "guided_whitespace_pattern": _off, "structural_tag": _off,
     "functions": _off,
     "function_call": lambda v: v in (None, "none"),
     "logits_processors": _off,
@@ -161,6 +158,10 @@ UNSUPPORTED_PARAMS: dict[str, Any] = {
     "web_search_options": _off,
     "store": _off,
 }
+UNSUPPORTED_COMPLETION_PARAMS: dict[str, Any] = {
+    "tools": _off,  # tool calls are a chat feature
+    "tool_choice": lambda v: v in (None, "none"),
+}
 UNSUPPORTED_CHAT_PARAMS: dict[str, Any] = {
     "echo": _off,  # vLLM's chat echo (repeat the last message) is not implemented
     "add_special_tokens": _off,  # chat default False: the template writes the special tokens
@@ -169,12 +170,76 @@ UNSUPPORTED_CHAT_PARAMS: dict[str, Any] = {
 
 def refuse_unsupported(data: dict, chat: bool) -> None:
     """A 400 naming the first parameter this server does not implement, if the body sets one."""
-    table = {**UNSUPPORTED_PARAMS, **(UNSUPPORTED_CHAT_PARAMS if chat else {})}
+    table = {**UNSUPPORTED_PARAMS, **(UNSUPPORTED_CHAT_PARAMS if chat else UNSUPPORTED_COMPLETION_PARAMS)}
     for name, harmless in table.items():
         if name in data and not harmless(data[name]):
             raise ApiError(400, f"{name}: not supported by this server (got {data[name]!r}); see "
                            "docs/serving-api.md for the parameters it honours", param=name,
                            code="unsupported_parameter")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of json / regex / choice / grammar / json_object."""
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: None = None
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class StreamOptions(BaseModel):
@@ -208,6 +273,13 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
+    # constrained decoding (serve/api/structured.py): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -266,6 +338,20 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+    def template_dict(self) -> dict:
+        """The message as a chat template reads it (HF conventions)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        return d
 
     def text(self) -> str:
         if self.content is None:
@@ -284,6 +370,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ReloadRequest(BaseModel):

@@ -25,6 +25,11 @@ get drafted tokens (prompt lookup, or a draft model, run outside the lock); the 
 decode token in one forward, ``_process_drafted`` keeps the drafts that the acceptance rule accepts
 (serve/engine/speculative.py) and the scheduler gives back the rejected positions' blocks (``commit_drafted``).
 
+Constrained decoding (``SamplingParams.structured``, serve/engine/grammar.py): a request's grammar is compiled (or
+copied from the compiled cache) when it is added; at each step its rows' logits are masked to the tokens the grammar
+allows before sampling (a drafted row position by position), each kept token advances the grammar, and a grammar
+that is complete ends the request with ``stop``. Log-probs stay the raw model's. Unconstrained rows do no grammar work.
+
 One job: run the steps (schedule, run the model, sample, stream) and own the requests'
 lifecycle. The parts it drives live beside it: serve/engine/request_handle.py (what the caller
 iterates), serve/engine/in_flight.py (one request's state and the text each token adds) and
@@ -51,6 +56,7 @@ from serve.config import ServeConfig
 from serve.engine.heap import release_free_memory
 from serve.engine.in_flight import InFlightRequest
 from serve.engine.drafter import make_drafter
+from serve.engine.grammar import GrammarCompiler
 from serve.engine.request_handle import RequestHandle, RequestOutput, TokenEvent
 from serve.engine.runner_factory import make_runner
 from serve.engine.sampling import SamplingError, SamplingParams, sample_token, token_logprobs
@@ -120,6 +126,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._counters = EngineCounters(config.latency_window)  # stats, updated with the lock held
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self._grammars_lock = threading.Lock()
         if start:
             self.start()
 
@@ -171,6 +179,8 @@ class Engine:
             raise AdmissionError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise SamplingError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
+        # compiled here, in the caller's thread (the HTTP routes call from a worker), never on the step loop
+        grammar = self.grammars().matcher(params.structured) if params.structured is not None else None
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(self, rid, prompt_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
@@ -184,10 +194,17 @@ class Engine:
                 self._counters.rejected += 1
                 raise
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-            self._reqs[rid] = InFlightRequest(seq, handle, detok, stop_ids)
+            self._reqs[rid] = InFlightRequest(seq, handle, detok, stop_ids, grammar)
             self._counters.added += 1
             self._cv.notify_all()
         return handle
+
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of this model's grammars (serve/engine/grammar.py), built on first use."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.to_str(), self.runner.vocab_size, self.eos_ids)
+            return self._grammars
 
     def generate(self, prompt_ids: str | Sequence[int], params: SamplingParams | None = None,
                  timeout: float | None = None) -> list[int]:
@@ -399,7 +416,8 @@ class Engine:
             if seq.request_id in self._aborts:
                 continue  # cancelled while running: do not sample, _apply_aborts finishes it
             params = seq.params
-            tok = sample_token(lg, params, req.rng, seq.token_ids, seq.prompt_len, req.stop_ids)
+            masked = req.grammar.mask(lg) if req.grammar is not None else lg
+            tok = sample_token(masked, params, req.rng, seq.token_ids, seq.prompt_len, req.stop_ids)
             self._add_token(req, tok, lg, now, events)
 
     def _process_drafted(self, row, lg: np.ndarray, events: list, now: float) -> None:
@@ -410,7 +428,9 @@ class Engine:
         if seq.request_id in self._aborts:
             self.scheduler.commit_drafted(row, 0)  # _apply_aborts finishes it
             return
-        toks = accept_drafts(lg, row.drafts, seq.params, req.rng, seq.token_ids, seq.prompt_len, req.stop_ids)
+        # a constrained row: each position masked under the grammar's state after the drafts before it
+        masked = req.grammar.mask_drafts(lg, row.drafts) if req.grammar is not None else lg
+        toks = accept_drafts(masked, row.drafts, seq.params, req.rng, seq.token_ids, seq.prompt_len, req.stop_ids)
         self.drafter.verified((seq.request_id, seq.epoch), len(row.drafts), len(toks) - 1)
         for i, tok in enumerate(toks):
             if self._add_token(req, tok, lg[i], now, events):
@@ -420,6 +440,9 @@ class Engine:
     def _add_token(self, req: InFlightRequest, tok: int, lg: np.ndarray, now: float, events: list) -> bool:
         """Append one sampled token to the request, stream it; True when it ended the request."""
         seq, params, counters = req.seq, req.seq.params, self._counters
+        if req.grammar is not None and not req.grammar.accept(tok):  # the mask allowed it: a matcher fault
+            events.append(self._finish(req, "error", f"the grammar refused token {tok}: {req.grammar.error}"))
+            return True
         # log-probs from the raw logits of the same row the sampler saw (vLLM's default raw_logprobs)
         lp = token_logprobs(lg, tok, params.logprobs) if params.logprobs is not None else None
         seq.token_ids.append(tok)

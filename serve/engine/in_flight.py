@@ -15,6 +15,7 @@ no text; with ``include_stop_str_in_output`` the matched stop string ends the te
 
 from __future__ import annotations
 
+from serve.engine.grammar import RowGrammar
 from serve.engine.request_handle import RequestHandle
 from serve.engine.sampling import find_stop_span
 from serve.engine.scheduler import SequenceState
@@ -26,11 +27,12 @@ class InFlightRequest:
     handle, its sampler's generator and the detokenizer that turns its tokens into streamed text."""
 
     __slots__ = ("seq", "handle", "rng", "detok", "stop_ids", "emitted", "scheduled_t", "first_token_t",
-                 "last_token_t", "max_stop_len")
+                 "last_token_t", "max_stop_len", "grammar")
 
     def __init__(self, seq: SequenceState, handle: RequestHandle, detok: IncrementalDetokenizer,
-                 stop_ids: frozenset[int]):
+                 stop_ids: frozenset[int], grammar: RowGrammar | None = None):
         self.seq = seq
+        self.grammar = grammar  # constrained decoding: the request's grammar state (None: free text)
         self.handle = handle
         self.rng = seq.params.make_generator()
         self.detok = detok
@@ -60,6 +62,8 @@ class InFlightRequest:
                 stop_at, stop_len = find_stop_span(detok.text, params.stop, before)
                 if stop_at != -1:
                     reason = "stop"
+        if reason is None and self.grammar is not None and self.grammar.finished:
+            reason = "stop"  # the grammar is complete and allows nothing more (its EOS need not be generated)
         if reason is None and (seq.num_output >= params.max_tokens or len(seq.token_ids) >= max_model_len):
             reason = "length"
         if reason is not None and stop_at == -1:

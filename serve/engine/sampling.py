@@ -50,6 +50,9 @@ class SamplingParams:
     # None = off; k = every prompt token's log-prob (from the raw logits of the position before it) and the top
     # k there (0..20). Such a request takes nothing from the prefix cache (vLLM): every position is computed.
     prompt_logprobs: int | None = None
+    # None = free text; else a serve/engine/grammar.py GrammarSpec that every token must keep the output within
+    # (typed loosely: grammar.py imports this module for SamplingError)
+    structured: object | None = None
 
     @classmethod
     def greedy(cls, max_tokens: int = 16, **kw) -> SamplingParams:
