@@ -140,6 +140,11 @@ def test_tool_formats_parse_what_their_grammar_forces():
     assert json.loads(calls[0]["function"]["arguments"]) == {"zone": "UTC"}
     assert use.split('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>')[1] == []  # not offered
     assert use.split("<tool_call>\n{broken\n</tool_call>")[1] == []
+    # a whole answer that is one call without markers: bare, fenced, or in a template's doubled braces
+    for bare in ('{"name": "get_time", "arguments": {"zone": "CET"}}', '```json\n{"name": "get_time", '
+                 '"arguments": {"zone": "CET"}}\n```', '{{"name": "get_time", "arguments": {"zone": "CET"}}}'):
+        assert use.split(bare)[0] is None and use.split(bare)[1][0]["function"]["name"] == "get_time", bare
+    assert use.split('It is {"name": "get_time", "arguments": {}}')[1] == []  # a mention, not a call
     llama = ToolUse(FORMATS["llama3_json"], [WEATHER])
     assert llama.split('{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}')[1]
     assert llama.split("The weather is fine.") == ("The weather is fine.", [])
@@ -160,6 +165,11 @@ def test_tool_stream_sends_text_before_the_call_and_holds_the_call():
     assert rest == "" and calls[0]["function"]["name"] == "get_time"
     plain = ToolStream(ToolUse(FORMATS["hermes"], [TIME]))
     assert plain.feed("a <b") == "a <b" and plain.finish() == ("", [])
+    bare = ToolStream(ToolUse(FORMATS["hermes"], [TIME]))  # may be one bare call: nothing goes out as text
+    assert bare.feed(' {"name": "get_time", ') == "" and bare.feed('"arguments": {"zone": "UTC"}}') == ""
+    assert bare.finish()[1][0]["function"]["name"] == "get_time"
+    json_text = ToolStream(ToolUse(FORMATS["hermes"], [TIME]))  # JSON that is no call: sent whole at the end
+    assert json_text.feed('{"a": 1}') == "" and json_text.finish() == ('{"a": 1}', [])
 
 
 # ---- over the socket, with the openai SDK --------------------------------------------------------

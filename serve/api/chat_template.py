@@ -6,6 +6,7 @@ The template (Jinja, Hugging Face conventions) comes from the artifact, so it ru
 from __future__ import annotations
 
 import functools
+import json
 from typing import TYPE_CHECKING
 
 # At import, not at the first chat request: importing jinja2 takes ~100 ms under the import lock.
@@ -19,6 +20,10 @@ if TYPE_CHECKING:  # the offline evaluator (compress/evaluate/chat.py) renders w
     from serve.registry.source import LoadedModel
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @functools.lru_cache(maxsize=8)
 def _compile_template(source: str):
     def raise_exception(message):
@@ -27,6 +32,9 @@ def _compile_template(source: str):
     # The settings Hugging Face uses for chat templates, in a sandbox: the template comes from an artifact.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    # HF's tojson: keys in the caller's order, no HTML escaping (jinja2's own sorts keys and escapes <>&'), so a
+    # tool's signature reads as the model was trained on
+    env.filters["tojson"] = _tojson
     return env.from_string(source)
 
 

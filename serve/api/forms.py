@@ -176,7 +176,8 @@ class ChatForm:
 
     @staticmethod
     def prompts(lm: LoadedModel, body: ChatCompletionRequest) -> Prompts:
-        tools = tool_use_of(body, detect_format(lm.chat_template, lm.engine.config.tool_call_format))
+        tools = tool_use_of(body, detect_format(lm.chat_template, lm.engine.config.tool_call_format),
+                            lm.engine.tokenizer)
         structured = grammar_of(body, tools)
         text = render_chat(lm, body.messages, body.add_generation_prompt, body.continue_final_message,
                            body.chat_template_kwargs, tools)

@@ -236,6 +236,8 @@ def admit_choices(lm: LoadedModel, body, form: Form, cache, choices: list[Choice
         base = body.sampling(max_tokens, prompts.logprobs)
         base.prompt_logprobs = form.prompt_logprobs(body, prompts.logprobs)
         base.structured = prompts.structured
+        if prompts.tools is not None:  # a call's marker may be a special token ([TOOL_CALLS]): keep it to parse
+            base.skip_special_tokens = False
         try:
             base.validate()
         except SamplingError as e:

@@ -9,7 +9,7 @@ The fields, as OpenAI and vLLM name them: ``response_format`` (``json_object``, 
 from __future__ import annotations
 
 from serve.api.schemas import ApiError
-from serve.api.tools import ToolUse
+from serve.api.tools import ToolUse, added_tokens
 from serve.engine.grammar import GrammarSpec
 from serve.engine.sampling import SamplingError
 
@@ -73,7 +73,7 @@ def grammar_of(body, tool_use: ToolUse | None = None) -> GrammarSpec | None:
     return specs[0][1] if specs else None
 
 
-def tool_use_of(body, fmt) -> ToolUse | None:
+def tool_use_of(body, fmt, tokenizer) -> ToolUse | None:
     """The chat request's tools as the server uses them (None: no tools, or ``tool_choice`` none); 400s for a
     ``tool_choice`` without tools or naming a tool that is not offered, and for ``n`` > 1 with a forced call."""
     tools = [t.model_dump() for t in body.tools or []]
@@ -95,4 +95,4 @@ def tool_use_of(body, fmt) -> ToolUse | None:
                            param="tool_choice.function.name")
     if forced is not None and body.n > 1:
         raise ApiError(400, "n: must be 1 when tool_choice forces a call", param="n")
-    return ToolUse(fmt, tools, forced)
+    return ToolUse(fmt, tools, forced, added_tokens(tokenizer) if forced is not None else {})

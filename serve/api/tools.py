@@ -37,8 +37,15 @@ def call_schema(tools: Sequence[dict], args_key: str) -> dict:
     return {"anyOf": alts, "x-guidance": JSON_OPTIONS} if len(alts) > 1 else {**alts[0], "x-guidance": JSON_OPTIONS}
 
 
-def _lark_str(s: str) -> str:
-    return json.dumps(s)
+def added_tokens(tokenizer) -> dict[str, int]:
+    """The tokenizer's added tokens (text -> id): a marker such as Qwen's `<tool_call>` that is one of them is
+    written by the model as that one token, which a grammar must name as a token, not as text."""
+    return {t.content: int(i) for i, t in tokenizer.get_added_tokens_decoder().items()}
+
+
+def _lark(text: str, markers: dict[str, int]) -> str:
+    """A literal in llguidance's Lark: the token itself where ``text`` is an added token, else the string."""
+    return f"<[{markers[text]}]>" if text in markers else json.dumps(text)
 
 
 @dataclass(frozen=True)
@@ -47,13 +54,15 @@ class ToolFormat:
     opener: str  # the text a call starts with
     args_key: str  # "arguments" or "parameters"
 
-    def grammar(self, tools: Sequence[dict]) -> str:
-        """Lark (llguidance) for one call of one of ``tools``."""
+    def grammar(self, tools: Sequence[dict], markers: dict[str, int] | None = None) -> str:
+        """Lark (llguidance) for one call of one of ``tools``; ``markers``: the tokenizer's added tokens."""
+        m = markers or {}
         body = f"%json {json.dumps(call_schema(tools, self.args_key))}"
         if self.name == "hermes":
-            return f"start: {_lark_str('<tool_call>' + chr(10))} call {_lark_str(chr(10) + '</tool_call>')}\ncall: {body}\n"
+            return (f'start: {_lark("<tool_call>", m)} "\\n" call "\\n" {_lark("</tool_call>", m)}\n'
+                    f"call: {body}\n")
         if self.name == "mistral":
-            return f"start: {_lark_str('[TOOL_CALLS][')} call {_lark_str(']')}\ncall: {body}\n"
+            return f'start: {_lark("[TOOL_CALLS]", m)} "[" call "]"\ncall: {body}\n'
         return f"start: call\ncall: {body}\n"
 
     def render_call(self, name: str, arguments: dict) -> str:
@@ -73,7 +82,8 @@ class ToolFormat:
             stripped = text.lstrip()
             at = len(text) - len(stripped) if stripped.startswith("{") else -1
         if at == -1:
-            return text, []
+            calls = bare_call(text, self.args_key)
+            return (None if calls else text), calls
         head, rest = text[:at].strip() or None, text[at:]
         if self.name == "hermes":
             bodies = re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", rest, flags=re.S)
@@ -100,6 +110,25 @@ class ToolFormat:
                     return text, []
                 calls.append((item["name"], args))
         return head, calls
+
+
+def bare_call(text: str, args_key: str) -> list[tuple[str, dict]]:
+    """A whole answer that is one call object without the format's markers: bare, in a ```json fence, or in the
+    doubled braces of a template whose example shows ``{{...}}`` (Qwen2.5's GGUF template): [(name, arguments)],
+    else []. Only the whole answer counts, so an answer that merely mentions JSON stays text."""
+    body = text.strip()
+    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, flags=re.S)
+    body = fenced.group(1) if fenced else body
+    if body.startswith("{{") and body.endswith("}}"):
+        body = body[1:-1]
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return []
+    if not isinstance(obj, dict) or len(obj) != 2 or not isinstance(obj.get("name"), str):
+        return []
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters")))
+    return [(obj["name"], args)] if isinstance(args, dict) else []
 
 
 FORMATS = {"hermes": ToolFormat("hermes", "<tool_call>", "arguments"),
@@ -185,6 +214,7 @@ class ToolUse:
     fmt: ToolFormat
     tools: list[dict]
     forced: str | None = None  # "required", a function name, or None (auto)
+    markers: dict[str, int] = field(default_factory=dict)  # the tokenizer's added tokens (added_tokens)
     names: frozenset[str] = field(init=False)
 
     def __post_init__(self):
@@ -195,7 +225,7 @@ class ToolUse:
             return None
         offered = self.tools if self.forced == "required" else [t for t in self.tools
                                                                  if t["function"]["name"] == self.forced]
-        return GrammarSpec("grammar", self.fmt.grammar(offered), "tool_choice")
+        return GrammarSpec("grammar", self.fmt.grammar(offered, self.markers), "tool_choice")
 
     def split(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, OpenAI tool_calls) of a finished answer; calls of tools that were not offered are text."""
@@ -219,8 +249,8 @@ class ToolStream:
     def feed(self, delta: str) -> str:
         self.text += delta
         opener = self.use.fmt.opener
-        if self.use.fmt.name == "llama3_json":  # a call is the whole answer: hold while it may start one
-            return "" if self.text.lstrip()[:1] in ("", "{") else self._release(len(self.text))
+        if self.sent == 0 and self.text.lstrip()[:1] in ("", "{", "`"):
+            return ""  # the answer may be one bare call (bare_call): hold it while it may be
         at = self.text.find(opener)
         if at != -1:
             return self._release(at)
