@@ -59,7 +59,7 @@ def valid(obj: dict, schema: dict) -> bool:
 # ---- the engine -----------------------------------------------------------------------------------
 def run_engine(folder, specs, speculative="off", sampled=False, prompt="hello {\"a\": 12, \"b\": \"x\"} world"):
     eng = Engine(folder, serve_cfg(speculative=speculative, speculative_max_rows=4), start=False)
-    hs = [eng.add_request(f"{prompt} {i}", SamplingParams(max_tokens=60, temperature=1.0 if sampled else 0.0,
+    hs = [eng.add_request(f"{prompt} {i}", SamplingParams(max_tokens=400, temperature=1.0 if sampled else 0.0,
                                                           seed=i, structured=s)) for i, s in enumerate(specs)]
     while eng.has_work():
         eng.step()
@@ -72,6 +72,9 @@ def test_every_constrained_answer_is_schema_valid_and_free_rows_are_untouched(ti
     outs, eng = run_engine(tiny_gqa, [spec, spec, None, spec], sampled=True)
     for o in (outs[0], outs[1], outs[3]):
         assert o.finish_reason == "stop" and valid(json.loads(o.text), SCHEMA), o.text
+        assert not re.search(r"[ \n\r\t]{25,}", o.text)  # whitespace between two tokens is bounded (24)
+    compact, _ = run_engine(tiny_gqa, [GrammarSpec.json_schema(SCHEMA, compact=True)], sampled=True)
+    assert re.fullmatch(r'\{"a": \d+, "b": "(x|yy)", "c": ".*"\}', compact[0].text, flags=re.S), compact[0].text
     assert eng.grammars().compiles == 1  # one schema, compiled once for three requests
     free, _ = run_engine(tiny_gqa, [None], sampled=True)
     # the unconstrained row (seed 2) is the same text as when it runs alone, and it is not JSON
@@ -93,7 +96,7 @@ def test_choice_regex_and_grammar_kinds(tiny_gqa):
 def test_a_schema_that_cannot_finish_in_max_tokens_ends_with_length(tiny_gqa):
     eng = Engine(tiny_gqa, serve_cfg(), start=False)
     schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 50}}, "required": ["s"]}
-    out = eng.add_request("x", SamplingParams.greedy(8, structured=GrammarSpec.json_schema(schema)))
+    out = eng.add_request("x", SamplingParams.greedy(8, structured=GrammarSpec.json_schema(schema, compact=True)))
     eng.run_until_done()
     r = out.result()
     assert r.finish_reason == "length" and len(r.output_ids) == 8 and r.text.startswith('{"s": "')
@@ -211,17 +214,17 @@ def chat(content: str) -> list[dict]:
 
 def test_parse_with_a_pydantic_model_returns_a_parsed_object(client):
     for q in ["Read the sensor.", "Which sensor is hot?", "Report t2."]:
-        r = client.chat.completions.parse(model=MODEL, messages=chat(q), response_format=Reading, max_tokens=40)
+        r = client.chat.completions.parse(model=MODEL, messages=chat(q), response_format=Reading, max_tokens=400)
         got = r.choices[0].message.parsed
         assert isinstance(got, Reading) and r.choices[0].finish_reason == "stop", r.choices[0].message.content
 
 
 def test_json_object_and_schema_on_completions_too(client):
-    r = client.chat.completions.create(model=MODEL, messages=chat("JSON please"), max_tokens=40, seed=3,
+    r = client.chat.completions.create(model=MODEL, messages=chat("JSON please"), max_tokens=400, seed=3,
                                        temperature=1.0, response_format={"type": "json_object"})
     text = r.choices[0].message.content
     assert r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict), text
-    c = client.completions.create(model=MODEL, prompt="data:", max_tokens=60, temperature=0,
+    c = client.completions.create(model=MODEL, prompt="data:", max_tokens=400, temperature=0,
                                   extra_body={"response_format": {"type": "json_schema",
                                                                   "json_schema": {"name": "s", "schema": SCHEMA}}})
     assert valid(json.loads(c.choices[0].text), SCHEMA)
@@ -234,9 +237,12 @@ def test_vllm_structured_outputs_and_guided_fields(client):
     r = client.completions.create(model=MODEL, prompt="code:", max_tokens=10, temperature=0,
                                   extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"})
     assert re.fullmatch("[A-Z]{2}[0-9]{2}", r.choices[0].text)
-    r = client.chat.completions.create(model=MODEL, messages=chat("j"), max_tokens=60, temperature=0,
+    r = client.chat.completions.create(model=MODEL, messages=chat("j"), max_tokens=400, temperature=0,
                                        extra_body={"guided_json": SCHEMA})
     assert valid(json.loads(r.choices[0].message.content), SCHEMA)
+    r = client.completions.create(model=MODEL, prompt="j", max_tokens=100, temperature=0, extra_body={
+        "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    assert re.fullmatch(r'\{"a": \d+, "b": "(x|yy)", "c": ".*"\}', r.choices[0].text, flags=re.S), r.choices[0].text
 
 
 def test_required_tool_call_validates_streamed_and_not(client):

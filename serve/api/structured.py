@@ -8,6 +8,8 @@ The fields, as OpenAI and vLLM name them: ``response_format`` (``json_object``, 
 
 from __future__ import annotations
 
+import dataclasses
+
 from serve.api.schemas import ApiError
 from serve.api.tools import ToolUse, added_tokens
 from serve.engine.grammar import GrammarSpec
@@ -33,7 +35,10 @@ def _one(body) -> list[tuple[str, GrammarSpec]]:
         if len(set_) != 1:
             raise ApiError(400, "structured_outputs: set exactly one of json, regex, choice, grammar, json_object "
                            f"(got {[k for k, _ in set_] or 'none'})", param="structured_outputs")
-        specs.append(("structured_outputs", _spec(*set_[0], f"structured_outputs.{set_[0][0]}")))
+        spec = _spec(*set_[0], f"structured_outputs.{set_[0][0]}")
+        if so.disable_any_whitespace and spec.kind == "json":
+            spec = dataclasses.replace(spec, compact=True)
+        specs.append(("structured_outputs", spec))
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         v = getattr(body, name)
         if v:

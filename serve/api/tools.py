@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from serve.engine.grammar import JSON_OPTIONS, GrammarSpec
+from serve.engine.grammar import JSON_COMPACT, GrammarSpec
 
 FORMAT_NAMES = ("hermes", "llama3_json", "mistral")
 
@@ -34,7 +34,7 @@ def call_schema(tools: Sequence[dict], args_key: str) -> dict:
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         alts.append({"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
                      "required": ["name", args_key], "additionalProperties": False})
-    return {"anyOf": alts, "x-guidance": JSON_OPTIONS} if len(alts) > 1 else {**alts[0], "x-guidance": JSON_OPTIONS}
+    return {"anyOf": alts, "x-guidance": JSON_COMPACT} if len(alts) > 1 else {**alts[0], "x-guidance": JSON_COMPACT}
 
 
 def added_tokens(tokenizer) -> dict[str, int]:

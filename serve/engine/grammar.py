@@ -26,9 +26,12 @@ from serve.engine.sampling import SamplingError
 log = logging.getLogger(__name__)
 
 KINDS = ("json", "regex", "choice", "grammar")
-# JSON as a program parses it and as models write it: ", " and ": ", no free whitespace (a model allowed free
-# whitespace can pad forever before the schema's next token).
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# JSON with the whitespace models write (newlines, indentation) but at most 24 characters of it between two tokens:
+# free whitespace lets a model pad forever, and none at all pushes a model that indents off its own form (SmolLM2
+# then ran on inside a string where, indenting, it closed the object; docs/serving-api.md).
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,24}"}
+# one line, ", " and ": " (vLLM's disable_any_whitespace; tool calls, which models write on one line)
+JSON_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -40,14 +43,15 @@ class GrammarSpec:
     kind: str
     value: str
     field: str = field(default="structured_outputs", compare=False)
+    compact: bool = False  # json: one line, no whitespace beyond ", " and ": " (JSON_COMPACT)
 
     @classmethod
-    def json_schema(cls, schema: dict | bool, field: str = "response_format") -> GrammarSpec:
+    def json_schema(cls, schema: dict | bool, field: str = "response_format", compact: bool = False) -> GrammarSpec:
         if schema is True:
             schema = {}
         if not isinstance(schema, dict):
             raise SamplingError(field, f"{field}: a JSON schema must be an object (got {type(schema).__name__})")
-        return cls("json", json.dumps(schema, sort_keys=False, separators=(",", ":")), field)
+        return cls("json", json.dumps(schema, sort_keys=False, separators=(",", ":")), field, compact)
 
     @classmethod
     def choice(cls, options: Sequence[str], field: str = "structured_outputs.choice") -> GrammarSpec:
@@ -60,7 +64,8 @@ class GrammarSpec:
         import llguidance
 
         if self.kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                self.value, defaults=JSON_COMPACT if self.compact else JSON_OPTIONS)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":
