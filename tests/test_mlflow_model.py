@@ -141,3 +141,25 @@ def test_mlflow_models_serve_answers_the_chat_form(version, mlflow_store, tiny_a
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_pyfunc_chat_form_passes_tools_and_response_format(champion):
+    """MLflow's chat form carries tools / tool_choice / response_format as parameters (JSON text): a forced call comes back as
+    tool_calls whose arguments validate, a schema constrains the answer (random weights: never JSON unconstrained),
+    and a field at fault is named."""
+    import json as _json
+
+    tool = {"type": "function", "function": {"name": "zone", "parameters": {
+        "type": "object", "properties": {"z": {"enum": ["UTC", "CET"]}}, "required": ["z"], "additionalProperties": False}}}
+    out = champion.predict({"messages": CONVERSATIONS[0]}, params={
+        "max_tokens": 100, "tools": _json.dumps([tool]), "tool_choice": "required"})
+    call = out["choices"][0]["message"]["tool_calls"][0]
+    assert out["choices"][0]["finish_reason"] == "tool_calls" and call["function"]["name"] == "zone"
+    assert _json.loads(call["function"]["arguments"])["z"] in ("UTC", "CET")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    out = champion.predict({"messages": CONVERSATIONS[0]}, params={"max_tokens": 120, "response_format": _json.dumps(
+        {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})})
+    assert isinstance(_json.loads(out["choices"][0]["message"]["content"])["ok"], bool)
+    with pytest.raises(Exception, match="tool_choice"):
+        champion.predict({"messages": CONVERSATIONS[0]}, params={"tool_choice": "required"})

@@ -127,6 +127,28 @@ def test_mask_drafts_leaves_the_state_and_refuses_a_forbidden_draft(tiny_gqa):
     assert np.isfinite(masked[0, yes[0]]) and not np.isfinite(masked[1, bad])  # the bad draft can never stand
 
 
+def test_greedy_choose_is_the_masked_argmax_with_or_without_the_mask(tiny_gqa):
+    """choose() checks the model's own argmax before paying for a mask; on 200 random rows (some argmaxes allowed,
+    most refused) it picks what the argmax of the masked logits picks."""
+    eng = Engine(tiny_gqa, serve_cfg(), start=False)
+    g = eng.grammars().matcher(GrammarSpec.json_schema(SCHEMA))
+    rng = np.random.default_rng(0)
+    hits = 0
+    for _ in range(200):
+        lg = rng.normal(size=eng.runner.vocab_size).astype(np.float32)
+        allowed = np.flatnonzero(g.allowed())
+        if rng.random() < 0.5:  # half the rows: make an allowed token the model's own argmax
+            lg[rng.choice(allowed)] = 50.0
+        want = int(np.argmax(g.mask(lg)))
+        got = g.choose(lg, lambda x: int(np.argmax(x)), greedy=True)
+        hits += int(np.argmax(lg)) == got
+        assert got == want
+        if g.finished:
+            break
+        assert g.accept(got)
+    assert hits > 0  # the unmasked path was taken
+
+
 def test_a_grammar_that_does_not_compile_is_refused_naming_the_field(tiny_gqa):
     eng = Engine(tiny_gqa, serve_cfg(), start=False)
     with pytest.raises(SamplingError) as e:

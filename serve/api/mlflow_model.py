@@ -6,7 +6,10 @@ flavour whose loader is this module (``data: .``, so the ONNX files and manifest
 second copy). ``predict`` takes the forms MLflow users send (``INPUT_FORMS``, also in the MLmodel's metadata):
 
 - the chat form of MLflow's LLM tools (``llm/v1/chat``): ``{"messages": [{"role": "user", "content": ...}, ...]}``
-  is one conversation and returns one ``chat.completion`` dict; a ``messages`` column (a DataFrame, a list of
+  is one conversation and returns one ``chat.completion`` dict (with the parameters ``tools``, ``tool_choice`` and
+  ``response_format`` as JSON text, or as keys beside ``messages`` where MLflow's schema check does not drop them,
+  read as the HTTP server reads them: tool calls come back as ``tool_calls``, a schema constrains the answer); a
+  ``messages`` column (a DataFrame, a list of
   ``{"messages": [...]}`` records, or ``{"messages": [[...], [...]]}``) is one conversation a row and returns a
   list of them;
 - prompts: a string, a list of strings, a DataFrame with a ``prompt`` column or ``{"prompt": [...]}``; returns a
@@ -29,12 +32,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MLMODEL = "MLmodel"
 EXAMPLE = "input_example.json"
-PARAMS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0, "chat": True}
+# tools / tool_choice / response_format as JSON text ("" = off): MLflow's parameter schema takes no lists or free
+# objects, and its input schema check drops keys beside "messages"
+PARAMS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0, "chat": True, "tools": "",
+          "tool_choice": "", "response_format": ""}
 INPUT_FORMS = ('{"messages": [{"role": "user", "content": "..."}]}: one conversation -> one chat.completion dict',
                '{"messages": [[...], [...]]} or a DataFrame with a messages column: one conversation a row -> '
                'a list of chat.completion dicts',
@@ -52,7 +58,7 @@ def write_mlmodel(folder: str | Path, manifest: dict, run_id: str | None = None)
     mlflow.pyfunc.add_to_model(model, loader_module=__name__, data=".")
     model.signature = ModelSignature(
         inputs=Schema([ColSpec(AnyType())]), outputs=Schema([ColSpec(AnyType())]),
-        params=ParamSchema([ParamSpec(k, {bool: "boolean", int: "long", float: "double"}[type(v)], v)
+        params=ParamSchema([ParamSpec(k, {bool: "boolean", int: "long", float: "double", str: "string"}[type(v)], v)
                             for k, v in PARAMS.items()]))
     (folder / EXAMPLE).write_text(json.dumps({"messages": [{"role": "user", "content": "What is a context manager?"}]}))
     model.saved_input_example_info = {"artifact_path": EXAMPLE, "type": "json_object"}
@@ -74,19 +80,44 @@ class EngineModel:
 
         self.engine = Engine(Path(path), ServeConfig(result_cache_size=0, verify_artifact=True))
 
-    def _render(self, messages: list[dict]) -> list[int]:
+    def _render(self, messages: list[dict], use=None) -> list[int]:
         from serve.api.chat_template import render_template, template_specials
+        from serve.api.tools import detect_format, template_knows_tools, template_messages
         from serve.engine.tokenizer import encode_chat
 
         m = self.engine.manifest
-        text = render_template(m["chat_template"], messages, True, **template_specials(self.engine.tokenizer, m))
+        kw = template_specials(self.engine.tokenizer, m)
+        if use is not None or any("tool_calls" in x or x["role"] == "tool" for x in messages):
+            native = template_knows_tools(m["chat_template"])
+            fmt = use.fmt if use is not None else detect_format(m["chat_template"], self.engine.config.tool_call_format)
+            messages = template_messages(messages, use.tools if use else None, fmt, native)
+            if native and use is not None:
+                kw["tools"] = use.tools
+        text = render_template(m["chat_template"], messages, True, **kw)
         return encode_chat(self.engine.tokenizer, m, text)
 
-    def _generate(self, prompts: list[list[int]], p: dict) -> list:
+    def _constraint(self, options: dict):
+        """(ToolUse or None, GrammarSpec or None) of the chat form's ``tools`` / ``tool_choice`` /
+        ``response_format`` (OpenAI's shapes, as the HTTP server reads them); ValueError naming the field."""
+        if not options:
+            return None, None
+        from serve.api.schemas import ApiError, ChatCompletionRequest, parse
+        from serve.api.structured import grammar_of, tool_use_of
+        from serve.api.tools import detect_format
+
+        try:
+            body = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": ""}], **options})
+            fmt = detect_format(self.engine.manifest.get("chat_template"), self.engine.config.tool_call_format)
+            use = tool_use_of(body, fmt, self.engine.tokenizer)
+            return use, grammar_of(body, use)
+        except ApiError as e:
+            raise ValueError(e.message) from None
+
+    def _generate(self, prompts: list[list[int]], p: dict, structured=None) -> list:
         from serve.engine.sampling import SamplingParams
 
         sampling = SamplingParams(max_tokens=int(p["max_tokens"]), temperature=float(p["temperature"]),
-                                  top_p=float(p["top_p"]), seed=int(p["seed"]))
+                                  top_p=float(p["top_p"]), seed=int(p["seed"]), structured=structured)
         handles = [self.engine.add_request(ids, sampling) for ids in prompts]
         for h in handles:
             h.result()
@@ -101,20 +132,43 @@ class EngineModel:
             if not self.engine.manifest.get("chat_template"):
                 raise ValueError("this model has no chat template in its manifest: send prompts (a 'prompt' column "
                                  "or a list of strings) with chat=false instead of 'messages'")
-            done = self._generate([self._render(c) for c in form.rows], p)
-            out = [_completion(h, str(self.engine.manifest.get("source_model") or "model")) for h in done]
+            use, grammar = self._constraint({**form.options, **chat_options(p)})
+            done = self._generate([self._render(c, use) for c in form.rows], p, grammar)
+            out = [_completion(h, str(self.engine.manifest.get("source_model") or "model"), use) for h in done]
             return out[0] if form.single else out
         chat = bool(p["chat"]) and bool(self.engine.manifest.get("chat_template"))
         ids = [self._render([{"role": "user", "content": t}]) if chat else self.engine.encode(t) for t in form]
         return [h.text for h in self._generate(ids, p)]
 
 
-def _completion(handle, model: str) -> dict:
-    """One answer in the ``llm/v1/chat`` response form (OpenAI's chat.completion)."""
+def chat_options(params: dict) -> dict:
+    """The JSON-text parameters tools / tool_choice / response_format as objects (a plain tool_choice such as
+    "required" as it is); ValueError naming a parameter that is not JSON."""
+    out = {}
+    for k in CHAT_OPTIONS:
+        v = params.get(k)
+        if v in (None, ""):
+            continue
+        if isinstance(v, str) and not (k == "tool_choice" and v in ("none", "auto", "required")):
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"{k}: expected JSON text ({e})") from None
+        out[k] = v
+    return out
+
+
+def _completion(handle, model: str, use=None) -> dict:
+    """One answer in the ``llm/v1/chat`` response form (OpenAI's chat.completion); with tools, its calls."""
+    message, finish = {"role": "assistant", "content": handle.text}, handle.finish_reason or "stop"
+    if use is not None:
+        content, calls = use.split(handle.text)
+        if calls:
+            message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, \
+                ("tool_calls" if finish == "stop" else finish)
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": handle.text},
-                         "finish_reason": handle.finish_reason or "stop"}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
             "usage": {"prompt_tokens": len(handle.prompt_ids), "completion_tokens": len(handle.output_ids),
                       "total_tokens": len(handle.prompt_ids) + len(handle.output_ids)}}
 
@@ -125,14 +179,23 @@ class Conversations:
 
     rows: list[list[dict]]
     single: bool
+    options: dict = field(default_factory=dict)  # tools / tool_choice / response_format of a dict input
+
+
+CHAT_OPTIONS = ("tools", "tool_choice", "response_format")  # MLflow's chat form carries these beside messages
 
 
 def _messages(value, where: str) -> list[dict]:
-    if not isinstance(value, (list, tuple)) or not value or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
+    """Messages as given: role and content (a string; null beside an assistant's tool_calls), and a tool call's
+    fields (tool_calls, tool_call_id, name)."""
+    def ok(m) -> bool:
+        return isinstance(m, dict) and isinstance(m.get("role"), str) and (
+            isinstance(m.get("content"), str) or m.get("content") is None and bool(m.get("tool_calls")))
+    if not isinstance(value, (list, tuple)) or not value or not all(ok(m) for m in value):
         raise ValueError(f"{where}: expected a non-empty list of {{'role': str, 'content': str}} messages "
                          f"(got {str(value)[:120]})")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    keep = ("role", "content", "tool_calls", "tool_call_id", "name")
+    return [{k: (m[k] if k != "content" else m[k] or "") for k in keep if k in m} for m in value]
 
 
 def read_input(model_input) -> Conversations | list[str]:
@@ -145,7 +208,8 @@ def read_input(model_input) -> Conversations | list[str]:
 
         msgs = model_input.get("messages")
         if isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs):
-            return Conversations([_messages(msgs, "messages")], single=True)
+            options = {k: model_input[k] for k in CHAT_OPTIONS if model_input.get(k) is not None}
+            return Conversations([_messages(msgs, "messages")], single=True, options=options)
         model_input = pd.DataFrame({k: v if isinstance(v, list) else [v] for k, v in model_input.items()})
     if hasattr(model_input, "columns"):
         cols = list(model_input.columns)

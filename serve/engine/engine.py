@@ -416,8 +416,11 @@ class Engine:
             if seq.request_id in self._aborts:
                 continue  # cancelled while running: do not sample, _apply_aborts finishes it
             params = seq.params
-            masked = req.grammar.mask(lg) if req.grammar is not None else lg
-            tok = sample_token(masked, params, req.rng, seq.token_ids, seq.prompt_len, req.stop_ids)
+            if req.grammar is None:
+                tok = sample_token(lg, params, req.rng, seq.token_ids, seq.prompt_len, req.stop_ids)
+            else:
+                tok = req.grammar.choose(lg, lambda x: sample_token(x, params, req.rng, seq.token_ids, seq.prompt_len,
+                                                                    req.stop_ids), params.is_greedy)
             self._add_token(req, tok, lg, now, events)
 
     def _process_drafted(self, row, lg: np.ndarray, events: list, now: float) -> None:

@@ -5,7 +5,8 @@ each step's logits to the tokens it allows and advances with each token the row 
 ``GrammarCompiler`` (one per engine, built from the artifact's tokenizer) compiles a spec once and hands each
 request a copy of the compiled matcher; a spec that does not compile raises ``SamplingError`` naming the request
 field it came from. ``RowGrammar`` is one request's state: ``mask`` sets every forbidden token's logit to -inf,
-``accept`` advances, ``mask_drafts`` masks a speculative row's k + 1 positions (each under the state after the
+``choose`` picks a row's token under the grammar (greedy rows check the model's own argmax
+before paying for a mask), ``accept`` advances, ``mask_drafts`` masks a speculative row's k + 1 positions (each under the state after the
 drafts before it) and leaves the state where it was, so the engine then advances by the tokens that stand.
 Only constrained rows pay: an unconstrained request has no ``RowGrammar``.
 """
@@ -16,7 +17,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -149,6 +150,18 @@ class RowGrammar:
         out = np.asarray(logits, dtype=np.float32).copy()
         out[~self.allowed()[: out.shape[-1]]] = -np.inf
         return out
+
+    def choose(self, logits: np.ndarray, sample: Callable[[np.ndarray], int], greedy: bool) -> int:
+        """The token ``sample`` picks from ``logits`` restricted to what the grammar allows. A greedy row first takes
+        the model's own argmax and checks that one token (no mask: what most steps of a model that follows its
+        schema cost, ~0.01 ms against ~0.2 ms for a 49k vocabulary's mask); only a refused argmax pays the mask.
+        The argmax of the masked logits is the same token either way. A sampled row always draws from the masked
+        logits (one draw, as unconstrained)."""
+        if greedy:
+            tok = sample(logits)
+            if self.m.validate_tokens([tok]) == 1:
+                return tok
+        return sample(self.mask(logits))
 
     def accept(self, token: int) -> bool:
         """Advance by one kept token; False (and the matcher in its error state) if the grammar forbids it."""
