@@ -494,6 +494,19 @@ class AcceptConfig(Section):
     chat_sets: list[str] = Field(default_factory=lambda: ["builtin"])
     # Tokens per greedy answer on the chat set.
     chat_max_new_tokens: int = Field(48, ge=1, le=2048)
+    # The structured genre (compress/evaluate/structured.py), for a model with a chat template: JSON into a schema and
+    # one tool call among several, answered free and constrained by candidate and baseline. "structured" =
+    # compress/evaluate/chatsets/structured.jsonl (10 tasks no other stage reads); a local .jsonl of tasks adds to
+    # it; [] = off (configs/default.yaml turns it on).
+    structured_sets: list[str] = Field(default_factory=list)
+    # Tokens per answer on the structured tasks.
+    structured_max_new_tokens: int = Field(128, ge=8, le=2048)
+    # The share of free answers that parse and validate (JSON into the task's schema, a call of an offered tool with
+    # valid arguments) may fall at most this much below the baseline's (absolute); null = logged only.
+    max_structured_valid_drop: float | None = Field(0.2, ge=0, le=1)
+    # The share of constrained answers equal to the baseline's (the same JSON object, the same tool and arguments);
+    # "auto" = the criteria's (gate.py CHAT_LIMITS: fidelity 0.6, quality logged only), null = logged only.
+    min_structured_agreement: float | Literal["auto"] | None = "auto"
     # Limits on the chat set; "auto" = the criteria's (compress/evaluate/gate.py CHAT_LIMITS: fidelity, a quantized model,
     # stays within 1.05x / agreement 0.85 / judged 1.10x; quality, a student, within 1.10x / - / 1.25x), null = logged only.
     max_chat_perplexity_ratio: float | Literal["auto"] | None = "auto"
@@ -532,6 +545,14 @@ class AcceptConfig(Section):
     @classmethod
     def _chat_sets_exist(cls, v: list[str]) -> list[str]:
         return check_chat_sets(v)
+
+    @field_validator("structured_sets")
+    @classmethod
+    def _structured_sets_exist(cls, v: list[str]) -> list[str]:
+        for s in v:
+            if s not in ("structured", "structured_second") and not Path(s).is_file():
+                raise ValueError(f"{s!r} is neither a named set (structured, structured_second) nor a .jsonl file")
+        return v
 
     @field_validator("max_chat_perplexity_ratio", "max_chat_judged_ratio")
     @classmethod

@@ -22,8 +22,11 @@ from compress.config import AcceptConfig
 # accept.*chat* "auto" limits by criteria. A quantized model should be the teacher on its own answers (INT8 of
 # SmolLM2: 1.0xx, agreement 0.9x, docs/evaluation.md); a pruned or distilled student is another model and may
 # lose more, within a stated bound.
-CHAT_LIMITS = {"fidelity": {"max_chat_perplexity_ratio": 1.05, "min_chat_top1_agreement": 0.85, "max_chat_judged_ratio": 1.10},
-               "quality": {"max_chat_perplexity_ratio": 1.10, "min_chat_top1_agreement": None, "max_chat_judged_ratio": 1.25}}
+# A quantized model should mostly give the baseline's constrained answers (fidelity); a student is judged by validity.
+CHAT_LIMITS = {"fidelity": {"max_chat_perplexity_ratio": 1.05, "min_chat_top1_agreement": 0.85, "max_chat_judged_ratio": 1.10,
+                            "min_structured_agreement": 0.6},
+               "quality": {"max_chat_perplexity_ratio": 1.10, "min_chat_top1_agreement": None, "max_chat_judged_ratio": 1.25,
+                           "min_structured_agreement": None}}
 
 BOTH = ("fidelity", "quality")
 
@@ -90,6 +93,17 @@ CHECKS: tuple[Check, ...] = (
           "use: the share of answers that follow the teacher's for at least accept.chat_divergence_tokens tokens",
           "chat: only {value:.3f} of the answers follow the teacher's for {tokens}+ tokens "
           "< min_chat_late_divergence_share {limit}"),
+    Check("structured_valid_drop", "max_structured_valid_drop", True, "structured", BOTH, None,
+          "use by programs: the share of free answers that are valid JSON of the task's schema or a valid call of an "
+          "offered tool (compress/evaluate/structured.py), against the baseline's; compression can break JSON and "
+          "tool calls while perplexity holds",
+          "structured: {c:.3f} of {n} free answers are valid against the baseline's {b:.3f}, a drop of {value:.3f} "
+          "> max_structured_valid_drop {limit}"),
+    Check("structured_agreement", "min_structured_agreement", False, "structured", BOTH, None,
+          "use by programs: the share of constrained answers (JSON schema, a forced tool call) equal to the "
+          "baseline's: the same object, the same tool with the same arguments",
+          "structured: {value:.3f} of {n} constrained answers equal the baseline's (tool, arguments, JSON) "
+          "< min_structured_agreement {limit}"),
     Check("decode_speed_ratio", "min_decode_speed_ratio", False, "speed", BOTH, None,
           "speed floor: batch-1 decode tokens/s against the baseline",
           "decode throughput {c:.1f} tok/s is {value:.3f}x the baseline {b:.1f} < min_decode_speed_ratio {limit}"),
@@ -182,6 +196,10 @@ def _measure(name: str, c: dict, b: dict, cfg: AcceptConfig) -> tuple[float, dic
         return db - dc, {"c": dc, "b": db}
     if name.startswith("chat_"):
         return float(c.get(name, nan)), {"n": int(c.get("chat_items", 0)), "tokens": cfg.chat_divergence_tokens}
+    if name.startswith("structured_"):
+        return float(c.get(name, nan)), {"n": int(c.get("structured_tasks", 0)),
+                                         "c": float(c.get("structured_valid_share", nan)),
+                                         "b": float(b.get("structured_valid_share", nan))}
     if name == "decode_speed_ratio":
         ct, bt = _num(c, "decode_tokens_per_s", "candidate"), _num(b, "decode_tokens_per_s", "baseline")
         return (ct / bt if bt > 0 else 0.0), {"c": ct, "b": bt}
@@ -208,6 +226,8 @@ def _measured(name: str, c: dict) -> bool:
         return "chat_perplexity_ratio" in c
     if name in ("chat_judged_ratio", "chat_late_divergence_share"):
         return "chat_perplexity_ratio" in c and "chat_judged_ratio" in c
+    if name.startswith("structured_"):
+        return "structured_agreement" in c
     return True
 
 
@@ -226,7 +246,7 @@ def accept(candidate: dict, baseline: dict, cfg: AcceptConfig, criteria: str | N
     for row in CHECKS:
         limit = limit_of(cfg, row, criteria)
         if not _measured(row.name, candidate) or (limit is None and row.name not in ALWAYS
-                                                  and not row.name.startswith("chat_")):
+                                                  and not row.name.startswith(("chat_", "structured_"))):
             continue
         value, figures = _measure(row.name, candidate, baseline, cfg)
         m[gate_metric(row.name)] = value

@@ -76,6 +76,17 @@ def reference_of(cfg: PipelineConfig, model_dir: str | None, baseline: str | Non
     return CheckpointReference(str(model_dir), str(m.cache_dir), m.revision, m.trust_remote_code)
 
 
+def structured_figures(cfg: PipelineConfig, candidate: str, baseline: str) -> dict:
+    """The structured genre's figures (compress/evaluate/structured.py) on accept.structured_sets; {} when off or when
+    the model has no chat template."""
+    sets = cfg.accept.structured_sets
+    if not sets or not chat_eval.has_chat_template(baseline):
+        return {}
+    from compress.evaluate.structured import evaluate_structured, load_tasks
+
+    return evaluate_structured(candidate, baseline, load_tasks(sets), cfg.accept.structured_max_new_tokens)
+
+
 def chat_figures(cfg: PipelineConfig, candidate: str, baseline: str, cache_dir: str | Path | None, check=None,
                  reference: CheckpointReference | None = None, *, setting: str = "accept.chat_sets",
                  progress: bool = True) -> tuple[dict, str]:
@@ -167,6 +178,12 @@ def judge(cfg: PipelineConfig, candidate: str, baseline: str, held: DataSplits, 
     with budget.part("chat"):
         chat, chat_note = chat_figures(cfg, candidate, baseline, chat_cache, budget.check, ref)
     cand.update({k: v for k, v in chat.items() if k not in ("by_kind", "seconds", "teacher_cached")})
+    with budget.part("structured"):
+        structured = structured_figures(cfg, candidate, baseline)
+    if structured:  # the baseline against itself, under the same names (as the chat rows)
+        cand.update({k: v for k, v in structured.items() if k != "by_kind"})
+        base.update({"structured_valid_share": structured["structured_baseline_valid_share"],
+                     "structured_valid_drop": 0.0, "structured_agreement": 1.0})
     if chat:  # the teacher against itself, under the same names, so the registry's Compare lines them up
         base.update({"chat_perplexity": chat["chat_baseline_perplexity"], "chat_perplexity_ratio": 1.0,
                      "chat_top1_agreement": 1.0}

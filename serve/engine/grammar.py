@@ -27,6 +27,7 @@ from serve.engine.sampling import SamplingError
 log = logging.getLogger(__name__)
 
 KINDS = ("json", "regex", "choice", "grammar")
+GREEDY_TRIES = 4  # argmaxes a greedy row checks before it computes the grammar's mask
 # JSON with the whitespace models write (newlines, indentation) but at most 24 characters of it between two tokens:
 # free whitespace lets a model pad forever, and none at all pushes a model that indents off its own form (SmolLM2
 # then ran on inside a string where, indenting, it closed the object; docs/serving-api.md).
@@ -154,13 +155,19 @@ class RowGrammar:
     def choose(self, logits: np.ndarray, sample: Callable[[np.ndarray], int], greedy: bool) -> int:
         """The token ``sample`` picks from ``logits`` restricted to what the grammar allows. A greedy row first takes
         the model's own argmax and checks that one token (no mask: what most steps of a model that follows its
-        schema cost, ~0.01 ms against ~0.2 ms for a 49k vocabulary's mask); only a refused argmax pays the mask.
-        The argmax of the masked logits is the same token either way. A sampled row always draws from the masked
+        schema cost, ~0.003 ms against ~0.2 ms for a 49k vocabulary's mask); a refused one is set to -inf and the next
+        argmax checked, up to GREEDY_TRIES, before the row pays the mask. The argmax of the masked logits is the same
+        token either way (ties included: both take the lowest id). A sampled row always draws from the masked
         logits (one draw, as unconstrained)."""
         if greedy:
-            tok = sample(logits)
-            if self.m.validate_tokens([tok]) == 1:
-                return tok
+            x = logits
+            for _ in range(GREEDY_TRIES):  # the highest allowed token, found from the top down
+                tok = sample(x)
+                if self.m.validate_tokens([tok]) == 1:
+                    return tok
+                if x is logits:
+                    x = np.array(logits, dtype=np.float32)
+                x[tok] = -np.inf
         return sample(self.mask(logits))
 
     def accept(self, token: int) -> bool:
