@@ -6,8 +6,8 @@ constraint costs in tokens/s.
 
 Validity (one user, greedy): every task of a chat set of structured tasks (compress/evaluate/chatsets/, default the
 second set, which no stage reads): ``extract`` and ``json`` tasks ask for a JSON object with given keys, once as
-plain chat (constraints off: the answer parsed from the text, a fenced block allowed) and once with
-``response_format`` json_schema (on); ``tool`` tasks offer several tools, once with ``tool_choice`` auto (off: a call
+plain chat (constraints off: the answer parsed from the text, a fenced block allowed) and once through the SDK's
+``chat.completions.parse`` with a pydantic model of the schema (on: valid = a parsed object); ``tool`` tasks offer several tools, once with ``tool_choice`` auto (off: a call
 the server parsed) and once ``required`` (on). Valid = parses and validates against the schema (jsonschema), or a call
 of an offered tool whose arguments validate.
 
@@ -66,7 +66,24 @@ def valid_against(obj, schema: dict) -> bool:
         return False
 
 
+def pydantic_model(schema: dict):
+    """A pydantic model of a task's flat object schema (string, integer, number, boolean, enum, array of strings)."""
+    from typing import Literal
+
+    from pydantic import ConfigDict, create_model
+
+    kinds = {"string": str, "integer": int, "number": float, "boolean": bool}
+    fields = {}
+    for k, sub in schema["properties"].items():
+        tp = Literal[tuple(sub["enum"])] if "enum" in sub else (
+            list[kinds[sub["items"]["type"]]] if sub.get("type") == "array" else kinds[sub["type"]])
+        fields[k] = (tp, ...)
+    return create_model("Answer", __config__=ConfigDict(extra="forbid"), **fields)
+
+
 def validity(client, name: str, tasks: list[dict], max_tokens: int) -> dict:
+    import openai
+
     rows = []
     for t in tasks:
         row = {"kind": t["kind"]}
@@ -80,16 +97,28 @@ def validity(client, name: str, tasks: list[dict], max_tokens: int) -> dict:
                 ok = bool(calls) and all(c.function.name in schemas and valid_against(
                     json.loads(c.function.arguments), schemas[c.function.name]) for c in calls)
                 row[mode] = {"valid": ok, "calls": [(c.function.name, c.function.arguments) for c in calls],
-                             "text": r.choices[0].message.content}
+                             "text": r.choices[0].message.content, "finish_reason": r.choices[0].finish_reason}
+            elif mode == "on":  # the SDK's parse with a pydantic model of the schema, as applications call it
+                try:
+                    r = client.chat.completions.parse(**kw, response_format=pydantic_model(t["schema"]))
+                    msg, finish = r.choices[0].message, r.choices[0].finish_reason
+                    parsed, text = msg.parsed, msg.content
+                except openai.LengthFinishReasonError as e:
+                    parsed, finish, text = None, "length", e.completion.choices[0].message.content
+                row[mode] = {"valid": parsed is not None and valid_against(parsed.model_dump(), t["schema"]),
+                             "parsed": parsed is not None, "text": text, "finish_reason": finish}
             else:
-                extra = {"response_format": {"type": "json_schema", "json_schema": {
-                    "name": "answer", "schema": t["schema"], "strict": True}}} if mode == "on" else {}
-                r = client.chat.completions.create(**kw, **extra)
+                r = client.chat.completions.create(**kw)
                 text = r.choices[0].message.content or ""
                 obj = json_in(text)
-                row[mode] = {"valid": obj is not None and valid_against(obj, t["schema"]), "text": text}
+                row[mode] = {"valid": obj is not None and valid_against(obj, t["schema"]), "text": text,
+                             "finish_reason": r.choices[0].finish_reason}
         rows.append(row)
     share = {m: round(sum(r[m]["valid"] for r in rows) / len(rows), 3) for m in ("off", "on")}
+    # constrained answers that finished (not cut by max_tokens): valid by construction
+    finished = [r["on"] for r in rows if r["on"]["finish_reason"] != "length"]
+    share["on_finished"] = round(sum(x["valid"] for x in finished) / len(finished), 3) if finished else None
+    share["on_cut_by_max_tokens"] = len(rows) - len(finished)
     by_kind = {k: {m: round(sum(r[m]["valid"] for r in rows if r["kind"] == k)
                              / sum(r["kind"] == k for r in rows), 3) for m in ("off", "on")}
                for k in sorted({r["kind"] for r in rows})}

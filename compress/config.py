@@ -504,8 +504,9 @@ class AcceptConfig(Section):
     # The share of free answers that parse and validate (JSON into the task's schema, a call of an offered tool with
     # valid arguments) may fall at most this much below the baseline's (absolute); null = logged only.
     max_structured_valid_drop: float | None = Field(0.2, ge=0, le=1)
-    # The share of constrained answers equal to the baseline's (the same JSON object, the same tool and arguments);
-    # "auto" = the criteria's (gate.py CHAT_LIMITS: fidelity 0.6, quality logged only), null = logged only.
+    # The share of the constrained answers' fields equal to the baseline's (the same tool with the same arguments, the
+    # same value under each key; another tool scores 0); "auto" = the criteria's (gate.py CHAT_LIMITS: fidelity 0.5,
+    # quality logged only), null = logged only.
     min_structured_agreement: float | Literal["auto"] | None = "auto"
     # Limits on the chat set; "auto" = the criteria's (compress/evaluate/gate.py CHAT_LIMITS: fidelity, a quantized model,
     # stays within 1.05x / agreement 0.85 / judged 1.10x; quality, a student, within 1.10x / - / 1.25x), null = logged only.

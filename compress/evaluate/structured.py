@@ -10,8 +10,9 @@ answers each task twice, greedily, on the serving engine, rendered as the server
   task's schema, or is a call of an offered tool whose arguments validate: ``structured_valid_share``, and the drop
   against the baseline's share, ``structured_valid_drop`` (accept.max_structured_valid_drop);
 - constrained (``response_format`` json_schema; ``tool_choice`` required): valid by construction, so what counts is
-  whether the candidate gives the baseline's answer: the same JSON object, the same tool with the same arguments:
-  ``structured_agreement`` (accept.min_structured_agreement).
+  whether the candidate gives the baseline's answer, field by field: the same tool (another tool scores 0) with the
+  same arguments, the same value under each key: ``structured_agreement`` (accept.min_structured_agreement); the
+  share of answers equal whole is ``structured_exact_agreement`` (logged).
 """
 
 from __future__ import annotations
@@ -151,18 +152,42 @@ def same_forced(x, y) -> bool:
         return x == y
 
 
+def _obj(x):
+    """A constrained answer as fields: a call's {"name", **arguments}, a JSON object's keys; None when unparsed."""
+    if isinstance(x, tuple):
+        return {"\0name": x[0], **x[1]}
+    try:
+        obj = json.loads(x) if isinstance(x, str) else None
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def field_agreement(x, y) -> float:
+    """The share of fields a candidate's constrained answer has as the baseline's: every key of either (a call's name
+    counts as one; another tool scores 0); two answers that did not parse agree when their texts do."""
+    a, b = _obj(x), _obj(y)
+    if a is None or b is None:
+        return float(a is None and b is None and x == y and x is not None)
+    if a.get("\0name") != b.get("\0name"):
+        return 0.0
+    keys = set(a) | set(b)
+    return sum(k in a and k in b and a[k] == b[k] for k in keys) / len(keys) if keys else 1.0
+
+
 def structured_figures(candidate: Answers, baseline: Answers, tasks: list[dict]) -> dict:
     n = len(tasks)
     cand = [free_valid(t, candidate, i) for i, t in enumerate(tasks)]
     base = [free_valid(t, baseline, i) for i, t in enumerate(tasks)]
-    agree = [same_forced(candidate.forced[i], baseline.forced[i]) for i in range(n)]
+    exact = [same_forced(candidate.forced[i], baseline.forced[i]) for i in range(n)]
+    agree = [field_agreement(candidate.forced[i], baseline.forced[i]) for i in range(n)]
     by_kind = {k: {"valid": sum(c for c, t in zip(cand, tasks) if t["kind"] == k),
                    "baseline_valid": sum(b for b, t in zip(base, tasks) if t["kind"] == k),
                    "agree": sum(a for a, t in zip(agree, tasks) if t["kind"] == k),
                    "n": sum(t["kind"] == k for t in tasks)} for k in sorted({t["kind"] for t in tasks})}
     return {"structured_valid_share": sum(cand) / n, "structured_baseline_valid_share": sum(base) / n,
             "structured_valid_drop": (sum(base) - sum(cand)) / n, "structured_agreement": sum(agree) / n,
-            "structured_tasks": n, "by_kind": by_kind}
+            "structured_exact_agreement": sum(exact) / n, "structured_tasks": n, "by_kind": by_kind}
 
 
 def evaluate_structured(candidate: str | Path, baseline: str | Path, tasks: list[dict], max_new_tokens: int) -> dict:
