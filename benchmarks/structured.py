@@ -174,6 +174,36 @@ def cost(artifact: Path, c: int, max_tokens: int, rounds: int = 2) -> dict:
     return out
 
 
+def drafts_keep_text(artifact: Path, set_name: str, max_tokens: int = 128) -> dict:
+    """Greedy constrained answers (the set's JSON tasks, one at a time: drafting is for a lone row) on the engine in
+    process, without and with prompt-lookup drafts: the token ids must be identical."""
+    from serve.api.chat_template import render_template
+    from serve.config import ServeConfig
+    from serve.engine.engine import Engine
+    from serve.engine.grammar import GrammarSpec
+    from serve.engine.sampling import SamplingParams
+    from serve.engine.tokenizer import encode_chat
+
+    tasks = [t for t in load_set(set_name) if t["kind"] != "tool"]
+    outs, res = {}, {}
+    for spec in ("off", "prompt_lookup"):
+        eng = Engine(artifact, ServeConfig(kv_memory_mb=256, speculative=spec, result_cache_size=0), start=False)
+        outs[spec], t0 = [], time.perf_counter()
+        for t in tasks:
+            ids = encode_chat(eng.tokenizer, eng.manifest, render_template(eng.manifest["chat_template"],
+                                                                          t["messages"], True))
+            h = eng.add_request(ids, SamplingParams.greedy(max_tokens, structured=GrammarSpec.json_schema(t["schema"])))
+            eng.run_until_done()
+            outs[spec].append(h.result().output_ids)
+        st = eng.stats()
+        res[spec] = {"seconds": round(time.perf_counter() - t0, 2), "drafts": st.spec_drafts,
+                     "draft_tokens": st.spec_draft_tokens, "accepted_tokens": st.spec_accepted_tokens}
+        eng.shutdown()
+    res["identical"] = sum(a == b for a, b in zip(outs["off"], outs["prompt_lookup"]))
+    res["answers"] = len(tasks)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     import openai
 
@@ -183,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=160, help="max_tokens of the validity tasks")
     ap.add_argument("--load", type=int, nargs="*", default=[1, 32])
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request under --load")
+    ap.add_argument("--drafts", action="store_true",
+                    help="also: the set's JSON tasks with and without prompt-lookup drafts, greedy text compared")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/structured.json")
     args = ap.parse_args(argv)
     res = {"artifact": str(args.artifact), "cpu_flags": cpu_flags(), "set": args.set_file}
@@ -194,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             res["validity"] = v = validity(client, name, load_set(args.set_file), args.answer_tokens)
         print(f"schema-valid share, constraints off {v['share_valid']['off']:.3f} / on {v['share_valid']['on']:.3f}"
               f"  by kind {v['by_kind']}", flush=True)
+    if args.drafts:
+        res["drafts"] = d = drafts_keep_text(args.artifact, args.set_file or "structured_second")
+        print(f"drafts: identical {d['identical']}/{d['answers']}, {d['prompt_lookup']['accepted_tokens']} of "
+              f"{d['prompt_lookup']['draft_tokens']} drafted tokens accepted", flush=True)
     res["cost"] = []
     for c in args.load:
         r = cost(args.artifact, c, args.max_tokens)
