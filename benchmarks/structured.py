@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from importlib import resources
 from pathlib import Path
 
 import httpx
 
 from benchmarks.burst import cpu_flags
 from benchmarks.sweep import chats
+from compress.evaluate.structured import json_in, load_tasks, valid_against
 from loadtest.loadgen import read_peak_rss
 from loadtest.serve_bench import running_server
 
@@ -39,31 +38,7 @@ LONG = {"type": "object", "properties": {"answer": {"type": "string", "minLength
 
 
 def load_set(name: str) -> list[dict]:
-    text = resources.files("compress.evaluate").joinpath(f"chatsets/{name}.jsonl").read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def json_in(text: str):
-    """The JSON object in a free answer: the whole text, a fenced block, or the first {...} span; None if none."""
-    for cand in (text, *re.findall(r"```(?:json)?\s*(.*?)```", text, flags=re.S),
-                 *([text[text.find("{"):text.rfind("}") + 1]] if "{" in text else [])):
-        try:
-            obj = json.loads(cand)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            return obj
-    return None
-
-
-def valid_against(obj, schema: dict) -> bool:
-    import jsonschema
-
-    try:
-        jsonschema.validate(obj, schema)
-        return True
-    except jsonschema.ValidationError:
-        return False
+    return load_tasks([name], "--set-file")
 
 
 def pydantic_model(schema: dict):

@@ -33,3 +33,15 @@ def on_socket(app) -> Iterator[BackgroundServer]:
 def http_on(srv: BackgroundServer, timeout: float = 30) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=srv.url, timeout=timeout) as c:
         yield c
+
+
+def tiny_chat_artifact(tmp_path_factory, seed: int = 0):
+    """The gqa artifact of a tiny Llama of ``seed`` with a 2,048-token context: tools rendered into the prompt take
+    ~300 tokens of its 512-token vocabulary, more than the session's tiny artifacts hold."""
+    from compress.export.gqa import build_gqa_artifact
+    from compress.tiny import build_tiny_llama
+
+    model, tok = build_tiny_llama(seed=seed, max_position_embeddings=2048)
+    out = tmp_path_factory.mktemp(f"tiny_chat_seed{seed}") / "fp32"
+    build_gqa_artifact(model, tok, out)
+    return out

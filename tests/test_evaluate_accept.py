@@ -162,12 +162,13 @@ def test_every_gate_row_has_one_name_from_limit_to_metric_and_the_docs_table_is_
         assert row.limit in AcceptConfig.model_fields, row
     cfg = AcceptConfig(max_perplexity_delta=1.0, max_kl=0.1, max_heldout_perplexity_ratio=1.2, max_chat_perplexity_ratio=1.1,
                        min_chat_top1_agreement=0.8, max_chat_judged_ratio=1.2, min_chat_late_divergence_share=0.5,
-                       min_decode_speed_ratio=1.0, max_size_ratio=0.5)
+                       min_decode_speed_ratio=1.0, max_size_ratio=0.5, min_structured_agreement=0.6)
     cand = {**BASE, "perplexity": 21.0, "top1_agreement": 0.95, "kl_to_reference": 0.05, "heldout_perplexity": 33.0,
             "downstream_accuracy": 0.5, "chat_perplexity_ratio": 1.05, "chat_top1_agreement": 0.9, "chat_items": 9,
             "chat_judged_ratio": 1.1, "chat_late_divergence_share": 0.6, "decode_tokens_per_s": 50.0,
-            "size_bytes": 200e6}
-    base = {**BASE, "heldout_perplexity": 30.0, "downstream_accuracy": 0.52}
+            "size_bytes": 200e6, "structured_valid_share": 0.5, "structured_valid_drop": 0.1,
+            "structured_agreement": 0.7, "structured_tasks": 10}
+    base = {**BASE, "heldout_perplexity": 30.0, "downstream_accuracy": 0.52, "structured_valid_share": 0.6}
     seen = set()
     for criteria in ("fidelity", "quality"):
         v = accept(cand, base, cfg, criteria)

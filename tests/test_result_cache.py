@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from serve.api.result_cache import CachedResult, ResultCache, cache_key, is_deterministic
+from serve.engine.grammar import GrammarSpec
 from serve.engine.sampling import SamplingParams
 
 
@@ -33,7 +34,8 @@ def test_key_covers_model_prompt_and_every_sampling_field():
     changed = {"max_tokens": 9, "top_k": 5, "top_p": 0.5, "seed": 1, "repetition_penalty": 1.2, "stop": ["y"],
                "stop_token_ids": [8], "ignore_eos": True, "min_tokens": 2, "min_p": 0.1, "presence_penalty": 0.5,
                "frequency_penalty": 0.5, "logit_bias": {3: 1.0}, "include_stop_str_in_output": True,
-               "skip_special_tokens": False, "logprobs": 2, "prompt_logprobs": 1}
+               "skip_special_tokens": False, "logprobs": 2, "prompt_logprobs": 1,
+               "structured": GrammarSpec.choice(["a", "b"])}
     # Every field of SamplingParams must change the key; a new field without a case here fails this test.
     assert set(changed) | {"temperature"} == {f.name for f in dataclasses.fields(SamplingParams)}
     for name, value in changed.items():

@@ -23,7 +23,7 @@ from serve.api.tools import FORMATS, ToolStream, ToolUse, detect_format
 from serve.engine.engine import Engine
 from serve.engine.grammar import GrammarSpec
 from serve.engine.sampling import SamplingError, SamplingParams
-from served import http_on, on_socket, serve_cfg
+from served import http_on, on_socket, serve_cfg, tiny_chat_artifact
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"
@@ -200,14 +200,7 @@ def test_tool_stream_sends_text_before_the_call_and_holds_the_call():
 # ---- over the socket, with the openai SDK --------------------------------------------------------
 @pytest.fixture(scope="module")
 def long_tiny(tmp_path_factory):
-    """The tiny Llama with a 2,048-token context: its 512-token vocabulary spends ~300 tokens on two tools."""
-    from compress.export.gqa import build_gqa_artifact
-    from compress.tiny import build_tiny_llama
-
-    model, tok = build_tiny_llama(seed=0, max_position_embeddings=2048)
-    out = tmp_path_factory.mktemp("long_tiny") / "fp32"
-    build_gqa_artifact(model, tok, out)
-    return out
+    return tiny_chat_artifact(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

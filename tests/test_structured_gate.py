@@ -16,29 +16,19 @@ from compress.evaluate.gate import accept
 from compress.evaluate.structured import (Answers, StructuredEvalError, evaluate_structured, field_agreement, json_in,
                                           load_tasks, structured_figures)
 
+from served import tiny_chat_artifact
+
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def other_tiny(tmp_path_factory):
-    from compress.export.gqa import build_gqa_artifact
-    from compress.tiny import build_tiny_llama
-
-    model, tok = build_tiny_llama(seed=1, max_position_embeddings=2048)
-    out = tmp_path_factory.mktemp("other_tiny") / "fp32"
-    build_gqa_artifact(model, tok, out)
-    return out
+    return tiny_chat_artifact(tmp_path_factory, 1)
 
 
 @pytest.fixture(scope="module")
 def same_tiny(tmp_path_factory):
-    from compress.export.gqa import build_gqa_artifact
-    from compress.tiny import build_tiny_llama
-
-    model, tok = build_tiny_llama(seed=0, max_position_embeddings=2048)
-    out = tmp_path_factory.mktemp("same_tiny") / "fp32"
-    build_gqa_artifact(model, tok, out)
-    return out
+    return tiny_chat_artifact(tmp_path_factory, 0)
 
 
 def tasks():
