@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 
 from serve.engine.grammar import JSON_COMPACT, GrammarSpec
 
-FORMAT_NAMES = ("hermes", "llama3_json", "mistral")
-
 
 def call_schema(tools: Sequence[dict], args_key: str) -> dict:
     """A JSON schema that holds exactly one call of one of ``tools``: {"name": const, args_key: its parameters}."""
