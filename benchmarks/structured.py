@@ -11,7 +11,7 @@ plain chat (constraints off: the answer parsed from the text, a fenced block all
 the server parsed) and once ``required`` (on). Valid = parses and validates against the schema (jsonschema), or a call
 of an offered tool whose arguments validate.
 
-Cost (``--load``): c users at once, two requests each, greedy, ``max_tokens`` each: free text (``ignore_eos``), and a
+Cost (``--load``): c users at once, two requests each, greedy (or ``--temperature``, seeded), ``max_tokens`` each: free text (``ignore_eos``), and a
 JSON schema that holds the row in one long string until ``max_tokens`` (so both run the same number of tokens);
 then half the users constrained, half free, the free half's tokens/s per request against the all-free run. The
 modes alternate on one server (result cache and prefix caching off), each twice, and the better of each is kept.
@@ -100,7 +100,7 @@ def validity(client, name: str, tasks: list[dict], max_tokens: int) -> dict:
     return {"share_valid": share, "by_kind": by_kind, "tasks": rows}
 
 
-def timed(client, name: str, c: int, modes: list[str], max_tokens: int) -> dict:
+def timed(client, name: str, c: int, modes: list[str], max_tokens: int, temperature: float = 0.0) -> dict:
     """c users, two requests each; ``modes[i % len(modes)]`` says whether user i is ``free`` or ``json``."""
     prompts = chats(2 * c, seed=c)
 
@@ -109,8 +109,8 @@ def timed(client, name: str, c: int, modes: list[str], max_tokens: int) -> dict:
         extra = {"ignore_eos": True} if mode == "free" else {
             "response_format": {"type": "json_schema", "json_schema": {"name": "long", "schema": LONG}}}
         t0 = time.perf_counter()
-        r = client.chat.completions.create(model=name, messages=prompts[i], max_tokens=max_tokens, temperature=0,
-                                           extra_body=extra)
+        r = client.chat.completions.create(model=name, messages=prompts[i], max_tokens=max_tokens,
+                                           temperature=temperature, seed=i, extra_body=extra)
         return mode, r.usage.completion_tokens, time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -125,7 +125,7 @@ def timed(client, name: str, c: int, modes: list[str], max_tokens: int) -> dict:
             "tokens_per_s": round(sum(n for _, n, _ in done) / wall, 2), "request_tokens_per_s": per_mode}
 
 
-def cost(artifact: Path, c: int, max_tokens: int, rounds: int = 2) -> dict:
+def cost(artifact: Path, c: int, max_tokens: int, rounds: int = 2, temperature: float = 0.0) -> dict:
     import openai
 
     with running_server(artifact, {"result_cache_size": 0, "enable_prefix_caching": False}) as (url, proc):
@@ -134,13 +134,13 @@ def cost(artifact: Path, c: int, max_tokens: int, rounds: int = 2) -> dict:
         timed(client, name, 1, ["json"], 8)  # compile the schema, warm the sessions
         runs = {"free": [], "json": [], "mixed": []}
         for _ in range(rounds):
-            runs["free"].append(timed(client, name, c, ["free"], max_tokens))
-            runs["json"].append(timed(client, name, c, ["json"], max_tokens))
+            runs["free"].append(timed(client, name, c, ["free"], max_tokens, temperature))
+            runs["json"].append(timed(client, name, c, ["json"], max_tokens, temperature))
             if c > 1:
-                runs["mixed"].append(timed(client, name, c, ["free", "json"], max_tokens))
+                runs["mixed"].append(timed(client, name, c, ["free", "json"], max_tokens, temperature))
         peak = read_peak_rss(proc.pid)
     best = {m: max(r, key=lambda x: x["tokens_per_s"]) for m, r in runs.items() if r}
-    out = {"c": c, "runs": runs, "best": best, "peak_rss_mib": round(peak / 2**20) if peak else None,
+    out = {"c": c, "temperature": temperature, "runs": runs, "best": best, "peak_rss_mib": round(peak / 2**20) if peak else None,
            "json_x_free": round(best["json"]["tokens_per_s"] / best["free"]["tokens_per_s"], 3)}
     if "mixed" in best:
         free_alone = max(r["request_tokens_per_s"]["free"] for r in runs["free"])
@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=160, help="max_tokens of the validity tasks")
     ap.add_argument("--load", type=int, nargs="*", default=[1, 32])
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request under --load")
+    ap.add_argument("--temperature", type=float, default=0.0, help="of each request under --load (0: greedy)")
     ap.add_argument("--drafts", action="store_true",
                     help="also: the set's JSON tasks with and without prompt-lookup drafts, greedy text compared")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/structured.json")
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{d['prompt_lookup']['draft_tokens']} drafted tokens accepted", flush=True)
     res["cost"] = []
     for c in args.load:
-        r = cost(args.artifact, c, args.max_tokens)
+        r = cost(args.artifact, c, args.max_tokens, temperature=args.temperature)
         res["cost"].append(r)
         print(f"c={c:<3d} free {r['best']['free']['tokens_per_s']:7.2f} tok/s  json {r['best']['json']['tokens_per_s']:7.2f}"
               f"  x{r['json_x_free']:.3f}" + (f"  free rows beside json x{r['free_rows_beside_json_x_alone']:.3f}"

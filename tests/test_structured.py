@@ -149,6 +149,30 @@ def test_greedy_choose_is_the_masked_argmax_with_or_without_the_mask(tiny_gqa):
     assert hits > 0  # the unmasked path was taken
 
 
+def test_sampled_choose_without_truncation_draws_from_the_masked_distribution(tiny_gqa):
+    """Draw from p, keep an allowed token, else draw from the masked p: 20,000 draws in one grammar state follow
+    p(t) / A over the allowed tokens (A: their mass), as drawing from the masked logits does."""
+    from serve.engine.sampling import draw, token_distribution
+
+    eng = Engine(tiny_gqa, serve_cfg(), start=False)
+    g = eng.grammars().matcher(GrammarSpec.choice(["ab", "b", "c", "dd"]))
+    params = SamplingParams(temperature=1.0)
+    vocab = eng.runner.vocab_size
+    allowed = np.flatnonzero(g.allowed())
+    lg = np.zeros(vocab, np.float32)
+    lg[allowed] = np.log([0.1, 0.05, 0.02, 0.03][:len(allowed)] + [0.01] * max(0, len(allowed) - 4))
+    lg[np.setdiff1d(np.arange(vocab), allowed)[:40]] = 2.0  # the grammar refuses most of the mass
+    p = np.exp(lg - lg.max())
+    p /= p.sum()
+    want = p[allowed] / p[allowed].sum()
+    rng = np.random.default_rng(0)
+    n = 20000
+    got = np.bincount([g.choose(lg, lambda x: draw(*token_distribution(x, params), rng), False, True)
+                       for _ in range(n)], minlength=vocab)
+    assert got[np.setdiff1d(np.arange(vocab), allowed)].sum() == 0
+    assert np.abs(got[allowed] / n - want).max() < 0.01, (got[allowed] / n, want)
+
+
 def test_a_grammar_that_does_not_compile_is_refused_naming_the_field(tiny_gqa):
     eng = Engine(tiny_gqa, serve_cfg(), start=False)
     with pytest.raises(SamplingError) as e:

@@ -420,7 +420,8 @@ class Engine:
                 tok = sample_token(lg, params, req.rng, seq.token_ids, seq.prompt_len, req.stop_ids)
             else:
                 tok = req.grammar.choose(lg, lambda x: sample_token(x, params, req.rng, seq.token_ids, seq.prompt_len,
-                                                                    req.stop_ids), params.is_greedy)
+                                                                    req.stop_ids), params.is_greedy,
+                                         params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0)
             self._add_token(req, tok, lg, now, events)
 
     def _process_drafted(self, row, lg: np.ndarray, events: list, now: float) -> None:

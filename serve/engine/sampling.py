@@ -7,7 +7,8 @@ Log-probs (``logprobs``) are the log-softmax of the raw model logits, before any
 default ``raw_logprobs``): ``token_logprobs``.
 
 Reproducibility: a request with a ``seed`` gets its own ``numpy.random.Generator``;
-each generated token consumes exactly one uniform draw from it, and candidates are
+each generated token consumes exactly one uniform draw from it (a constrained row without top-k/top-p/min-p: two
+where its grammar refuses the first, serve/engine/grammar.py ``choose``), and candidates are
 ordered by (probability desc, token id asc) before the draw, so the same seed and
 the same logits give the same tokens whatever else is in the batch.
 """
