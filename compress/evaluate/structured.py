@@ -82,7 +82,7 @@ class Answers:
     # (its text where max_new_tokens cut it short)
 
 
-def answer(artifact: str | Path, tasks: list[dict], max_new_tokens: int, progress: bool = False) -> Answers:
+def answer(artifact: str | Path, tasks: list[dict], max_new_tokens: int) -> Answers:
     """Both answers of every task from ``artifact``, all requests on one evaluation engine."""
     from compress.evaluate.generate import evaluation_engine
     from serve.api.chat_template import render_template, template_specials
@@ -111,7 +111,8 @@ def answer(artifact: str | Path, tasks: list[dict], max_new_tokens: int, progres
         jobs += [(i, "free", ids, None, use), (i, "forced", ids, forced, use)]
     out = Answers([""] * len(tasks), [[] for _ in tasks], [None] * len(tasks))
     with evaluation_engine(artifact, [j[2] for j in jobs], max_new_tokens) as engine:
-        handles = [engine.add_request(ids, SamplingParams.greedy(max_new_tokens, structured=g, skip_special_tokens=False))
+        handles = [engine.add_request(ids, SamplingParams.greedy(max_new_tokens, structured=g,
+                                                                 skip_special_tokens=False))
                    for _, _, ids, g, _ in jobs]
         engine.run_until_done()
         for (i, mode, _, _, use), h in zip(jobs, handles):
