@@ -94,3 +94,25 @@ def test_find_stop():
     # start: only matches ending at/after start are looked for, including ones straddling it
     assert find_stop("abcabc", ["abc"], start=4) == 3
     assert find_stop("abcabc", ["bc"], start=2) == 1
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=1000),
+                                    SamplingParams(temperature=1.6), SamplingParams(temperature=1.0, top_k=40)])
+def test_the_head_draw_is_the_full_sorts_token_with_the_same_draws(params):
+    """sample_token sorts only the most likely tokens where the one draw lands among them (serve/engine/sampling.py
+    draw_from_head) and rewinds the generator for the full sort otherwise: 600 rows, flat and peaky, give the full
+    path's token and leave the generator where it leaves it."""
+    from serve.engine.sampling import draw, draw_from_head, token_distribution
+
+    gen = np.random.default_rng(7)
+    heads = 0
+    for i in range(600):
+        lg = (gen.normal(size=4096) * gen.uniform(0.5, 8)).astype(np.float32)
+        a, b = np.random.default_rng(i), np.random.default_rng(i)
+        heads += draw_from_head(lg, params, np.random.default_rng(i)) is not None
+        assert sample_token(lg, params, a) == draw(*token_distribution(lg, params), b)
+        assert a.random() == b.random()
+    if params.top_k == 40:  # few candidates: the full path, which sorts only them
+        assert heads == 0
+    else:
+        assert heads > 300  # the head path is taken (most rows), not only the fallback
