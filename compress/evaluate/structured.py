@@ -86,7 +86,7 @@ def answer(artifact: str | Path, tasks: list[dict], max_new_tokens: int) -> Answ
     """Both answers of every task from ``artifact``, all requests on one evaluation engine."""
     from compress.evaluate.generate import evaluation_engine
     from serve.api.chat_template import render_template, template_specials
-    from serve.api.tools import ToolUse, added_tokens, detect_format, template_knows_tools, template_messages
+    from serve.api.tools import ToolUse, added_tokens, detect_format, with_tools
     from serve.artifact import read_manifest
     from serve.engine.grammar import GrammarSpec
     from serve.engine.sampling import SamplingParams
@@ -98,14 +98,13 @@ def answer(artifact: str | Path, tasks: list[dict], max_new_tokens: int) -> Answ
         raise StructuredEvalError(f"{artifact}: no chat template; set accept.structured_sets: [] for a model that is "
                                   "not used through chat")
     tok = load_tokenizer(artifact)
-    fmt, native, markers = detect_format(source), template_knows_tools(source), added_tokens(tok)
+    fmt, markers = detect_format(source), added_tokens(tok)
     specials = template_specials(tok, manifest)
     jobs = []  # (task index, "free" | "forced", prompt ids, grammar, ToolUse or None)
     for i, t in enumerate(tasks):
         use = ToolUse(fmt, t["tools"], None, markers) if t["kind"] == "tool" else None
-        msgs = template_messages(t["messages"], t["tools"], fmt, native) if use else t["messages"]
-        kw = {**specials, **({"tools": t["tools"]} if use and native else {})}
-        ids = encode_chat(tok, manifest, render_template(source, msgs, True, **kw))
+        msgs, extra = with_tools(source, t["messages"], use)
+        ids = encode_chat(tok, manifest, render_template(source, msgs, True, **specials, **extra))
         forced = (ToolUse(fmt, t["tools"], "required", markers).grammar() if use
                   else GrammarSpec.json_schema(t["schema"], "accept.structured_sets"))
         jobs += [(i, "free", ids, None, use), (i, "forced", ids, forced, use)]

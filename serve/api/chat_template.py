@@ -14,7 +14,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from serve.api.schemas import ApiError, ChatMessage
-from serve.api.tools import ToolUse, detect_format, template_knows_tools, template_messages
+from serve.api.tools import ToolUse, with_tools
 
 if TYPE_CHECKING:  # the offline evaluator (compress/evaluate/chat.py) renders without the engine's imports
     from serve.registry.source import LoadedModel
@@ -60,7 +60,8 @@ def render_template(source: str, messages: list[dict], add_generation_prompt: bo
 def render_chat(lm: LoadedModel, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, template_kwargs: dict | None = None,
                 tool_use: ToolUse | None = None) -> str:
-    """The prompt text (with ``tool_use``: the tools offered, serve/api/tools.py). ``continue_final_message`` (vLLM/HF): no generation prompt, and the text ends right
+    """The prompt text (with ``tool_use``: the tools offered, serve/api/tools.py). ``continue_final_message``
+    (vLLM/HF): no generation prompt, and the text ends right
     after the last message's content, so the model continues it; ``template_kwargs`` are passed to the
     template (vLLM's ``chat_template_kwargs``), under the names it reserves for itself."""
     if continue_final_message and add_generation_prompt:
@@ -72,13 +73,8 @@ def render_chat(lm: LoadedModel, messages: list[ChatMessage], add_generation_pro
                        param="messages", code="no_chat_template")
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in ("messages", "add_generation_prompt")}
     kwargs.update(template_specials(lm.engine.tokenizer, lm.manifest))
-    msgs = [m.template_dict() for m in messages]
-    if tool_use is not None or any("tool_calls" in m or m["role"] == "tool" for m in msgs):
-        native = template_knows_tools(source)
-        fmt = tool_use.fmt if tool_use is not None else detect_format(source, lm.engine.config.tool_call_format)
-        msgs = template_messages(msgs, tool_use.tools if tool_use else None, fmt, native)
-        if native and tool_use is not None:
-            kwargs["tools"] = tool_use.tools
+    msgs, extra = with_tools(source, [m.template_dict() for m in messages], tool_use, lm.engine.config.tool_call_format)
+    kwargs.update(extra)
     try:
         text = render_template(source, msgs, add_generation_prompt, **kwargs)
     except TemplateError as e:

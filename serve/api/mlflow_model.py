@@ -82,18 +82,13 @@ class EngineModel:
 
     def _render(self, messages: list[dict], use=None) -> list[int]:
         from serve.api.chat_template import render_template, template_specials
-        from serve.api.tools import detect_format, template_knows_tools, template_messages
+        from serve.api.tools import with_tools
         from serve.engine.tokenizer import encode_chat
 
         m = self.engine.manifest
-        kw = template_specials(self.engine.tokenizer, m)
-        if use is not None or any("tool_calls" in x or x["role"] == "tool" for x in messages):
-            native = template_knows_tools(m["chat_template"])
-            fmt = use.fmt if use is not None else detect_format(m["chat_template"], self.engine.config.tool_call_format)
-            messages = template_messages(messages, use.tools if use else None, fmt, native)
-            if native and use is not None:
-                kw["tools"] = use.tools
-        text = render_template(m["chat_template"], messages, True, **kw)
+        messages, extra = with_tools(m["chat_template"], messages, use, self.engine.config.tool_call_format)
+        text = render_template(m["chat_template"], messages, True,
+                               **template_specials(self.engine.tokenizer, m), **extra)
         return encode_chat(self.engine.tokenizer, m, text)
 
     def _constraint(self, options: dict):
