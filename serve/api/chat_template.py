@@ -73,7 +73,8 @@ def render_chat(lm: LoadedModel, messages: list[ChatMessage], add_generation_pro
                        param="messages", code="no_chat_template")
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in ("messages", "add_generation_prompt")}
     kwargs.update(template_specials(lm.engine.tokenizer, lm.manifest))
-    msgs, extra = with_tools(source, [m.template_dict() for m in messages], tool_use, lm.engine.config.tool_call_format)
+    msgs, extra = with_tools(source, [m.template_dict() for m in messages], tool_use,
+                             lambda: lm.engine.config.tool_call_format)
     kwargs.update(extra)
     try:
         text = render_template(source, msgs, add_generation_prompt, **kwargs)

@@ -86,7 +86,7 @@ class EngineModel:
         from serve.engine.tokenizer import encode_chat
 
         m = self.engine.manifest
-        messages, extra = with_tools(m["chat_template"], messages, use, self.engine.config.tool_call_format)
+        messages, extra = with_tools(m["chat_template"], messages, use, lambda: self.engine.config.tool_call_format)
         text = render_template(m["chat_template"], messages, True,
                                **template_specials(self.engine.tokenizer, m), **extra)
         return encode_chat(self.engine.tokenizer, m, text)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from serve.engine.grammar import JSON_COMPACT, GrammarSpec
@@ -206,14 +206,14 @@ def template_messages(messages: Sequence[dict], tools: Sequence[dict] | None, fm
 
 
 def with_tools(source: str | None, messages: Sequence[dict], use: ToolUse | None,
-               setting: str = "auto") -> tuple[list[dict], dict]:
+               setting: Callable[[], str] = lambda: "auto") -> tuple[list[dict], dict]:
     """The messages a chat template gets and the variables to add (``tools`` for a template that renders them),
     for the tools of ``use`` and any earlier calls and tool results; the messages as they are when there are none.
-    ``setting``: serve.tool_call_format, for earlier calls without tools offered now."""
+    ``setting`` gives serve.tool_call_format, read only for earlier calls without tools offered now."""
     if use is None and not any("tool_calls" in m or m["role"] == "tool" for m in messages):
         return list(messages), {}
     native = template_knows_tools(source)
-    fmt = use.fmt if use is not None else detect_format(source, setting)
+    fmt = use.fmt if use is not None else detect_format(source, setting())
     msgs = template_messages(messages, use.tools if use else None, fmt, native)
     return msgs, ({"tools": use.tools} if native and use is not None else {})
 
