@@ -66,6 +66,20 @@ class Drafter:
         drafts nothing, and the step runs without speculation."""
         if self.model is None:  # prompt lookup
             return [prompt_lookup(r.seq.token_ids, k, self.ngram) for r, k in wanted]
+        if self.reads_hidden:
+            # a draft head costs little and knows nothing of the prompt: where the sequence repeats an n-gram
+            # (code edits, quoting) the lookup's k tokens go first, the head drafts the other rows
+            looked = [prompt_lookup(r.seq.token_ids, k, self.ngram) for r, k in wanted]
+            rest = [i for i, (d, (_, k)) in enumerate(zip(looked, wanted)) if len(d) < k]
+            if rest:
+                drafted = self._model_drafts([wanted[i] for i in rest])
+                for i, d in zip(rest, drafted):
+                    if len(d) > len(looked[i]):
+                        looked[i] = d
+            return looked
+        return self._model_drafts(wanted)
+
+    def _model_drafts(self, wanted: Sequence[tuple[ScheduledSeq, int]]) -> list[list[int]]:
         try:
             return self.model.propose([((r.seq.request_id, r.seq.epoch), r.seq.token_ids, k) for r, k in wanted])
         except Exception:  # noqa: BLE001 - drafts are an optimisation: serve without them
@@ -73,6 +87,15 @@ class Drafter:
             for r, _ in wanted:  # what the draft holds for them may be half written: start them afresh
                 self.model.release((r.seq.request_id, r.seq.epoch))
             return [[] for _ in wanted]
+
+    @property
+    def reads_hidden(self) -> bool:
+        """Whether the source drafts from the served model's hidden state (a draft head): the runner outputs it."""
+        return bool(getattr(self.model, "reads_hidden", False))
+
+    def observe(self, key: Hashable, n_tokens: int, hidden) -> None:
+        """The served model's hidden state at the position that chose the sequence's newest token."""
+        self.model.observe(key, n_tokens, hidden)
 
     def verified(self, key: Hashable, proposed: int, accepted: int) -> None:
         c = self.counters
@@ -94,7 +117,12 @@ def make_drafter(config: ServeConfig, manifest: dict, tokenizer) -> Drafter | No
         return None
     model = None
     if config.speculative != "prompt_lookup":
-        from serve.engine.draft_model import DraftModel  # a second runner: only when asked for
+        from serve.engine.draft_head import DraftHead, is_draft_head
 
-        model = DraftModel(config.speculative, config, manifest, tokenizer)
+        if is_draft_head(config.speculative):  # the served model's own head (compress/draft/)
+            model = DraftHead(config.speculative, config, manifest, tokenizer)
+        else:
+            from serve.engine.draft_model import DraftModel  # a second runner: only when asked for
+
+            model = DraftModel(config.speculative, config, manifest, tokenizer)
     return Drafter(config, draft_model=model)

@@ -46,7 +46,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +75,8 @@ __all__ = ["Engine", "EngineStats", "RequestHandle", "RequestOutput", "TokenEven
 
 
 class Engine:
-    def __init__(self, artifact_dir: str | Path, config: ServeConfig | None = None, *, start: bool = True):
+    def __init__(self, artifact_dir: str | Path, config: ServeConfig | None = None, *, start: bool = True,
+                 hidden_sink: Callable[[str, int, np.ndarray], None] | None = None):
         self.config = config = config or ServeConfig()
         self.artifact_dir = Path(artifact_dir)
         self.manifest = read_manifest(self.artifact_dir, verify=config.verify_artifact)
@@ -96,9 +97,13 @@ class Engine:
             max_batch_size=config.max_batch_size, max_waiting=config.max_waiting, max_wait_s=config.max_wait_s,
             # The scheduler refuses beyond the model's context, and beyond the pool or rows naming the KV budget.
             max_model_len=model_context, policy=config.scheduling_policy, max_row_tokens=row_tokens)
-        self.runner: ModelRunner = make_runner(self.artifact_dir, self.manifest, config, num_blocks, row_tokens,
-                                               self.max_model_len)
         self.drafter = make_drafter(config, self.manifest, self.tokenizer)
+        # hidden_sink(request id, tokens so far, hidden state at the position that chose the newest token): every
+        # sampled token's hidden state, for whoever records them (compress/draft/conversations.py)
+        self._hidden_sink = hidden_sink
+        self._observe_hidden = hidden_sink is not None or (self.drafter is not None and self.drafter.reads_hidden)
+        self.runner: ModelRunner = make_runner(self.artifact_dir, self.manifest, config, num_blocks, row_tokens,
+                                               self.max_model_len, hidden_states=self._observe_hidden)
         # a finished, cancelled or preempted sequence's K/V is dead for the runner too (RunRow key = id + epoch)
         # (the hook holds the runner, not the engine: no cycle, so a dropped engine frees its weights at once)
         runner, drafter = self.runner, self.drafter
@@ -401,10 +406,11 @@ class Engine:
 
     def _process(self, out: SchedulerOutput, logits: list[np.ndarray | None], events: list) -> None:
         now = time.monotonic()
-        for row, lg in zip(out.scheduled, logits):
+        hidden = self.runner.last_hidden if self._observe_hidden else [None] * len(out.scheduled)
+        for row, lg, hd in zip(out.scheduled, logits, hidden):
             seq = row.seq
             if row.drafts:
-                self._process_drafted(row, lg, events, now)
+                self._process_drafted(row, lg, events, now, hd)
                 continue
             self.scheduler.commit(row)
             if lg is not None and lg.ndim == 2:  # all positions' logits: prompt log-probs, then the last row
@@ -422,9 +428,11 @@ class Engine:
                 tok = req.grammar.choose(lg, lambda x: sample_token(x, params, req.rng, seq.token_ids, seq.prompt_len,
                                                                     req.stop_ids), params.is_greedy,
                                          params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0)
-            self._add_token(req, tok, lg, now, events)
+            ended = self._add_token(req, tok, lg, now, events)
+            if hd is not None:
+                self._observe(seq, hd if hd.ndim == 1 else hd[-1], ended)
 
-    def _process_drafted(self, row, lg: np.ndarray, events: list, now: float) -> None:
+    def _process_drafted(self, row, lg: np.ndarray, events: list, now: float, hidden: np.ndarray | None) -> None:
         """A decode row checked with drafts (``lg`` [1 + k, vocab]): the drafts that stand and the token after them
         join the sequence one by one (each may end it), and the rejected positions' K/V and blocks go."""
         seq = row.seq
@@ -438,8 +446,20 @@ class Engine:
         self.drafter.verified((seq.request_id, seq.epoch), len(row.drafts), len(toks) - 1)
         for i, tok in enumerate(toks):
             if self._add_token(req, tok, lg[i], now, events):
+                if hidden is not None:
+                    self._observe(seq, hidden[i], True)
                 return  # finished: its blocks are already back in the pool
         self.scheduler.commit_drafted(row, len(toks) - 1)
+        if hidden is not None:
+            self._observe(seq, hidden[len(toks) - 1], False)
+
+    def _observe(self, seq, hidden: np.ndarray, ended: bool) -> None:
+        """Hand the hidden state that chose the sequence's newest token to the sink and (while it runs) the draft
+        head."""
+        if self._hidden_sink is not None:
+            self._hidden_sink(seq.request_id, len(seq.token_ids), hidden)
+        if not ended and self.drafter is not None and self.drafter.reads_hidden:
+            self.drafter.observe((seq.request_id, seq.epoch), len(seq.token_ids), hidden)
 
     def _add_token(self, req: InFlightRequest, tok: int, lg: np.ndarray, now: float, events: list) -> bool:
         """Append one sampled token to the request, stream it; True when it ended the request."""

@@ -10,9 +10,10 @@ from serve.runners.protocol import ModelRunner
 
 
 def make_runner(artifact_dir: str | Path, manifest: dict, config: ServeConfig, num_blocks: int,
-                row_tokens: int | None, max_model_len: int) -> ModelRunner:
+                row_tokens: int | None, max_model_len: int, hidden_states: bool = False) -> ModelRunner:
     """A ``gqa`` runner (in-place GroupQueryAttention rows, docs/gqa.md) or the ``standard`` one, its ONNX Runtime
-    threads started at the model threads' lowered priority."""
+    threads started at the model threads' lowered priority. ``hidden_states``: the gqa runner also returns the last
+    hidden state (for a draft head); the standard layout has no such output."""
     bs = config.kv_block_size
     common = dict(providers=config.providers, intra_op_threads=config.intra_op_threads,
                   ort_spinning=config.ort_spinning)
@@ -23,8 +24,14 @@ def make_runner(artifact_dir: str | Path, manifest: dict, config: ServeConfig, n
             return GqaRunner(artifact_dir, manifest, num_blocks, bs, max_batch_size=config.max_batch_size,
                              max_model_len=max_model_len, row_tokens=row_tokens,
                              decode_split_rows=config.decode_split_rows, kv_store_setting=config.kv_store,
-                             uniform_kernels=config.uniform_kernels, **common)
+                             uniform_kernels=config.uniform_kernels, hidden_states=hidden_states, **common)
     else:
+        if hidden_states:
+            from serve.config import ConfigError
+
+            raise ConfigError("serve.speculative: a draft head reads the hidden state that only 'gqa' artifacts "
+                              "output; this artifact's attention layout is 'standard' (export it with the gqa "
+                              "layout, or use prompt_lookup or a draft model)")
         from serve.runners.standard import Runner
 
         def make():

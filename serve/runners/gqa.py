@@ -79,6 +79,7 @@ class _PromptCall(NamedTuple):
     logits: np.ndarray
     first_kept: int
     inputs: tuple  # (ids, seqlens): the binding points at them until the call has run
+    hidden: np.ndarray | None  # the kept positions' hidden states (hidden_states), else None
 
 
 class GqaRunner(RunnerBase):
@@ -87,12 +88,18 @@ class GqaRunner(RunnerBase):
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int, *,
                  providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: str = "during_runs",
                  max_batch_size: int = 16, max_model_len: int | None = None, row_tokens: int | None = None,
-                 decode_split_rows: int = 0, kv_store_setting: str = "auto", uniform_kernels: bool = False):
+                 decode_split_rows: int = 0, kv_store_setting: str = "auto", uniform_kernels: bool = False,
+                 hidden_states: bool = False):
         layout = manifest.get("attention_layout")
         if layout != "gqa":
             raise RunnerError(f"attention layout {layout!r}: GqaRunner runs 'gqa' artifacts (serve.runners.standard.Runner runs 'standard')")
         self.dtype, self.past_names, self.present_names = kv_spec(manifest)
-        super().__init__(artifact_dir, manifest, num_blocks, block_size, providers, intra_op_threads, ort_spinning)
+        super().__init__(artifact_dir, manifest, num_blocks, block_size, providers, intra_op_threads, ort_spinning,
+                         hidden=hidden_states)
+        # hidden_states: the graph's last hidden state comes back beside the logits (``last_hidden``), for a drafter
+        # that reads it (serve/runners/hidden.py, serve/engine/draft_head.py)
+        self.hidden_size = int(manifest["hidden_size"]) if hidden_states else 0
+        self.last_hidden: list[np.ndarray | None] = []
         self.max_len = int(max_model_len or manifest.get("max_positions") or 2048)
         self.uniform_kernels = bool(uniform_kernels)  # serve.uniform_kernels
         # The pool and the rows: host arrays on the CPU EP, GPU tensors for the CUDA form on the CUDA EP
@@ -119,12 +126,15 @@ class GqaRunner(RunnerBase):
         # logits buffers, reused call after call: one for decode calls, whose rows execute returns as views (valid
         # until the next execute; the engine samples them at once), one for prefill calls in the same step
         self._logits = {"decode": np.zeros(0, np.float32), "prefill": np.zeros(0, np.float32)}
+        self._hidden = {"decode": np.zeros(0, np.float32), "prefill": np.zeros(0, np.float32)}
         # The decode call's IOBinding and its input arrays, kept while the rows' buffer, the batch size and the
         # logits buffer stay the same: rebinding 2 x layers K/V pointers every token cost ~1 ms on this CPU.
         self._decode_key: tuple | None = None
         self._decode_parts: list[tuple] = []
+        self._decode_hidden: np.ndarray | None = None
         self.split = SplitDecode((artifact_dir, manifest), self.provider, intra_op_threads=intra_op_threads,
-                                 rows_from=decode_split_rows, weights=graph_bytes(manifest), max_slots=self.max_slots)
+                                 rows_from=decode_split_rows, weights=graph_bytes(manifest), max_slots=self.max_slots,
+                                 hidden=bool(hidden_states))
         self.batched_prompts = 0  # prompts that ran in a call with other first prompts (_run_first_prompts)
 
     # ---- what the rest of the server reads (the engine's stats, /metrics, tests) -------------------
@@ -156,6 +166,16 @@ class GqaRunner(RunnerBase):
             buf = self._logits[use] = np.zeros(max(n, int(buf.size * 1.5)), np.float32)
         return buf[:n].reshape(shape)
 
+    def _hidden_buf(self, lead: tuple[int, ...], use: str = "prefill") -> np.ndarray | None:
+        """The hidden-state output's buffer [*lead, hidden] beside a logits buffer; None without hidden_states."""
+        if not self.hidden_size:
+            return None
+        n = int(np.prod(lead)) * self.hidden_size
+        buf = self._hidden[use]
+        if n > buf.size:
+            buf = self._hidden[use] = np.zeros(max(n, int(buf.size * 1.5)), np.float32)
+        return buf[:n].reshape(*lead, self.hidden_size)
+
     # ---- the step --------------------------------------------------------------------------
     def execute(self, rows: Sequence[RunRow]) -> list[np.ndarray | None]:
         """Compute the rows' new tokens, write their K/V to the pool; last-position logits per row."""
@@ -170,6 +190,7 @@ class GqaRunner(RunnerBase):
         lone = self._lone_decode(rows, need)
         self.rows.ensure(len(rows), max(need, lone.start + 2) if lone is not None else need)
         out: list[np.ndarray | None] = [None] * len(rows)
+        hid: list[np.ndarray | None] = [None] * len(rows)  # the same positions' hidden states (hidden_states)
         index = {id(r): i for i, r in enumerate(rows)}
         decode = [r for r in rows if len(r.token_ids) == 1 and r is not lone]
         prefill = [r for r in rows if len(r.token_ids) > 1 or r is lone]
@@ -180,22 +201,29 @@ class GqaRunner(RunnerBase):
                 i = index[id(r)]
                 # a view: 32 rows x 49,152 floats copied every step was ~0.8 ms (benchmarks/history.md run 10)
                 out[i] = logits[k][None].copy() if r.all_logits else logits[k] if r.want_logits else None
+                if self.hidden_size:
+                    hid[i] = self._decode_hidden[k].copy() if r.all_logits else self._decode_hidden[k, 0].copy()
         fresh = [r for r in prefill if r.start == 0 and not r.all_logits]
         rest = [r for r in prefill if r.start > 0 or r.all_logits]
         base = self.rows.fresh_slots(len(fresh), len(decode), rest) if len(fresh) > 1 else None
         if base is not None:
-            for r, lg in zip(fresh, self._run_first_prompts(base, fresh)):
+            for r, (lg, hd) in zip(fresh, self._run_first_prompts(base, fresh)):
                 out[index[id(r)]] = lg if r.want_logits else None
+                hid[index[id(r)]] = hd
             prefill = rest
         for r in prefill:
             slot = self.rows.slot_for_prefill(r, len(decode))
             self.rows.fill(slot, r)
             if r is lone:  # its token twice; the second position's K/V is not kept
                 two = RunRow(r.key, r.block_table, r.start, [r.token_ids[0]] * 2, want_logits=True, all_logits=True)
-                lg = self._run_prefill(slot, two, write=1)[:1]
+                lg, hd = self._run_prefill(slot, two, write=1)
+                lg, hd = lg[:1], None if hd is None else hd[:1]
             else:
-                lg = self._run_prefill(slot, r)
+                lg, hd = self._run_prefill(slot, r)
             out[index[id(r)]] = lg.copy() if r.all_logits else lg[-1].copy() if r.want_logits else None
+            if hd is not None:
+                hid[index[id(r)]] = hd.copy() if r.all_logits else hd[-1].copy()
+        self.last_hidden = hid
         self.step_seconds += time.perf_counter() - t0
         return out
 
@@ -212,7 +240,7 @@ class GqaRunner(RunnerBase):
         return decode[0] if end <= self.max_len and len(rows) * max(need, end) <= self.rows.row_tokens else None
 
     def _bind(self, kv: np.ndarray, input_ids: np.ndarray, seqlens_k: np.ndarray, logits: np.ndarray,
-              keep: int | None, total: int | None = None, session=None):
+              keep: int | None, total: int | None = None, session=None, hidden: np.ndarray | None = None):
         """A binding of one call on ``session`` (default: the main one) over the rows ``kv`` [n_kv, n, ...]."""
         binding = (session or self.session).io_binding()
         binding.bind_cpu_input("input_ids", input_ids)
@@ -220,11 +248,12 @@ class GqaRunner(RunnerBase):
         binding.bind_cpu_input("total_sequence_length", np.array(total or int(seqlens_k.max()) + 1, np.int32))
         if self.has_logits_to_keep:
             binding.bind_cpu_input("logits_to_keep", np.array([keep or 0], np.int64))
-        self._bind_rows(binding, kv, logits)
+        self._bind_rows(binding, kv, logits, hidden)
         return binding
 
-    def _bind_rows(self, binding, kv: np.ndarray, logits: np.ndarray) -> None:
-        """Bind the rows ``kv`` [n_kv, n, ...] as every layer's past and present, and ``logits`` as the output."""
+    def _bind_rows(self, binding, kv: np.ndarray, logits: np.ndarray, hidden: np.ndarray | None = None) -> None:
+        """Bind the rows ``kv`` [n_kv, n, ...] as every layer's past and present, ``logits`` (and ``hidden``) as the
+        outputs."""
         shape = [kv.shape[1], self.kv_heads, self.rows.cap, self.head_dim]
         dev = self.store.ort_device
         for j, (pin, pout) in enumerate(zip(self.past_names, self.present_names)):
@@ -233,6 +262,8 @@ class GqaRunner(RunnerBase):
             binding.bind_input(pin, dev, 0, self.dtype, shape, ptr)
             binding.bind_output(pout, dev, 0, self.dtype, shape, ptr)
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        if hidden is not None:
+            binding.bind_output("hidden", "cpu", 0, np.float32, list(hidden.shape), hidden.ctypes.data)
 
     def _run(self, calls: list[tuple]) -> None:
         """Run [(session, binding)]: one here, or two at once, the second on the split's worker thread."""
@@ -246,13 +277,14 @@ class GqaRunner(RunnerBase):
             self.store.after_run(binding)
         self.run_seconds += time.perf_counter() - t
 
-    def _decode_call(self, B: int, logits: np.ndarray) -> list[tuple]:
+    def _decode_call(self, B: int, logits: np.ndarray, hidden: np.ndarray | None) -> list[tuple]:
         """The decode bindings for ``B`` rows: [(session, binding, inputs, lo, hi)], one part, or two halves from
         ``decode_split_rows`` rows on. Made when the rows' buffer, B or the logits buffer changed; the caller
         fills the input arrays in place before each run."""
         split = self.split.decodes(B)
         kv = self.rows.kv
-        key = (self.store.ptr(kv), tuple(kv.shape), B, logits.ctypes.data, logits.shape, split)
+        key = (self.store.ptr(kv), tuple(kv.shape), B, logits.ctypes.data, logits.shape, split,
+               None if hidden is None else hidden.ctypes.data)
         if key != self._decode_key:
             cuts = [(0, B // 2), (B // 2, B)] if split else [(0, B)]
             session = self.split.open() if split else self.session
@@ -268,7 +300,7 @@ class GqaRunner(RunnerBase):
                 binding = session.io_binding()
                 for name, arr in inputs.items():
                     binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-                self._bind_rows(binding, view, logits[lo:hi])
+                self._bind_rows(binding, view, logits[lo:hi], None if hidden is None else hidden[lo:hi])
                 parts.append((session, binding, inputs, lo, hi))
             self._decode_key, self._decode_parts = key, parts
         return self._decode_parts
@@ -277,7 +309,8 @@ class GqaRunner(RunnerBase):
         B = len(rows)
         starts = np.array([r.start for r in rows], dtype=np.int64)
         logits = self._logits_buf((B, 1, self.vocab_size), "decode")
-        parts = self._decode_call(B, logits)
+        self._decode_hidden = self._hidden_buf((B, 1), "decode")
+        parts = self._decode_call(B, logits, self._decode_hidden)
         ids = [r.token_ids[0] for r in rows]
         for _, binding, inputs, lo, hi in parts:
             inputs["input_ids"][:, 0] = ids[lo:hi]
@@ -294,7 +327,7 @@ class GqaRunner(RunnerBase):
         self.rows.decoded(rows)
         return logits[:, 0, :]
 
-    def _run_first_prompts(self, base: int, rows: list[RunRow]) -> list[np.ndarray]:
+    def _run_first_prompts(self, base: int, rows: list[RunRow]) -> list[tuple]:
         """Prompts that start at position 0, together on slots [base, base + n): right-padded to the longest,
         ``seqlens_k`` = each length - 1, total_sequence_length = the padded length, which GroupQueryAttention
         reads as a batch of first prompts (each row attends within its own length). One call instead of one per
@@ -304,7 +337,7 @@ class GqaRunner(RunnerBase):
         Sorted by length and, where the split session exists, as two calls at once (the shorter prompts and the
         longer, each padded only to its own longest, cut where the two calls' work is even: balanced_cut): 8 %
         faster for 32 chat prompts on 2 cores than one call, less padding.
-        Returns each row's last-position logits, in the order of ``rows``."""
+        Returns each row's last-position (logits, hidden state or None), in the order of ``rows``."""
         n = len(rows)
         self.batched_prompts += n
         order = sorted(range(n), key=lambda i: len(rows[i].token_ids))
@@ -323,30 +356,35 @@ class GqaRunner(RunnerBase):
             keep = S - min(lens) + 1 if self.has_logits_to_keep else None
             shape = (len(g), keep or S, self.vocab_size)
             logits = np.empty(shape, np.float32) if split else self._logits_buf(shape)
+            hidden = (np.empty((*shape[:2], self.hidden_size), np.float32) if split and self.hidden_size
+                      else self._hidden_buf(shape[:2]))
             seqlens = np.array([m - 1 for m in lens], np.int32)
             binding = self._bind(self.rows.kv[:, base + k0:base + k0 + len(g)], ids, seqlens, logits, keep, S,
-                                 self.split.session if split else None)
-            calls.append(_PromptCall(binding, g, k0, lens, logits, S - (keep or S), (ids, seqlens)))
+                                 self.split.session if split else None, hidden)
+            calls.append(_PromptCall(binding, g, k0, lens, logits, S - (keep or S), (ids, seqlens), hidden))
         self._run([(self.split.session if split else self.session, c.binding) for c in calls])
         self.split.prompt_calls += int(split)
         self.calls += len(calls)
-        out: list[np.ndarray | None] = [None] * n
+        out: list = [None] * n
         for c in calls:
             for b, i in enumerate(c.rows):
                 self.rows.write_back(base + c.first_slot + b, rows[i].block_table, 0, c.lens[b])
-                out[i] = c.logits[b, c.lens[b] - 1 - c.first_kept].copy()
+                last = c.lens[b] - 1 - c.first_kept
+                out[i] = (c.logits[b, last].copy(), None if c.hidden is None else c.hidden[b, last].copy())
         return out
 
-    def _run_prefill(self, slot: int, r: RunRow, write: int | None = None) -> np.ndarray:
-        """Run r's tokens on its slot; their K/V (the first ``write`` of them) go to its blocks. [kept, vocab]."""
+    def _run_prefill(self, slot: int, r: RunRow, write: int | None = None) -> tuple:
+        """Run r's tokens on its slot; their K/V (the first ``write`` of them) go to its blocks. The kept positions'
+        logits [kept, vocab] and hidden states [kept, hidden] (None without hidden_states)."""
         n, s = len(r.token_ids), r.start
         ids = np.asarray(r.token_ids, dtype=np.int64).reshape(1, n)
         # the last position's logits only, unless the row asks for all of them (prompt log-probs)
         keep = (n if r.all_logits else 1) if self.has_logits_to_keep else None
         logits = self._logits_buf((1, keep or n, self.vocab_size))
+        hidden = self._hidden_buf((1, keep or n))
         self._run([(self.session, self._bind(self.rows.kv[:, slot:slot + 1], ids, np.array([s + n - 1], np.int32),
-                                             logits, keep))])
+                                             logits, keep, hidden=hidden))])
         self.calls += 1
         self.rows.flush(slot)  # a decode tail before this chunk (not expected: chunks come before decoding)
         self.rows.write_back(slot, r.block_table, s, n if write is None else write)
-        return logits[0]  # [kept positions, vocab]
+        return logits[0], None if hidden is None else hidden[0]  # [kept positions, vocab], [kept, hidden]

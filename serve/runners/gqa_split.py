@@ -47,7 +47,8 @@ class SplitDecode:
     """The half-threads session and the worker that runs the second half; ``rows_from`` 0 when off."""
 
     def __init__(self, artifact: tuple, provider: str, *, intra_op_threads: int, rows_from: int, weights: int,
-                 max_slots: int):
+                 max_slots: int, hidden: bool = False):
+        self.hidden = hidden  # the second session outputs the hidden state too, as the main one
         threads = intra_op_threads or len(os.sched_getaffinity(0))
         self.half_threads = max(1, threads // 2)
         self.rows_from = int(rows_from) if provider == CPU and threads >= 2 else 0
@@ -66,7 +67,7 @@ class SplitDecode:
     def open(self):
         """The half-threads session (made once)."""
         if self.session is None:
-            self.session = artifact_session(*self._artifact, [CPU], self.half_threads,
+            self.session = artifact_session(*self._artifact, [CPU], self.half_threads, hidden=self.hidden,
                                             spinning="off" if self.half_threads == 1 else "during_runs")
             self._exec = ThreadPoolExecutor(1, thread_name_prefix="decode-half")
         return self.session

@@ -107,9 +107,15 @@ def make_session(model, providers: Sequence[str] = (CPU,), threads: int | None =
 
 
 def artifact_session(artifact_dir: str | Path, manifest: dict, providers: Sequence[str] = (CPU,),
-                     threads: int | None = 0, **kw):
-    """make_session on the artifact's graph file (``manifest["onnx_file"]``, default model.onnx)."""
-    return make_session(Path(artifact_dir) / manifest.get("onnx_file", "model.onnx"), providers, threads, **kw)
+                     threads: int | None = 0, *, hidden: bool = False, **kw):
+    """make_session on the artifact's graph file (``manifest["onnx_file"]``, default model.onnx); with ``hidden``
+    the graph also outputs its last hidden state (serve/runners/hidden.py)."""
+    path = Path(artifact_dir) / manifest.get("onnx_file", "model.onnx")
+    if hidden:
+        from serve.runners.hidden import with_hidden_output
+
+        return make_session(with_hidden_output(path), providers, threads, **kw)
+    return make_session(path, providers, threads, **kw)
 
 
 def kv_io_names(manifest: dict) -> tuple[list[str], list[str]]:

@@ -80,7 +80,8 @@ class RunnerBase:
     """The manifest's dimensions, the session and the counters, as every runner sets them up."""
 
     def __init__(self, artifact_dir: str | Path, manifest: dict, num_blocks: int, block_size: int,
-                 providers: Sequence[str], intra_op_threads: int, ort_spinning: str, *, open_session: bool = True):
+                 providers: Sequence[str], intra_op_threads: int, ort_spinning: str, *, open_session: bool = True,
+                 hidden: bool = False):
         self.num_layers = int(manifest["num_layers"])
         self.kv_heads = int(manifest["num_kv_heads"])
         self.head_dim = int(manifest["head_dim"])
@@ -94,7 +95,8 @@ class RunnerBase:
             log.info("int8 K/V cache (quantize.kv_cache): the CPU execution provider serves it")
             providers = [CPU]
         if open_session:
-            self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads, spinning=ort_spinning)
+            self.session = artifact_session(artifact_dir, manifest, providers, intra_op_threads, spinning=ort_spinning,
+                                            hidden=hidden)
             self.provider = self.session.get_providers()[0]
         self.calls = 0
         self.run_seconds = 0.0
