@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 # The serve and mlflow sections belong to the server (serve/ imports nothing from compress/); the
 # pipeline's config embeds them and shares the loader's helpers, so both report errors alike.
+from compress.draft.settings import DraftConfig
 from serve.config import (ConfigError, MlflowConfig, Section, ServeConfig, apply_overrides, format_errors,
                           project_root, read_yaml, renamed_keys)
 
@@ -712,6 +713,7 @@ class PipelineConfig(Section):
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     search: SearchConfig = Field(default_factory=SearchConfig)
+    draft: DraftConfig = Field(default_factory=DraftConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
 

@@ -166,7 +166,8 @@ def register_folder(folder: str | Path, model_name: str, run_id: str, tags: dict
         else:
             uploads = [Path(folder)]
             manifest = read_manifest(folder, verify=False)
-            if manifest.get("kind") != CHECKPOINT_RECORD:  # a checkpoint record has no graph to load
+            # a checkpoint record has no graph to load; a draft head drafts for another model (serve.speculative)
+            if manifest.get("kind") not in (CHECKPOINT_RECORD, "draft_head"):
                 # an MLflow Model over the folder's own files (serve/api/mlflow_model.py): MLmodel beside them
                 write_mlmodel(files, manifest, run_id)
                 uploads.append(files)

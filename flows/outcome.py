@@ -10,6 +10,8 @@ exit code):
   "<ErrorName>" for bad input or a failed stage.
 - deploy: Completed "Deployed"; Failed "Reverted" (the smoke test failed and the alias moved back).
 - rollback: Completed "RolledBack".
+- draft: Completed "Registered" (the drafter pays and is linked from the target version), Completed "NotRegistered"
+  (the figures and why).
 """
 
 from __future__ import annotations
@@ -93,12 +95,14 @@ def pipeline_state(run: Callable[[], dict]) -> State:
     return Failed(name=name, message=message, data=RunNotAccepted(message, out))
 
 
-def flow_state(run: Callable[[], dict], name: str, message: Callable[[dict], str]) -> State:
-    """A deploy or rollback flow's state: Completed `name` with `message(result)`, or Failed naming the error."""
+def flow_state(run: Callable[[], dict], name: str | Callable[[dict], str], message: Callable[[dict], str]) -> State:
+    """A deploy, rollback or draft flow's state: Completed `name` (or `name(result)`) with `message(result)`, or
+    Failed naming the error."""
     try:
         out = run()
     except Exception as e:
         return _failed(e)
+    name = name(out) if callable(name) else name
     text = message(out)
     get_run_logger().info("%s: %s", name, text)
     return Completed(name=name, message=text, data=out)

@@ -148,7 +148,10 @@ class ServeConfig(Section):
     # prompt: code edits, quoting); any other value is the artifact folder of a draft model with the served
     # model's tokenizer (a smaller model of the family, or the pipeline's student), run greedily beside it on its
     # own KV budget. Outputs keep their meaning: greedy text is the same token for token, sampled text keeps the
-    # served model's distribution (serve/engine/speculative.py).
+    # served model's distribution (serve/engine/speculative.py). A draft head folder (compress/draft/, `kind:
+    # draft_head`) drafts from the served model's own hidden state, prompt lookup first where it matches. "auto":
+    # the served registry version's own drafter (its `drafter` tag, flows/draft.py) with prompt lookup, prompt
+    # lookup alone without one or for a local folder; it follows the alias (a rollback brings that version's own).
     speculative: str = "off"
     # Most tokens drafted for one request per step; each request's draft length adapts below it (grows while
     # drafts are accepted, shrinks and pauses while they are not).

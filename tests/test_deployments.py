@@ -77,7 +77,8 @@ def test_deploy_and_run_on_demand(prefect_server):
     dep = _cli(env, "--no-prompt", "deploy", "--all")
     assert dep.returncode == 0, dep.stdout[-2000:] + dep.stderr[-2000:]
     listing = _cli(env, "deployment", "ls").stdout
-    for name in ("compress/nightly", "compress/on-demand", "deploy/on-demand", "rollback/on-demand"):
+    for name in ("compress/nightly", "compress/on-demand", "deploy/on-demand", "rollback/on-demand", "draft/on-demand",
+                 "draft/weekly"):
         assert name in listing.replace("\n", "").replace(" ", "") or name.split("/")[1] in listing
 
     nightly = _cli(env, "deployment", "inspect", "compress/nightly").stdout
@@ -146,10 +147,12 @@ def _served(url: str) -> str | None:
     return str(data[0]["version"]) if data else None
 
 
-def _serve(env, tmp, model: str, name: str) -> tuple[subprocess.Popen, str]:
+def _serve(env, tmp, model: str, name: str, *settings: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
+    extra = [x for s in settings for x in ("--set", s)]
     proc = _start([sys.executable, "-m", "serve", "--model", model, "--port", str(port),
-                   "--set", "serve.poll_interval_s=0.5", "--set", "serve.kv_memory_mb=8"], env, tmp / f"{name}.log")
+                   "--set", "serve.poll_interval_s=0.5", "--set", "serve.kv_memory_mb=8", *extra], env,
+                  tmp / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while _served(url) is None:
@@ -231,6 +234,30 @@ def _operator_loop(env, tmp):
         assert f"champion 2 -> 4, smoke test passed on {live_url}" in out, out[-4000:]
         assert _aliases(env) == {"baseline": "1", "candidate": "4", "champion": "4"}
         assert _served(live_url) == "4"
+
+        # draft/on-demand: the champion's drafter, built, judged at one user and registered beside it (a tiny model's
+        # speed proves nothing, so the bar is lowered); a server on `serve.speculative: auto` drafts with it.
+        small = ["draft.prompts=16", "draft.max_tokens=24", "draft.tokens=5120", "draft.vocab=200",
+                 "draft.width=64", "draft.min_speedup=0.0001"]
+        rc, out = _watch(env, tmp, "draft/on-demand", "-p", "config=configs/tiny.yaml",
+                         "-p", f"overrides={json.dumps([work, *small])}")
+        assert rc == 0 and "Flow run finished successfully in 'Registered'" in out, out[-4000:]
+        assert "tiny-llama/4: one user x" in out and "registered tiny-llama-drafter/1" in out, out[-4000:]
+        from mlflow import MlflowClient
+
+        tags = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_model_version("tiny-llama", "4").tags
+        assert tags["drafter"] == "tiny-llama-drafter/1"
+        drafting, drafting_url = _serve(env, tmp, "models:/tiny-llama@champion", "drafting", "serve.speculative=auto")
+        try:
+            for _ in range(3):
+                r = httpx.post(drafting_url + "/v1/completions", json={"model": "tiny-llama", "prompt": "Hello",
+                                                                       "max_tokens": 24, "temperature": 0})
+                assert r.status_code == 200
+            metrics = httpx.get(drafting_url + "/metrics").text
+            drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")]
+            assert drafts and float(drafts[0].split()[-1]) > 0, metrics[-2000:]
+        finally:
+            _stop(drafting)
     finally:
         _stop(live)
         if pinned is not None:

@@ -92,6 +92,7 @@ def train(net: HeadNet, data: Corpus, *, steps_unrolled: int, tokens: int, batch
     G = torch.from_numpy(data.G)
     idx = torch.from_numpy(data.idx)
     left = torch.from_numpy(data.left)
+    teacher_logits = target_logits(net, G)
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     losses, temps, t0 = [], [], time.perf_counter()
@@ -110,8 +111,7 @@ def train(net: HeadNet, data: Corpus, *, steps_unrolled: int, tokens: int, batch
                 break
             nxt = torch.clamp(pick + i, max=len(G) - 1)
             target_h = G[nxt].float()
-            with torch.no_grad():
-                teacher = F.softmax((target_h @ net.W) / T, -1)
+            teacher = F.softmax(teacher_logits[nxt].float() / T, -1)
             h, logits = net.step(h, tok)
             kl = (teacher * (torch.log(teacher + 1e-9) - F.log_softmax(logits / T, -1))).sum(-1) * T * T
             feat = F.smooth_l1_loss(h, target_h, reduction="none").mean(-1)
@@ -126,6 +126,16 @@ def train(net: HeadNet, data: Corpus, *, steps_unrolled: int, tokens: int, batch
         if step % 20 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", T=f"{T:.2f}")
     return TrainReport(total, total * batch, time.perf_counter() - t0, losses, temps)
+
+
+@torch.no_grad()
+def target_logits(net: HeadNet, G: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """The target's logits over the drafter's vocabulary at every position, ``G @ W`` [N, V] in fp16: computed once,
+    not once per step that reads them (the teacher's matmul was as large as the student's)."""
+    out = torch.empty(len(G), net.W.shape[1], dtype=torch.float16)
+    for lo in range(0, len(G), chunk):
+        out[lo:lo + chunk] = (G[lo:lo + chunk].float() @ net.W).half()
+    return out
 
 
 @torch.no_grad()

@@ -30,15 +30,19 @@ class DraftConfig(Section):
     steps: int = Field(4, ge=1, le=16)
     # Distillation budget: answer positions drawn (with replacement) over the whole run, planned before step 1.
     tokens: int = Field(400_000, ge=256)
+    # Answer positions per optimizer step.
     batch_size: int = Field(256, ge=1)
+    # Peak learning rate (AdamW, cosine to 0).
     lr: float = Field(1e-3, gt=0)
     # The KD temperature, linear from t_start to t_end over the run.
     t_start: float = Field(2.0, gt=0)
+    # The temperature at the last step.
     t_end: float = Field(1.0, gt=0)
     # Weight of the hidden-state match (smooth L1) beside the KL term.
     feature_weight: float = Field(0.1, ge=0)
     # Share of the conversations held out to measure acceptance.
     held_out: float = Field(0.1, gt=0, lt=1)
+    # Seeds the held-out split, the prompts' order and the head's initial weights.
     seed: int = 0
     # Register the drafter only when the served target at one user is at least this much faster with it (chat).
     min_speedup: float = Field(1.2, gt=0)

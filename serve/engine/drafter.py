@@ -116,7 +116,9 @@ def make_drafter(config: ServeConfig, manifest: dict, tokenizer) -> Drafter | No
     if config.speculative == "off":
         return None
     model = None
-    if config.speculative != "prompt_lookup":
+    # "auto" reaches here only for a local folder (the registry's model manager resolves it to the champion's own
+    # drafter): prompt lookup
+    if config.speculative not in ("prompt_lookup", "auto"):
         from serve.engine.draft_head import DraftHead, is_draft_head
 
         if is_draft_head(config.speculative):  # the served model's own head (compress/draft/)

@@ -101,6 +101,8 @@ class LocalVersion:
     alias: str | None
     path: Path
     downloaded: bool  # we own the folder and delete it when the model retires
+    # the version's own drafter (its ``drafter`` tag, flows/draft.py), fetched beside it for serve.speculative auto
+    drafter: Path | None = None
 
 
 class ModelSource:
@@ -153,7 +155,29 @@ class ModelSource:
         except Exception as e:
             shutil.rmtree(dst, ignore_errors=True)
             raise ModelSourceError(f"downloading {spec.name} version {version} failed: {type(e).__name__}: {e}") from e
-        return LocalVersion(self.served_name, str(version), spec.alias, Path(path), downloaded=True)
+        return LocalVersion(self.served_name, str(version), spec.alias, Path(path), downloaded=True,
+                            drafter=self._fetch_drafter(version, dst) if self.wants_drafter else None)
+
+    wants_drafter = False  # set by the server when serve.speculative is auto
+
+    def _fetch_drafter(self, version: str, dst: Path) -> Path | None:
+        """The drafter the version links to (tag ``drafter``: "<model>/<version>"), downloaded into ``dst``; None
+        without one, or when it cannot be fetched (the target is served without it, with a line in the log)."""
+        import logging
+
+        log = logging.getLogger(__name__)
+        registry = self._registry()
+        try:
+            link = registry.get_version(self.spec.name, version).tags.get("drafter")
+            if not link:
+                return None
+            path = registry.download(f"{MODELS_SCHEME}{link}", dst / "drafter")
+            found = next(Path(path).rglob("manifest.json"), None)
+            return found.parent if found is not None else None
+        except Exception as e:  # noqa: BLE001 - a drafter only changes the speed: serve without it
+            log.warning("the drafter of %s version %s could not be fetched (%s: %s); serving without it",
+                        self.spec.name, version, type(e).__name__, e)
+            return None
 
     def cleanup(self) -> None:
         if self._own_root and self._download_root is not None:

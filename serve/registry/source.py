@@ -121,6 +121,7 @@ class ModelManager:
         self.source = (source if isinstance(source, ModelSource)
                        else ModelSource(source, tracking_uri, served_name=served_name))
         self.config = config or ServeConfig()
+        self.source.wants_drafter = self.config.speculative == "auto"
         self._factory = engine_factory
         self._lock = threading.Condition()
         self._load_lock = threading.Lock()  # one load at a time (poller vs admin reload)
@@ -175,8 +176,12 @@ class ModelManager:
     # ---- loading ---------------------------------------------------------------------------
     def _load(self, version: str | None) -> LoadedModel:
         fetched = self.source.fetch(version)
+        config = self.config
+        if config.speculative == "auto":  # the version's own drafter (with prompt lookup), else prompt lookup
+            config = config.model_copy(update={"speculative": str(fetched.drafter) if fetched.drafter
+                                               else "prompt_lookup"})
         try:
-            engine = self._factory(fetched.path, self.config)
+            engine = self._factory(fetched.path, config)
         except Exception as e:
             if fetched.downloaded:
                 shutil.rmtree(fetched.path, ignore_errors=True)

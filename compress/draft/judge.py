@@ -1,0 +1,80 @@
+"""The drafter judged where it runs: the serving engine, one user at a time, speculation off and on.
+
+The prompts are the gate's chat selection set (compress/evaluate/chatsets/selection.jsonl), which the drafter never
+trained on (its prompts: compress/draft/conversations.py). Each prompt is answered greedily on a fresh engine per
+setting, one request at a time (the one-user case that drafting is for); tokens/s = answer tokens / wall time.
+The texts must be identical: drafts only ever change the speed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CHATSET = Path(__file__).resolve().parent.parent / "evaluate" / "chatsets" / "selection.jsonl"
+
+
+@dataclass
+class Judgement:
+    tokens_per_s_off: float
+    tokens_per_s_on: float
+    speedup: float
+    identical: int
+    prompts: int
+    acceptance: float  # accepted drafts / drafted tokens
+    tokens_per_check: float  # tokens a drafted check produced (accepted drafts + the target's own)
+
+    def metrics(self) -> dict[str, float]:
+        return {f"draft_judge_{k}": float(v) for k, v in asdict(self).items()}
+
+
+def judge_prompts(n: int) -> list[list[dict]]:
+    rows = [json.loads(line) for line in CHATSET.read_text().splitlines() if line.strip()]
+    return [r["messages"] for r in rows[:n]]
+
+
+def _answer(target: Path, speculative: str, prompts: list[list[dict]], max_tokens: int, **serve) -> tuple:
+    from serve.api.chat_template import render_template, template_specials
+    from serve.config import ServeConfig
+    from serve.engine.engine import Engine
+    from serve.engine.sampling import SamplingParams
+    from serve.engine.tokenizer import encode_chat, encode_prompt
+
+    eng = Engine(target, ServeConfig(speculative=speculative, result_cache_size=0, enable_prefix_caching=False,
+                                     **serve), start=False)
+    try:
+        m = eng.manifest
+        texts, tokens, wall = [], 0, 0.0
+        for msgs in prompts:
+            if m.get("chat_template"):
+                text = render_template(m["chat_template"], msgs, True, **template_specials(eng.tokenizer, m))
+                ids = encode_chat(eng.tokenizer, m, text)
+            else:
+                ids = encode_prompt(eng.tokenizer, m, msgs[-1]["content"])
+            t0 = time.perf_counter()
+            handle = eng.add_request(ids, SamplingParams.greedy(max_tokens))
+            eng.run_until_done()
+            wall += time.perf_counter() - t0
+            out = handle.result().output_ids
+            texts.append(out)
+            tokens += len(out)
+        c = eng.drafter.counters if eng.drafter is not None else None
+        return texts, tokens, wall, c
+    finally:
+        eng.shutdown()
+
+
+def judge_drafter(target: str | Path, drafter: str | Path, *, prompts: int = 8, max_tokens: int = 128,
+                  **serve) -> Judgement:
+    """Tokens/s of the target served alone and with ``drafter`` (``serve``: further ServeConfig keys)."""
+    target = Path(target)
+    chats = judge_prompts(prompts)
+    off_texts, off_tokens, off_wall, _ = _answer(target, "off", chats, max_tokens, **serve)
+    on_texts, on_tokens, on_wall, c = _answer(target, str(drafter), chats, max_tokens, **serve)
+    off_rate, on_rate = off_tokens / off_wall, on_tokens / on_wall
+    acc = c.accepted_tokens / c.draft_tokens if c and c.draft_tokens else 0.0
+    per_check = (c.accepted_tokens + c.drafts) / c.drafts if c and c.drafts else 0.0
+    return Judgement(round(off_rate, 2), round(on_rate, 2), round(on_rate / off_rate, 3),
+                     sum(a == b for a, b in zip(off_texts, on_texts)), len(chats), round(acc, 3), round(per_check, 2))
