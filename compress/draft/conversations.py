@@ -193,10 +193,11 @@ def save(convs: list[Conversation], path: str | Path) -> None:
 
 
 def load(path: str | Path) -> list[Conversation]:
-    z = np.load(path)
+    with np.load(path) as z:  # each z[key] reads the array again: once each
+        all_ids, hidden, lens, starts = z["ids"], z["hidden"], z["lens"], z["starts"]
     out, at, hat = [], 0, 0
-    for n, s in zip(z["lens"], z["starts"]):
-        ids = z["ids"][at:at + n]
-        out.append(Conversation(ids, int(s), z["hidden"][hat:hat + n - s]))
+    for n, s in zip(lens, starts):
+        ids = all_ids[at:at + n]
+        out.append(Conversation(ids, int(s), hidden[hat:hat + n - s]))
         at, hat = at + n, hat + n - s
     return out
