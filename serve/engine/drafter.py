@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Sequence
+
+import numpy as np
 from dataclasses import dataclass
 
 from serve.config import ServeConfig
 from serve.engine.scheduler import ScheduledSeq
 from serve.engine.speculative import DraftLength, prompt_lookup
+from serve.runners.protocol import RunRow
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +28,13 @@ class SpecCounters:
     drafts: int = 0  # rows that carried drafts
     draft_tokens: int = 0
     accepted_tokens: int = 0
+
+
+class _Scratch:
+    """The calibration's sequence, as the engine's block manager names sequences (its on_free hook reads these)."""
+
+    request_id = "check-costs"
+    epoch = 0
 
 
 class Drafter:
@@ -39,8 +49,44 @@ class Drafter:
     def _length(self, key: Hashable) -> DraftLength:
         d = self.lengths.get(key)
         if d is None:
-            d = self.lengths[key] = DraftLength(self.k_max)
+            d = self.lengths[key] = DraftLength(self.k_max, self.costs)
         return d
+
+    costs: list[float] | None = None  # a check of n positions over a decode step (index n), from ``calibrate``
+
+    def calibrate(self, runner, block_manager, reps: int = 3) -> list[float]:
+        """Time a check of 1 .. k_max + 1 positions on the runner (a scratch sequence's blocks, given back after):
+        what a drafted step costs on this machine and graph, for the draft lengths (speculative.best_length)."""
+        import time
+
+        if self.model is not None and not self.reads_hidden:
+            return []  # a draft model pays per drafted token too: its length stays the heuristic's
+        scratch = _Scratch()
+        key = (scratch.request_id, scratch.epoch)  # the runner's name for its rows
+        n_max = self.k_max + 1
+        block_manager.start(scratch)
+        try:
+            if not block_manager.allocate(scratch, 64 + n_max):
+                return []
+            table = block_manager.block_table(scratch)
+            runner.execute([RunRow(key, table, 0, list(range(1, 65)), True, False)])
+            median = []
+            for n in range(1, n_max + 1):
+                times = []
+                for _ in range(reps + 1):
+                    t0 = time.perf_counter()
+                    runner.execute([RunRow(key, table, 64, list(range(1, n + 1)), True, n > 1)])
+                    times.append(time.perf_counter() - t0)
+                median.append(float(np.median(times[1:])))
+        except Exception:  # noqa: BLE001 - without the costs the lengths follow the heuristic alone
+            log.exception("timing speculative checks failed; draft lengths follow acceptance alone")
+            return []
+        finally:
+            block_manager.free(scratch)  # its on_free hook releases the runner's row
+        self.costs = [0.0, *(t / median[0] for t in median)]
+        log.info("speculative checks cost %s x a decode step at 1 .. %d positions",
+                 ", ".join(f"{c:.2f}" for c in self.costs[1:]), n_max)
+        return self.costs
 
     def candidates(self, rows: Sequence[ScheduledSeq], max_model_len: int) -> list[tuple[ScheduledSeq, int]]:
         """The step's decode rows that should draft now, each with how many tokens (none when the step is larger

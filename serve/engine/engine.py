@@ -114,6 +114,8 @@ class Engine:
             if drafter is not None:
                 drafter.release(key)
         self.block_manager.on_free = on_free
+        if drafter is not None:  # what a check of k drafts costs here decides how many pay
+            drafter.calibrate(runner, self.block_manager)
         release_free_memory()  # the loader's freed temporaries, ~100 MiB for SmolLM2 (serve/engine/heap.py)
         pool_bytes = num_blocks * spec.bytes_per_block(bs)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)%s; context %d; provider %s",

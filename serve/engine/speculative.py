@@ -88,28 +88,47 @@ def accept_drafts(logits: np.ndarray, drafts: Sequence[int], params: SamplingPar
     return [*out, final]
 
 
+def best_length(first: float, costs: Sequence[float], k_max: int) -> int:
+    """The draft length with the most tokens per second: ``costs[n]`` is a check of n positions over a plain decode
+    step (costs[1] = 1), ``first`` the chance a draft stands (taken as the same at every position). A check of k
+    drafts yields 1 + first + ... + first^k tokens on average. On 2 cores a 4-bit 1.5B checks 2 positions for
+    1.03x a decode step but 5 for 1.77x, so a drafter right one time in three pays at k = 1 and loses at k = 4."""
+    best, best_rate = 1, 0.0
+    for k in range(1, min(k_max, len(costs) - 2) + 1):
+        rate = sum(first ** i for i in range(k + 1)) / costs[k + 1]
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
 class DraftLength:
-    """One request's draft length: grows while drafts stand, shrinks when they fail, pauses when they keep failing."""
+    """One request's draft length: grows while drafts stand, shrinks when they fail, pauses when they keep failing;
+    with measured check costs (``costs``, serve/engine/drafter.py) never beyond the length that pays best."""
 
-    __slots__ = ("k", "k_max", "rate", "pause", "next_pause")
+    __slots__ = ("k", "k_max", "rate", "pause", "next_pause", "first", "costs")
 
-    def __init__(self, k_max: int):
+    def __init__(self, k_max: int, costs: Sequence[float] | None = None):
         self.k_max = k_max
         self.k = k_max
         self.rate = 1.0  # moving average of the accepted share
         self.pause = 0  # steps left without drafting
         self.next_pause = 4
+        self.first = 0.5  # moving average of "the first draft stood"
+        self.costs = costs
 
     def want(self) -> int:
         """How many tokens to draft now (0 while paused). Call once per decode step of the request."""
         if self.pause > 0:
             self.pause -= 1
             return 0
+        if self.costs is not None:
+            return min(self.k, best_length(self.first, self.costs, self.k_max))
         return self.k
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
+        self.first = 0.8 * self.first + 0.2 * float(accepted > 0)
         self.rate = 0.7 * self.rate + 0.3 * accepted / proposed
         self.k = min(self.k + 2, self.k_max) if accepted == proposed else max(1, self.k - 1)
         if self.rate < MIN_RATE:
