@@ -1,7 +1,10 @@
 """Speculative decoding through the server: tokens/s with and without drafts, one sitting, the openai SDK.
 
     python -m benchmarks.speculative --artifact <artifact> [--method prompt_lookup] [--method draft=<draft artifact>]
-        [--prompts 6] [--max-tokens 256] [--load 8 32] [--out benchmarks/results/speculative.json]
+        [--prompts 6] [--max-tokens 256] [--load 8 32] [--workloads code_edit chat]
+        [--out benchmarks/results/speculative.json]
+
+A ``draft=`` folder may be a draft model or a draft head (compress/draft/, docs/drafter.md).
 
 One user (streamed ``chat.completions``, greedy, caches off: result cache 0, prefix caching off):
   * ``code_edit``: a function from CPython's own sources and an instruction whose answer rewrites it (type hints,
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", type=int, nargs="*", default=[8, 32])
     ap.add_argument("--load-workload", choices=["chat", "code_edit"], default="chat",
                     help="what the users under load ask (code_edit: where drafts land, to find the break-even)")
+    ap.add_argument("--workloads", nargs="+", choices=["code_edit", "chat"], default=["code_edit", "chat"])
     ap.add_argument("--set", action="append", default=[], help="extra serve.KEY=VALUE for every server")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/speculative.json")
     args = ap.parse_args(argv)
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in args.method or ["prompt_lookup"]:
         methods[m.split("=", 1)[0] if m.startswith("draft=") else m] = m.split("=", 1)[1] if "=" in m else m
     workloads = {"code_edit": code_edits(args.prompts), "chat": chats(args.prompts, seed=7)} if args.prompts else {}
+    workloads = {k: v for k, v in workloads.items() if k in args.workloads}
     res = {"artifact": str(args.artifact), "cpu_flags": cpu_flags(), "max_tokens": args.max_tokens,
            "load_workload": args.load_workload,
            "settings": base, "methods": methods, "one_user": {}, "under_load": {}}

@@ -46,10 +46,12 @@ class Drafter:
         self.lengths: dict[Hashable, DraftLength] = {}
         self.counters = SpecCounters()
 
-    def _length(self, key: Hashable) -> DraftLength:
+    def _length(self, key: Hashable, greedy: bool = True) -> DraftLength:
         d = self.lengths.get(key)
         if d is None:
-            d = self.lengths[key] = DraftLength(self.k_max, self.costs)
+            # the costs are timings, which differ run to run: a sampled request's lengths follow its acceptance
+            # alone, so a seeded request draws the same numbers twice (greedy text is the same at any length)
+            d = self.lengths[key] = DraftLength(self.k_max, self.costs if greedy else None)
         return d
 
     costs: list[float] | None = None  # a check of n positions over a decode step (index n), from ``calibrate``
@@ -102,7 +104,7 @@ class Drafter:
             room = min(seq.params.max_tokens - seq.num_output - 1, max_model_len - len(seq.token_ids))
             if room < 1:
                 continue
-            k = min(self._length((seq.request_id, seq.epoch)).want(), room)
+            k = min(self._length((seq.request_id, seq.epoch), seq.params.is_greedy).want(), room)
             if k > 0:
                 out.append((r, k))
         return out

@@ -131,7 +131,10 @@ class DraftLength:
         self.first = 0.8 * self.first + 0.2 * float(accepted > 0)
         self.rate = 0.7 * self.rate + 0.3 * accepted / proposed
         self.k = min(self.k + 2, self.k_max) if accepted == proposed else max(1, self.k - 1)
-        if self.rate < MIN_RATE:
+        # with measured costs, drafting stops only where even one draft costs more than it brings
+        losing = (1 + self.first) < self.costs[2] if self.costs is not None and len(self.costs) > 2 else \
+            self.rate < MIN_RATE
+        if losing:
             self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, MAX_PAUSE)
             self.rate, self.k = MIN_RATE, 1  # after the pause: probe with one token
         elif accepted == proposed:
