@@ -14,7 +14,6 @@ Outcomes: Completed "Registered" (drafter version and figures), Completed "NotRe
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from pathlib import Path
 
@@ -47,15 +46,9 @@ def fetch_target(cfg: PipelineConfig, version: str | None) -> tuple[str, Path, s
     dst = workdir(cfg) / "draft" / f"target-{name}-v{version}"
     if not (dst / "manifest.json").is_file():
         shutil.rmtree(dst, ignore_errors=True)
-        path = registry.download(f"models:/{name}/{version}", dst)
-        found = next(Path(path).rglob("manifest.json"), None)
-        if found is None:
+        dst = Path(registry.download(f"models:/{name}/{version}", dst))  # the version's files, as the server gets them
+        if not (dst / "manifest.json").is_file():
             raise ValueError(f"version {version} of {name} holds no artifact (manifest.json)")
-        if found.parent != dst:
-            tmp = dst.with_name(dst.name + ".tmp")
-            shutil.move(str(found.parent), tmp)
-            shutil.rmtree(dst)
-            tmp.rename(dst)
     return str(version), dst, sha256_file(dst / "manifest.json")
 
 

@@ -99,23 +99,22 @@ def written_prompts(n: int, seed: int) -> list[str]:
     return out[:n]
 
 
-def _render(engine, text: str) -> str:
-    """The user turn ``text`` in the target's chat template, as the server renders it, up to the answer."""
+def _render(engine, messages: list[dict]) -> str:
+    """``messages`` in the target's chat template, as the server renders them, up to the answer."""
     from serve.api.chat_template import render_template, template_specials
 
     manifest = engine.manifest
-    return render_template(manifest["chat_template"], [{"role": "user", "content": text}], True,
-                           **template_specials(engine.tokenizer, manifest))
+    return render_template(manifest["chat_template"], messages, True, **template_specials(engine.tokenizer, manifest))
 
 
-def _chat_ids(engine, text: str) -> list[int]:
-    """The prompt's ids as the model is used: a chat turn, or the plain text for a model without a chat template
-    (its drafter learns completions)."""
+def chat_ids(engine, messages: list[dict]) -> list[int]:
+    """The prompt's ids as the model is used: a chat in its template, or the last message's plain text for a model
+    without a chat template (its drafter learns completions)."""
     from serve.engine.tokenizer import encode_chat, encode_prompt
 
     if not engine.manifest.get("chat_template"):
-        return encode_prompt(engine.tokenizer, engine.manifest, text)
-    return encode_chat(engine.tokenizer, engine.manifest, _render(engine, text))
+        return encode_prompt(engine.tokenizer, engine.manifest, messages[-1]["content"])
+    return encode_chat(engine.tokenizer, engine.manifest, _render(engine, messages))
 
 
 def own_turns(engine, n: int, seed: int, max_tokens: int = 64) -> list[str]:
@@ -125,7 +124,7 @@ def own_turns(engine, n: int, seed: int, max_tokens: int = 64) -> list[str]:
     from serve.engine.sampling import SamplingParams
 
     mark = "MARKER7b1f"
-    text = _render(engine, mark)
+    text = _render(engine, [{"role": "user", "content": mark}])
     opening = encode_chat(engine.tokenizer, engine.manifest, text[:text.index(mark)])
     tokenizer = engine.tokenizer
     handles = [engine.add_request(opening, SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed + i))
@@ -164,7 +163,7 @@ def record(artifact: str | Path, n_prompts: int, *, max_tokens: int = 192, users
         running: list = []
         while pending or running:
             while pending and len(running) < users * 2:
-                ids = _chat_ids(engine, pending.pop())
+                ids = chat_ids(engine, [{"role": "user", "content": pending.pop()}])
                 if len(ids) + max_tokens > engine.max_model_len:  # a long function for a short context: skip it
                     bar.update(1)
                     continue

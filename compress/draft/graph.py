@@ -1,7 +1,7 @@
 """The draft head as an ONNX graph: ``draft_steps`` steps unrolled, its matrices as 8-bit MatMulNBits.
 
 Inputs ``hidden`` [n, H] (the target's hidden state that chose each row's newest token) and ``token`` [n] (that
-token's id); output ``draft_ids`` [n, steps] (token ids), and ``draft_ids_k`` [n, k] for the first k steps alone. One ONNX Runtime call drafts every step for every row;
+token's id); output ``draft_ids`` [n, steps] (token ids). One ONNX Runtime call drafts every step for every row;
 the weights are stored once and read by each step. 8-bit block-wise weights with int8 activations
 (accuracy_level 4), as the served graphs' own 8-bit groups.
 """
@@ -75,14 +75,8 @@ def export_head(net: HeadNet, vocab_ids: np.ndarray, full_vocab: int, steps: int
         outs.append(n("Gather", ["vocab_ids", idx], f"id_{i}", axis=0))
         idx = n("Squeeze", [idx, "axis1"], f"idxs_{i + 1}")
     inits.append(numpy_helper.from_array(np.array([1], np.int64), "axis1"))
-    # draft_ids_k: the first k steps only (ONNX Runtime runs what the asked output needs: a request drafting 1 token
-    # pays one step); draft_ids: all of them
-    outputs = []
-    for k in range(1, steps + 1):
-        n("Concat", outs[:k], f"draft_ids_{k}", axis=-1)
-        outputs.append(helper.make_tensor_value_info(f"draft_ids_{k}", TensorProto.INT64, ["n", k]))
-    n("Identity", [f"draft_ids_{steps}"], "draft_ids")
-    outputs.append(helper.make_tensor_value_info("draft_ids", TensorProto.INT64, ["n", steps]))
+    n("Concat", outs, "draft_ids", axis=-1)
+    outputs = [helper.make_tensor_value_info("draft_ids", TensorProto.INT64, ["n", steps])]
     graph = helper.make_graph(nodes, "draft_head",
                               [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["n", H]),
                                helper.make_tensor_value_info("token", TensorProto.INT64, ["n"])], outputs, inits)

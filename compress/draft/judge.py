@@ -36,23 +36,17 @@ def judge_prompts(n: int) -> list[list[dict]]:
 
 
 def _answer(target: Path, speculative: str, prompts: list[list[dict]], max_tokens: int, **serve) -> tuple:
-    from serve.api.chat_template import render_template, template_specials
+    from compress.draft.conversations import chat_ids
     from serve.config import ServeConfig
     from serve.engine.engine import Engine
     from serve.engine.sampling import SamplingParams
-    from serve.engine.tokenizer import encode_chat, encode_prompt
 
     eng = Engine(target, ServeConfig(speculative=speculative, result_cache_size=0, enable_prefix_caching=False,
                                      **serve), start=False)
     try:
-        m = eng.manifest
         texts, tokens, wall = [], 0, 0.0
         for msgs in prompts:
-            if m.get("chat_template"):
-                text = render_template(m["chat_template"], msgs, True, **template_specials(eng.tokenizer, m))
-                ids = encode_chat(eng.tokenizer, m, text)
-            else:
-                ids = encode_prompt(eng.tokenizer, m, msgs[-1]["content"])
+            ids = chat_ids(eng, msgs)
             t0 = time.perf_counter()
             handle = eng.add_request(ids, SamplingParams.greedy(max_tokens))
             eng.run_until_done()

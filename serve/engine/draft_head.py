@@ -64,8 +64,6 @@ class DraftHead:
         self.session = make_session(self.artifact_dir / "draft.onnx", config.providers,
                                     threads=config.intra_op_threads, spinning="during_runs")
         self._last: dict[Hashable, tuple[int, np.ndarray]] = {}
-        names = {o.name for o in self.session.get_outputs()}
-        self._step_outputs = {k for k in range(1, self.steps + 1) if f"draft_ids_{k}" in names}
         log.info("draft head %s: %d steps, %d-token vocabulary", where, self.steps, int(self.manifest["draft_vocab"]))
 
     def observe(self, key: Hashable, n_tokens: int, hidden: np.ndarray) -> None:
@@ -87,9 +85,7 @@ class DraftHead:
             return out
         hidden = np.stack([h for _, h, _, _ in live]).astype(np.float32, copy=False)
         token = np.array([t for _, _, t, _ in live], np.int64)
-        k_max = min(max(k for *_, k in live), self.steps)
-        name = f"draft_ids_{k_max}" if k_max in self._step_outputs else "draft_ids"
-        ids = self.session.run([name], {"hidden": hidden, "token": token})[0]
+        ids = self.session.run(["draft_ids"], {"hidden": hidden, "token": token})[0]
         for (i, _, _, k), row in zip(live, ids):
             out[i] = [int(t) for t in row[:k]]
         return out

@@ -8,6 +8,7 @@ lock: a draft model runs there), hands the drafts to the scheduler, and reports 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -59,8 +60,6 @@ class Drafter:
     def calibrate(self, runner, block_manager, reps: int = 3) -> list[float]:
         """Time a check of 1 .. k_max + 1 positions on the runner (a scratch sequence's blocks, given back after):
         what a drafted step costs on this machine and graph, for the draft lengths (speculative.best_length)."""
-        import time
-
         if self.model is not None and not self.reads_hidden:
             return []  # a draft model pays per drafted token too: its length stays the heuristic's
         scratch = _Scratch()

@@ -171,9 +171,8 @@ class ModelSource:
             link = registry.get_version(self.spec.name, version).tags.get("drafter")
             if not link:
                 return None
-            path = registry.download(f"{MODELS_SCHEME}{link}", dst / "drafter")
-            found = next(Path(path).rglob("manifest.json"), None)
-            return found.parent if found is not None else None
+            path = Path(registry.download(f"{MODELS_SCHEME}{link}", dst / "drafter"))
+            return path if (path / "manifest.json").is_file() else None
         except Exception as e:  # noqa: BLE001 - a drafter only changes the speed: serve without it
             log.warning("the drafter of %s version %s could not be fetched (%s: %s); serving without it",
                         self.spec.name, version, type(e).__name__, e)
