@@ -38,7 +38,7 @@ test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS) tests
 
 # The MLflow UI on the project's store: `make ui UI_PORT=5001` when 5000 is taken. The pipeline's links are
-# relative routes of the UI (compress/registry.py), so they open on whatever port it runs.
+# relative routes of the UI (compress/registry/store.py), so they open on whatever port it runs.
 UI_PORT ?= 5000
 ui: setup
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db --default-artifact-root $(CURDIR)/mlruns --host 127.0.0.1 --port $(UI_PORT) --workers 1

@@ -50,7 +50,7 @@ def run(config: str, reference: str, candidate: str, baseline: str, model_dir: s
 def drift(baseline: str, model_dir: str, heldout: str, dtype: str) -> dict:
     """The fp32 graph judged against the checkpoint read in ``dtype``, on the test split: what the 16-bit reference
     alone moves (an INT8 candidate's agreement with it cannot be expected above this one's)."""
-    from compress.data import load_heldout
+    from compress.corpus.splits import load_heldout
     from compress.evaluate.checkpoint_ref import CheckpointReference
     from compress.evaluate.verdict import against_baseline
 

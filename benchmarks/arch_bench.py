@@ -2,7 +2,7 @@
 
     python -m benchmarks.arch_bench --batch 1 8 --past 128 --json benchmarks/results/arch_decode.json
 
-For each family of compress/tiny.py: the dynamo export (standard) and, where the builder takes the family,
+For each family of compress/loading/tiny.py: the dynamo export (standard) and, where the builder takes the family,
 the gqa graph, both built once under .cache/bench/arch/; then benchmarks.gqa_bench's interleaved step
 timing (same run, so the ratio holds on a shared machine). A family the gqa builder refuses reports why.
 The tiny models (hidden 64, 2 layers) measure per-call overhead and the attention/KV handling, not matmuls;
@@ -20,7 +20,7 @@ from benchmarks.gqa_bench import _session, gqa_step, measure, standard_step
 
 
 def size_overrides(family: str, size: str) -> dict:
-    """Config overrides of the --size preset ('tiny' = compress/tiny.py as it is)."""
+    """Config overrides of the --size preset ('tiny' = compress/loading/tiny.py as it is)."""
     if size == "tiny":
         return {}
     kw = dict(hidden_size=256, intermediate_size=1024 if family == "gpt_neox" else 512, num_hidden_layers=4,
@@ -38,7 +38,7 @@ def build(family: str, root: Path, size: str = "tiny") -> tuple[Path, Path | Non
     """(standard folder, gqa folder or None, why) for the family's seed-0 model of that size, built once."""
     from compress.export.standard import build_artifact
     from compress.export.gqa import GqaBuildError, build_gqa_artifact, check_supported
-    from compress.tiny import build_tiny
+    from compress.loading.tiny import build_tiny
 
     model, tok = build_tiny(family, seed=0, **size_overrides(family, size))
     std, gqa = root / f"{family}-{size}-standard", root / f"{family}-{size}-gqa"
@@ -56,7 +56,7 @@ def build(family: str, root: Path, size: str = "tiny") -> tuple[Path, Path | Non
 def golden_figures(family: str, folder: Path, size: str = "tiny") -> dict:
     """The golden check (prompt past the sliding window, left-padded batch) of one artifact."""
     from compress.evaluate.golden import compare_onnx, record_golden
-    from compress.tiny import build_tiny
+    from compress.loading.tiny import build_tiny
 
     model, tok = build_tiny(family, seed=0, **size_overrides(family, size))
     prompts = ["The cat sat on", "The cat sat on the mat and then it went to the store to buy some bread and milk "
@@ -68,7 +68,7 @@ def golden_figures(family: str, folder: Path, size: str = "tiny") -> dict:
 
 
 def main(argv=None) -> int:
-    from compress.tiny import FAMILIES
+    from compress.loading.tiny import FAMILIES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", nargs="+", default=list(FAMILIES))

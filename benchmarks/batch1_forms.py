@@ -33,10 +33,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from compress.config import load_config
-    from compress.data import splits_from_config
+    from compress.corpus.splits import splits_from_config
     from compress.evaluate.onnx_eval import evaluate_onnx
     from compress.export.gqa import build_gqa_artifact
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
     from compress.quantize.quantizer import quantize_artifact
 
     out = Path(a.out)

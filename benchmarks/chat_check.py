@@ -35,7 +35,7 @@ def as_artifact(item: str) -> str:
     if (Path(path) / "manifest.json").is_file():
         return item
     from compress.export.gqa import build_gqa_artifact
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
 
     model, tok = load_teacher(path)[:2]
     out = Path(tempfile.mkdtemp(prefix=f"chat_{name}_")) / "artifact"

@@ -26,10 +26,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from compress.config import DistillConfig, PruneConfig  # noqa: E402
-from compress.data import make_splits  # noqa: E402
+from compress.corpus.splits import make_splits  # noqa: E402
 from compress.distill.train import distill  # noqa: E402
 from compress.distill.launch import DistillJob, launch_distill  # noqa: E402
-from compress.models import load_teacher, resolve_source  # noqa: E402
+from compress.loading.models import load_teacher, resolve_source  # noqa: E402
 from compress.prune import prune_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -36,10 +36,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from compress.config import DistillConfig, PruneConfig  # noqa: E402
-from compress.data import make_splits  # noqa: E402
+from compress.corpus.splits import make_splits  # noqa: E402
 from compress.distill.train import distill  # noqa: E402
 from compress.distill.data import training_splits  # noqa: E402
-from compress.models import load_teacher  # noqa: E402
+from compress.loading.models import load_teacher  # noqa: E402
 from compress.prune import prune_model  # noqa: E402
 from compress.evaluate.torch_eval import perplexity  # noqa: E402
 

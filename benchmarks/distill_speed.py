@@ -30,13 +30,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from compress.config import DistillConfig, PruneConfig  # noqa: E402
-from compress.cpu import cpu_flags  # noqa: E402
-from compress.data import make_splits  # noqa: E402
+from compress.sizing.cpu import cpu_flags  # noqa: E402
+from compress.corpus.splits import make_splits  # noqa: E402
 from compress.distill.distributed import Rank  # noqa: E402
 from compress.distill.fused import KDBody, TeacherRows, split_head  # noqa: E402
 from compress.distill.loss import TeacherOut  # noqa: E402
 from compress.distill.train import _DataOrder, distill, train_step  # noqa: E402
-from compress.models import load_teacher  # noqa: E402
+from compress.loading.models import load_teacher  # noqa: E402
 from compress.prune import prune_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

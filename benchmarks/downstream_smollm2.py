@@ -19,10 +19,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def main(dirs: list[str]) -> None:
     from pathlib import Path
 
-    from compress.data import make_splits
+    from compress.corpus.splits import make_splits
     from compress.evaluate.downstream import downstream_scores
     from compress.evaluate.onnx_eval import evaluate_onnx
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
 
     root = Path(__file__).resolve().parent.parent
     _, tok = load_teacher(cache_dir=root / ".cache" / "models")

@@ -34,9 +34,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from compress.config import DistillConfig  # noqa: E402
-from compress.data import make_splits  # noqa: E402
+from compress.corpus.splits import make_splits  # noqa: E402
 from compress.distill.train import distill  # noqa: E402
-from compress.tiny import build_tiny_llama  # noqa: E402
+from compress.loading.tiny import build_tiny_llama  # noqa: E402
 
 # SmolLM2-135M's architecture (config of the embedded GGUF).
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -77,7 +77,7 @@ def smollm2_shape(work: Path, device: str, steps: int, batch: int) -> dict:
     student = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2, "intermediate_size": 1152}))
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, SMOLLM2["vocab_size"], (batch * steps + 16, 128), generator=gen).numpy()
-    from compress.data import DataSplits
+    from compress.corpus.splits import DataSplits
 
     splits = DataSplits(blocks[:-16], blocks[-16:-8], blocks[-8:], "random", int(blocks.size))
     if device == "cuda":
@@ -99,7 +99,7 @@ def ddp(work: Path) -> dict:
     if n < 2:
         return {"skipped": f"{n} GPU: NCCL needs one GPU per rank"}
     from compress.distill.launch import DistillJob, launch_distill
-    from compress.tiny import save_tiny_llama
+    from compress.loading.tiny import save_tiny_llama
 
     t_dir, s_dir = save_tiny_llama(work / "t", seed=0), save_tiny_llama(work / "s", seed=1)
     _, tok = build_tiny_llama(seed=0)

@@ -74,12 +74,12 @@ def run(a) -> dict:
     import torch
 
     from compress.config import load_config
-    from compress.data import make_splits
+    from compress.corpus.splits import make_splits
     from compress.distill.data import training_splits
     from compress.distill.train import distill
     from compress.evaluate.verdict import judge
     from compress.export.gqa import build_gqa_artifact
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
     from compress.prune import prune_model
     from compress.quantize.quantizer import quantize_artifact
 

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gguf", default=None, help="the model's GGUF (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--cache", default=".cache/gpu_pack", help="where the downloaded wheel is kept")
     a = p.parse_args(argv)
-    from compress.models import embedded_gguf_path
+    from compress.loading.models import embedded_gguf_path
 
     pack(Path(a.out), a.sm, Path(a.gguf) if a.gguf else embedded_gguf_path(), Path(a.cache))
     return 0

@@ -103,7 +103,7 @@ def environment(cpu: bool) -> dict:
 def build(source: str, work: Path) -> tuple[Path, dict]:
     """(the CUDA form's folder, timings) for the model ``source`` (as model.source reads it)."""
     from compress.export.gqa import build_gqa_artifact
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
     from compress.quantize.cuda_fp16 import write_fp16_artifact
 
     t0 = time.perf_counter()

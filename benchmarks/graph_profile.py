@@ -199,7 +199,7 @@ def default_prompt(n: int) -> list[int]:
     """A prompt of n tokens from the first request of the standard workload, SmolLM2's tokenizer."""
     from tokenizers import Tokenizer
 
-    from compress.models import resolve_source
+    from compress.loading.models import resolve_source
     from loadtest.workloads import make_workload
 
     tok = Tokenizer.from_file(str(Path(resolve_source("embedded", None, ".cache/models")) / "tokenizer.json"))

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=list(VARIANTS))
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
-    from compress.data import DataSplits
+    from compress.corpus.splits import DataSplits
 
     sp = DataSplits.load(a.splits)  # files of any format
     calib, ev = sp.calib, sp.selection

@@ -30,14 +30,14 @@ import torch  # noqa: E402
 
 from benchmarks.chat_check import SECOND_SET  # noqa: E402
 from compress.config import DistillConfig, PruneConfig  # noqa: E402
-from compress.cpu import cpu_flags  # noqa: E402
-from compress.data import make_splits  # noqa: E402
+from compress.sizing.cpu import cpu_flags  # noqa: E402
+from compress.corpus.splits import make_splits  # noqa: E402
 from compress.distill.data import training_splits  # noqa: E402
 from compress.distill.train import distill  # noqa: E402
 from compress.evaluate import chat as chat_eval  # noqa: E402
 from compress.evaluate.torch_eval import perplexity  # noqa: E402
 from compress.export.gqa import build_gqa_artifact  # noqa: E402
-from compress.models import load_teacher  # noqa: E402
+from compress.loading.models import load_teacher  # noqa: E402
 from compress.prune import prune_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

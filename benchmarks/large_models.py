@@ -6,13 +6,13 @@
     python -m benchmarks.large_models --shape qwen2.5-7b --stages --serve --artifact A --requests 4  # a run's candidate
     python -m benchmarks.large_models --shape qwen2.5-7b --stages build export_int4 --serve --tag int4  # the 4-bit graph
 
-The model is ``model.source: shape:<name>`` (compress/shapes.py: the published config, random seeded weights,
+The model is ``model.source: shape:<name>`` (compress/sizing/shapes.py: the published config, random seeded weights,
 bf16). Each stage runs as ``python -m benchmarks.large_models --stage <stage> ...`` in a child process, so its
 peak is its own: the parent samples the resident memory of the child's whole process tree (itself and every
 descendant, /proc) every 50 ms and also reads the child's own ``ru_maxrss``; the table shows the larger.
 Stages hand their outputs on through a work folder (``--workdir``, default ``artifacts/large/<shape>``), as the
 pipeline's tasks do. Prints a table and writes ``benchmarks/results/large_<shape>.json``; the estimate columns
-come from compress/memory.py, the formulas docs/models.md states.
+come from compress/sizing/memory.py, the formulas docs/models.md states.
 """
 
 from __future__ import annotations
@@ -152,14 +152,14 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}
     out: dict = {}
     if name == "build":
-        from compress.models import resolve_source
+        from compress.loading.models import resolve_source
 
         state["model_dir"] = resolve_source(cfg.model.source, None, cfg.model.cache_dir)
     elif name == "load":
         import torch
 
-        from compress.data import splits_from_config
-        from compress.models import load_teacher, model_info
+        from compress.corpus.splits import splits_from_config
+        from compress.loading.models import load_teacher, model_info
 
         model, tok = load_teacher(state["model_dir"], dtype="auto")
         splits = splits_from_config(tok, cfg.data)
@@ -170,7 +170,7 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
         del model, torch
     elif name == "export":
         from compress.export.gqa import build_gqa_artifact
-        from compress.models import load_teacher
+        from compress.loading.models import load_teacher
 
         model, tok = load_teacher(state["model_dir"], dtype="auto")
         res, _ = build_gqa_artifact(model, tok, workdir / "fp32")
@@ -179,7 +179,7 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
     elif name == "export_int4":  # what the pipeline's export writes with export.weights int4 (tasks/export.py)
         from compress.export.gqa import build_gqa_artifact
         from compress.export.weights import int4_plan
-        from compress.models import load_teacher
+        from compress.loading.models import load_teacher
 
         model, tok = load_teacher(state["model_dir"], dtype="auto")
         q = cfg.quantize
@@ -196,7 +196,7 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
         import gc
 
         from compress.evaluate.golden import compare_from_config, record_golden
-        from compress.models import load_teacher
+        from compress.loading.models import load_teacher
 
         model, tok = load_teacher(state["model_dir"])
         g = cfg.golden
@@ -207,7 +207,7 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
         out.update(report.metrics())
         report.raise_if_failed()
     elif name == "quantize":
-        from compress.data import DataSplits
+        from compress.corpus.splits import DataSplits
         from compress.quantize.choice import choose_quant_form
 
         splits = DataSplits.load(workdir / "splits.npz")
@@ -219,7 +219,7 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
         state["int8"] = str(workdir / "int8")
     elif name == "accept":
         from compress.evaluate.gate import accept
-        from compress.data import load_heldout
+        from compress.corpus.splits import load_heldout
         from compress.evaluate.onnx_eval import evaluate_onnx
 
         test = load_heldout(workdir / "heldout.npz").test
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         out = stage(a.stage, a.shape, workdir, a.sets)
         (workdir / f"{a.stage}.json").write_text(json.dumps(out, indent=1, default=str))
         return 0
-    from compress.memory import estimate_for_shape
+    from compress.sizing.memory import estimate_for_shape
 
     est = estimate_for_shape(a.shape)
     rows = []

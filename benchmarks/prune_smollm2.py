@@ -6,7 +6,7 @@
   .venv/bin/python -m benchmarks.prune_smollm2 --table               # print the table from the cached results
   .venv/bin/python -m benchmarks.prune_smollm2 --stage mlp35         # what tasks/prune.py does, timed by part
 
-Data: compress.data.make_splits(tok, 'embedded', block_size=128, train_blocks=64, calib_blocks=16,
+Data: compress.corpus.splits.make_splits(tok, 'embedded', block_size=128, train_blocks=64, calib_blocks=16,
 selection_blocks=32). Importance and sensitivity read only the calib split; perplexity, KL and top-1 agreement
 to the teacher are measured on the eval split. The sensitivity scan (needed by the *_sens variants) runs
 once and is cached in .cache/bench/prune/sensitivity.json.
@@ -66,8 +66,8 @@ SCAN = dict(enabled=True, method="both", mlp_ratio=0.25, head_ratio=0.34, sparsi
 
 
 def setup():
-    from compress.data import make_splits
-    from compress.models import load_teacher
+    from compress.corpus.splits import make_splits
+    from compress.loading.models import load_teacher
 
     model, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
     splits = make_splits(tok, "embedded", block_size=128, train_blocks=64, calib_blocks=16, selection_blocks=32)

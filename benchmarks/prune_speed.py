@@ -173,8 +173,8 @@ def main():
     import numpy as np
 
     from compress.config import PruneConfig
-    from compress.data import make_splits
-    from compress.models import load_teacher
+    from compress.corpus.splits import make_splits
+    from compress.loading.models import load_teacher
     from compress.prune import prune_model
 
     ap = argparse.ArgumentParser()

@@ -53,8 +53,8 @@ VARIANTS: dict[str, dict] = {
 
 
 def ensure_fp32():
-    from compress.data import make_splits
-    from compress.models import load_teacher
+    from compress.corpus.splits import make_splits
+    from compress.loading.models import load_teacher
 
     model, tok = load_teacher(cache_dir=ROOT / ".cache" / "models")
     if not (FP32 / "manifest.json").is_file():

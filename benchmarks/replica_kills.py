@@ -49,9 +49,9 @@ def ensure_artifact(path: Path) -> Path:
         return path
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from compress.config import load_config
-    from compress.data import splits_from_config
+    from compress.corpus.splits import splits_from_config
     from compress.export.gqa import build_gqa_artifact
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
     from compress.quantize.quantizer import quantize_artifact
 
     cfg = load_config("configs/default.yaml")

@@ -34,7 +34,7 @@ def _cpu_name() -> str:
 
 
 def _cpu_flags() -> list[str]:
-    from compress.cpu import cpu_flags
+    from compress.sizing.cpu import cpu_flags
 
     return sorted(f for f in cpu_flags() if f.startswith(("avx512_vnni", "avx512_bf16", "amx")))
 

@@ -42,7 +42,7 @@ class DataConfig(Section):
     source: str = "embedded"
     # The dataset's configuration (datasets' `name`), e.g. wikitext-2-raw-v1; null = none.
     subset: str | None = None
-    # The split of a hub dataset read as the corpus; the stages' own splits are cut from it (compress/data.py).
+    # The split of a hub dataset read as the corpus; the stages' own splits are cut from it (compress/corpus/splits.py).
     split: str = "train"
     # The column (or JSON key) holding the text.
     text_field: str = "text"
@@ -55,7 +55,7 @@ class DataConfig(Section):
     # Blocks in the selection split (figures named selection_*): distillation's evals and early stopping, the relax
     # loop's trials, the quantize stage's forms and the search's gate.
     selection_blocks: int = Field(32, ge=1)
-    # Held out from every stage; only the accept stage's verdict reads it (compress/data.py).
+    # Held out from every stage; only the accept stage's verdict reads it (compress/corpus/splits.py).
     test_blocks: int = Field(32, ge=1)
     # Text of another genre, scored beside the test split (heldout_* figures): "stdlib_code" = the Python source
     # of a few pure-Python stdlib modules; a local file/folder or hub dataset like `source`; "none" = off.
@@ -392,7 +392,7 @@ class QuantizeConfig(Section):
     sensitivity_blocks: int = Field(4, ge=1)
     # weight_only: weights per scale along K (a power of two >= 16; MatMulNBits pads K up to a whole block); an 8-bit
     # embedding table whose width it does not divide is rounded in the largest power of two that does
-    # (compress/blocks.py: SmolLM2's 576 at 128 -> 64). configs/default.yaml sets 128. Formerly quantize.block_size.
+    # (compress/formats/blocks.py: SmolLM2's 576 at 128 -> 64). configs/default.yaml sets 128. Formerly quantize.block_size.
     weight_block_size: int = Field(32, ge=16)
     # 4-bit weights: weights per scale of the 4-bit MatMulNBits (and of a 4-bit embedding table); null = weight_block_size.
     # The 8-bit parts of a 4-bit graph (the groups kept at 8 bits, the lm_head, a tied table) keep weight_block_size,
@@ -410,7 +410,7 @@ class QuantizeConfig(Section):
     # 4-bit weights: a zero point per block (asymmetric, the finer grid) or none (symmetric, range [-8, 7]).
     weight_symmetric: bool = False
     # 4-bit weights: mse = each block's range may shrink (x 1.0 ... 0.7) where that lowers the block's squared weight
-    # error, as llama.cpp's k-quants search (compress/nbits.py); none = ORT's round-to-nearest over the full range;
+    # error, as llama.cpp's k-quants search (compress/formats/nbits.py); none = ORT's round-to-nearest over the full range;
     # auto = mse where no activations guide the rounding (the graph written from a checkpoint, weight_algorithm rtn),
     # none after AWQ, whose scales were searched on the output error (on SmolLM2 mse after AWQ was worse: top-1 0.821
     # against 0.834, and 4x slower to search); docs/quantization.md#4-bit-weights.

@@ -51,7 +51,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_registry(args) -> int:
-    from compress import registry
+    from compress.registry import store as registry
     from compress.config import load_config
 
     cfg = load_config(args.config, args.set)
@@ -74,7 +74,7 @@ def cmd_registry(args) -> int:
 
 
 def _version(name: str, ref: str):
-    from compress import registry
+    from compress.registry import store as registry
 
     if ref.isdigit():
         return registry.get_version(name, ref)
@@ -86,7 +86,7 @@ def _version(name: str, ref: str):
 
 def compare_table(name: str, a_ref: str, b_ref: str) -> str:
     """Two versions' figures side by side, with b/a ratios: the terminal twin of the UI's model-version Compare."""
-    from compress import registry
+    from compress.registry import store as registry
 
     a, b = _version(name, a_ref), _version(name, b_ref)
     fa, fb = registry.figures(name, a.version), registry.figures(name, b.version)

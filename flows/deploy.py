@@ -14,7 +14,7 @@ import time
 import httpx
 from prefect import flow, get_run_logger
 
-from compress import registry
+from compress.registry import store as registry
 from compress.config import GoldenConfig
 from flows.outcome import flow_state
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import mlflow
 from prefect import flow, get_run_logger
 
-from compress import registry
+from compress.registry import store as registry
 from compress.config import PipelineConfig, load_config
 from flows.outcome import flow_state
 from tasks.common import workdir

@@ -20,16 +20,16 @@ import mlflow
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from compress import registry
+from compress.registry import store as registry
 from compress.artifact import read_manifest
 from compress.config import ConfigError, PipelineConfig, load_config, project_root
-from compress.data import DATA_FORMAT
+from compress.corpus.splits import DATA_FORMAT
 from compress.evaluate import chat as chat_eval
 from compress.export import EXPORT_FORMAT, fallback_weights, int4_keep_ladder
-from compress.memory import shape_of_folder
+from compress.sizing.memory import shape_of_folder
 from compress.resolve import resolve_config
-from compress.scorecard import card_params, form_of, scorecard
-from compress.search import describe
+from compress.registry.scorecard import card_params, form_of, scorecard
+from compress.prune.search import describe
 from flows.deploy import deploy_flow, served_model
 from flows.outcome import pipeline_state
 from flows.promotion import decide_promotion, promote_if_still_best, verdict_status

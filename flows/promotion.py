@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from compress.registry import store_lock
+from compress.registry.store import store_lock
 from tasks.results import Judged
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from compress import registry
+from compress.registry import store as registry
 from flows.outcome import flow_state
 
 

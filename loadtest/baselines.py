@@ -81,8 +81,8 @@ def hf_generate(model_dir: str, workload: list[dict], batch_size: int = 1, threa
     """transformers ``generate`` (greedy) over the workload in batches of ``batch_size`` (1 = sequential)."""
     import torch
 
-    from compress.models import load_teacher
-    from compress.special_tokens import special_tokens
+    from compress.loading.models import load_teacher
+    from compress.loading.special_tokens import special_tokens
 
     if threads:
         torch.set_num_threads(threads)

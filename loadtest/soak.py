@@ -340,7 +340,7 @@ def soak_server(server, seconds: float, concurrency: int = 6, seed: int = 0, swa
 
 def _tiny_artifact(root: Path) -> Path:
     from compress.export import build_artifact
-    from compress.tiny import build_tiny_llama
+    from compress.loading.tiny import build_tiny_llama
 
     model, tok = build_tiny_llama(seed=0)
     out = root / "tiny"

@@ -36,7 +36,7 @@ _QUESTIONS = (
 
 
 def _words() -> list[list[str]]:
-    from compress.data import embedded_corpus
+    from compress.corpus.splits import embedded_corpus
 
     # Long documents only, so a slice of any requested length exists without wrapping.
     return [d.split() for d in embedded_corpus() if len(d.split()) >= 64]
@@ -112,7 +112,7 @@ def make_workload(
 def fit_to_context(workload: list[dict], artifact_dir: str | Path, max_len: int | None = None) -> list[dict]:
     """A copy whose prompts are cut at the end (keeping a shared prefix shared) so prompt + max_tokens fits
     ``max_len`` tokens (default: the artifact's ``max_positions``), counted with its tokenizer, plus the BOS
-    a model whose manifest says ``add_bos_token`` takes first (compress/special_tokens.py; the server adds it).
+    a model whose manifest says ``add_bos_token`` takes first (compress/loading/special_tokens.py; the server adds it).
     Prompts stay text: the server tokenizes them."""
     from tokenizers import Tokenizer
 

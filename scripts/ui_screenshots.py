@@ -6,7 +6,7 @@ pipeline (parent) run, the registered model with its versions and aliases, and w
   1-runs-table.png         the experiment's runs table (the "Machine learning" view, not GenAI)
   2-pipeline-run.png       the newest parent run's page, with its stage (child) runs
   3-compare-versions.png   the model-version compare page: baseline, candidate, champion side by side
-  3b-compare-key-figures.png  the same, folded to the scorecard (compress/scorecard.py)
+  3b-compare-key-figures.png  the same, folded to the scorecard (compress/registry/scorecard.py)
   4-registered-model.png   the registered model page: its versions and their aliases
   5-model-version.png      the champion's version page: its story (description, tags) and its MLflow Model schema
 
@@ -281,7 +281,7 @@ def find_targets(url: str, experiment: str, model: str, run_id: str | None, vers
     }
 
 
-# The scorecard (compress/scorecard.py): the params and metrics that decide between versions, which sort first.
+# The scorecard (compress/registry/scorecard.py): the params and metrics that decide between versions, which sort first.
 SCORECARD_JS = """(prefix) => {
   for (const body of document.querySelectorAll('tbody.scrollable-table')) {
     const rows = [...body.querySelectorAll('tr')];
@@ -523,7 +523,7 @@ def shoot(base: str, t: dict, out: Path, args: argparse.Namespace) -> list[Path]
             page.get_by_text("Run ID:").first.wait_for(state="visible")
             save(page, "3-compare-versions.png", grow=True)
             # The same page folded to the scorecard (what an operator decides on), params and metrics.
-            from compress.scorecard import PREFIX
+            from compress.registry.scorecard import PREFIX
 
             page.evaluate(SCORECARD_JS, PREFIX)
             page.set_viewport_size({"width": args.width, "height": max(args.height, 1450)})

@@ -52,7 +52,7 @@ def refuse_record(folder: str | Path, manifest: dict) -> None:
                             f"candidate version, or export the checkpoint with export.weights float32")
 
 
-# A registered version whose weights are recorded, not copied (compress/registry.py register_folder weights="digest").
+# A registered version whose weights are recorded, not copied (compress/registry/store.py register_folder weights="digest").
 WEIGHTS_BY_DIGEST = "weights_by_digest.json"
 
 

@@ -12,7 +12,7 @@ import mlflow
 from prefect import task
 
 from compress.config import PipelineConfig
-from compress.data import load_heldout
+from compress.corpus.splits import load_heldout
 from compress.evaluate import chat as chat_eval
 from compress.evaluate import chat_limit
 from compress.evaluate.verdict import judge

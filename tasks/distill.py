@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 
 from compress.config import PipelineConfig
-from compress.memory import check_distill_memory, shape_of_folder
+from compress.sizing.memory import check_distill_memory, shape_of_folder
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.results import Distilled
 from tasks.load import load_model, load_splits

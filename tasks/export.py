@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import task
 
 from compress.config import PipelineConfig
-from compress.memory import check_fits, shape_of_folder, stage_bytes
+from compress.sizing.memory import check_fits, shape_of_folder, stage_bytes
 from compress.artifact import write_checkpoint_record
 from compress.export import FROM_CHECKPOINT_WEIGHTS
-from compress.room import check_room, export_bytes, int8_bytes
+from compress.sizing.disk import check_room, export_bytes, int8_bytes
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_logger
 from tasks.results import Exported
 from tasks.load import load_model

@@ -9,7 +9,7 @@ from prefect import task
 from compress.artifact import read_manifest
 from compress.config import PipelineConfig
 from compress.export.weights import Int4Plan, written_int8
-from compress.memory import check_stage_memory, shape_of_folder
+from compress.sizing.memory import check_stage_memory, shape_of_folder
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.results import Golden
 from tasks.load import load_model

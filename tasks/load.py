@@ -9,7 +9,7 @@ from __future__ import annotations
 from prefect import task
 
 from compress.config import PipelineConfig
-from compress.data import DataSplits, splits_from_config
+from compress.corpus.splits import DataSplits, splits_from_config
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.results import Loaded
 from tasks.tracking import child_run, log_metrics, log_params
@@ -23,7 +23,7 @@ def load_model(model_dir: str, cfg: PipelineConfig, dtype="float32"):
     """The teacher in fp32 (what torch stages compute in), or dtype="auto": as stored (bf16 for most checkpoints)."""
     import torch
 
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
 
     return load_teacher(model_dir, None, cfg.model.cache_dir, cfg.model.revision, cfg.model.trust_remote_code,
                         dtype=torch.float32 if dtype == "float32" else dtype)
@@ -35,7 +35,7 @@ def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | No
     if done is not None:
         return done
     from compress.export import choose_exporter
-    from compress.models import model_info, resolve_source
+    from compress.loading.models import model_info, resolve_source
 
     with child_run(parent_run_id, stage):
         model_dir = resolve_source(cfg.model.source, cfg.model.gguf_file, cfg.model.cache_dir)

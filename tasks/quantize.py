@@ -9,8 +9,8 @@ from prefect import task
 
 from compress.artifact import read_manifest
 from compress.config import PipelineConfig
-from compress.memory import Shape, check_stage_memory
-from compress.room import check_room, int8_bytes
+from compress.sizing.memory import Shape, check_stage_memory
+from compress.sizing.disk import check_room, int8_bytes
 from tasks.common import cache_key_fn, mark_done, open_stage
 from tasks.results import Quantized
 from tasks.load import load_splits

@@ -13,10 +13,10 @@ from pathlib import Path
 import mlflow
 from prefect import task
 
-from compress import registry
+from compress.registry import store as registry
 from compress.artifact import MANIFEST, checkpoint_digest, content_digest, read_manifest, sha256_file
 from compress.config import PipelineConfig
-from compress.room import check_room, folder_bytes, local_artifact_dir
+from compress.sizing.disk import check_room, folder_bytes, local_artifact_dir
 from serve.artifact import CHECKPOINT_RECORD
 from tasks.results import Registered
 from tasks.tracking import child_run

@@ -1,5 +1,5 @@
 """The pruning search's tasks: one candidate's chain of stages, a branch of the fan-out, its gate on the
-selection split, and the summary logged to the parent run (compress/search.py decides; docs/scaling.md).
+selection split, and the summary logged to the parent run (compress/prune/search.py decides; docs/scaling.md).
 
 `candidate_chain` is the single-candidate path of flows/pipeline.py too (prune -> distill -> student export +
 golden -> quantize), so a branch and a plain run compute the same stages under the same cache keys: a branch's
@@ -26,7 +26,7 @@ from compress.evaluate.gate import selection_limits
 from compress.export import EXPORT_FORMAT
 from compress.quantize import QUANT_FORMAT
 from compress.resolve import ResolvedConfig
-from compress.search import (Candidate, best_rejected, describe, front_objectives, pareto_figure, pareto_front,
+from compress.prune.search import (Candidate, best_rejected, describe, front_objectives, pareto_figure, pareto_front,
                              pick_fastest_accepted, search_table)
 from tasks.common import cache_key_fn, mark_done, open_stage, stage_key, stage_logger, submit_stage, workdir
 from tasks.distill import distill_task

@@ -21,7 +21,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 @pytest.fixture(scope="session")
 def tiny():
     """(model, tokenizer) of the seed-0 tiny Llama. Read-only."""
-    from compress.tiny import build_tiny_llama
+    from compress.loading.tiny import build_tiny_llama
 
     return build_tiny_llama(seed=0)
 
@@ -66,7 +66,7 @@ def trained_tiny4(tiny_splits):
     change it."""
     import torch
 
-    from compress.tiny import build_tiny_llama
+    from compress.loading.tiny import build_tiny_llama
 
     model = build_tiny_llama(seed=1, num_hidden_layers=4)[0].train()
     n = torch.get_num_threads()
@@ -89,7 +89,7 @@ def trained_tiny4(tiny_splits):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny model saved as a HF folder, as a user would pass model.source."""
-    from compress.tiny import save_tiny_llama
+    from compress.loading.tiny import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_hf") / "model", seed=0)
 
@@ -110,7 +110,7 @@ def seed1_artifact(tmp_path_factory):
     """A second, different tiny model (seed 1), for alias flips and swaps. TorchScript export: ~1 s against ~20 s
     for dynamo. Read-only."""
     from compress.export.standard import build_artifact
-    from compress.tiny import build_tiny_llama
+    from compress.loading.tiny import build_tiny_llama
 
     model, tok = build_tiny_llama(seed=1)
     out = tmp_path_factory.mktemp("seed1") / "seed1"
@@ -121,7 +121,7 @@ def seed1_artifact(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_splits(tiny_tokenizer):
     """Train/calib/eval/test blocks of 32 tokens from the embedded corpus, 8 held-out blocks of stdlib code."""
-    from compress.data import make_splits
+    from compress.corpus.splits import make_splits
 
     return make_splits(tiny_tokenizer, "embedded", block_size=32, train_blocks=64, calib_blocks=8, selection_blocks=8,
                        test_blocks=8, seed=0, heldout_blocks=8)

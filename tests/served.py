@@ -39,7 +39,7 @@ def tiny_chat_artifact(tmp_path_factory, seed: int = 0):
     """The gqa artifact of a tiny Llama of ``seed`` with a 2,048-token context: tools rendered into the prompt take
     ~300 tokens of its 512-token vocabulary, more than the session's tiny artifacts hold."""
     from compress.export.gqa import build_gqa_artifact
-    from compress.tiny import build_tiny_llama
+    from compress.loading.tiny import build_tiny_llama
 
     model, tok = build_tiny_llama(seed=seed, max_position_embeddings=2048)
     out = tmp_path_factory.mktemp(f"tiny_chat_seed{seed}") / "fp32"

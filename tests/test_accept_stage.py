@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_accept_gates_on_the_test_split_and_reuses_the_selection_figures(prefect_harness, mlflow_store, tmp_path,
                                                                           monkeypatch):
     import compress.evaluate.verdict as accept_mod
-    from compress.data import DataSplits, load_heldout
+    from compress.corpus.splits import DataSplits, load_heldout
     from compress.evaluate.onnx_eval import evaluate_onnx
     from flows.pipeline import compress_flow
     from tasks.results import Judged
@@ -137,7 +137,7 @@ def test_only_the_accept_stage_opens_the_heldout_file():
                      for p in (ROOT / d).rglob("*.py") if "load_heldout" in p.read_text() or "heldout.npz" in p.read_text())
     # benchmarks/large_models.py measures the accept stage's evaluation in a process of its own (peak RSS per stage),
     # benchmarks/accept_reference.py runs the stage's function against either reference.
-    assert readers == ["benchmarks/accept_reference.py", "benchmarks/large_models.py", "compress/data.py",
+    assert readers == ["benchmarks/accept_reference.py", "benchmarks/large_models.py", "compress/corpus/splits.py",
                        "tasks/accept.py", "tasks/load.py"], readers  # compress/evaluate/verdict.py is handed the splits
     assert "load_heldout" not in (ROOT / "tasks" / "load.py").read_text()  # the load stage writes it, only
 

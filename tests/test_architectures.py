@@ -1,6 +1,6 @@
 """The architecture matrix (issue 17): every stage on a tiny seeded model of each family users compress.
 
-Per family (compress/tiny.py): export with ``export.exporter: auto`` (the gqa graph where the builder takes
+Per family (compress/loading/tiny.py): export with ``export.exporter: auto`` (the gqa graph where the builder takes
 the family, the dynamo export otherwise) + golden, with a prompt longer than the sliding window and a
 left-padded batch; structured pruning (KV groups, MLP, a layer) then export + golden of the student, or
 the UnsupportedArchitectureError naming why; a few distillation steps; static INT8; serving through
@@ -21,7 +21,7 @@ from compress.config import DistillConfig, PruneConfig, QuantizeConfig, ServeCon
 from compress.export.standard import build_artifact
 from compress.evaluate.golden import compare_onnx, record_golden
 from compress.export.gqa import build_gqa_artifact, choose_exporter
-from compress.tiny import FAMILIES, SLIDING_WINDOW, build_tiny
+from compress.loading.tiny import FAMILIES, SLIDING_WINDOW, build_tiny
 
 # Families the gqa builder refuses (none of the tiny ones; test_auto_falls_back_with_the_reason covers the path).
 STANDARD_ONLY: set[str] = set()
@@ -239,7 +239,7 @@ def test_tiny_family_model_source(tmp_path):
     """model.source tiny-<family>[:seed] resolves to a saved HF folder of that family; a wrong one names the choices."""
     from transformers import AutoConfig
 
-    from compress.models import ModelError, resolve_source
+    from compress.loading.models import ModelError, resolve_source
 
     folder = resolve_source("tiny-gemma2:3", None, tmp_path)
     assert AutoConfig.from_pretrained(folder).model_type == "gemma2"

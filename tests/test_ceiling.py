@@ -10,7 +10,7 @@ import pytest
 from bench_cli import run_bench
 
 from compress.export.gqa import build_gqa_artifact
-from compress.tiny import build_tiny
+from compress.loading.tiny import build_tiny
 
 
 @pytest.fixture(scope="module")

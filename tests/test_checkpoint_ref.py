@@ -19,7 +19,7 @@ from compress.evaluate.checkpoint_ref import (CheckpointReference, ReferenceSett
 from compress.evaluate.generate import greedy_answers
 from compress.evaluate.onnx_eval import ReferencePass, evaluate_onnx
 from compress.export.gqa import build_gqa_artifact
-from compress.tiny import build_tiny
+from compress.loading.tiny import build_tiny
 from compress.evaluate.verdict import against_baseline
 
 NEW = 12

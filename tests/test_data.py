@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from compress.data import DataError, DataSplits, embedded_corpus, load_heldout, make_splits
+from compress.corpus.splits import DataError, DataSplits, embedded_corpus, load_heldout, make_splits
 
 
 def _rows(a):
@@ -71,7 +71,7 @@ def test_test_split_and_heldout_source_are_saved_apart(tiny_splits, tmp_path):
 
 
 def test_heldout_source_is_another_genre_and_can_be_switched_off(tiny_tokenizer, tmp_path):
-    from compress.data import STDLIB_CODE_MODULES, load_texts
+    from compress.corpus.splits import STDLIB_CODE_MODULES, load_texts
 
     code = load_texts("stdlib_code")
     assert len(code) == len(STDLIB_CODE_MODULES) and all("def " in t for t in code)

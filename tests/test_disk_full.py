@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from compress.room import DiskSpaceError
+from compress.sizing.disk import DiskSpaceError
 
 SETS = ["prune.enabled=false", "distill.enabled=false", "benchmark.enabled=false", "accept.relax_trials=0",
         "registry.model_name=disk-full", "mlflow.experiment=disk-full"]

@@ -14,7 +14,7 @@ from compress.config import DistillConfig
 from compress.distill.train import distill
 from compress.distill.loss import TopK, evaluate, hidden_loss, kd_loss
 from compress.distill.schedules import alpha_at, lr_at, schedule_value, temperature_at
-from compress.tiny import build_tiny_llama
+from compress.loading.tiny import build_tiny_llama
 
 
 def _cfg(**kw) -> DistillConfig:

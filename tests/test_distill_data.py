@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compress.config import DistillConfig
-from compress.data import DataSplits
+from compress.corpus.splits import DataSplits
 from compress.distill.data import distill_blocks, teacher_generations, training_splits
 
 

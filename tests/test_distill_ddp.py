@@ -16,8 +16,8 @@ from compress.distill.train import _DataOrder, distill, step_chunks
 from compress.distill.report import DistillError
 from compress.distill.distributed import Rank
 from compress.distill.launch import DistillJob, check_processes, launch_distill
-from compress.models import load_teacher
-from compress.tiny import save_tiny_llama
+from compress.loading.models import load_teacher
+from compress.loading.tiny import save_tiny_llama
 
 
 def _cfg(**kw) -> DistillConfig:

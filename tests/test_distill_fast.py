@@ -16,7 +16,7 @@ from compress.distill.fused import KDBody, TeacherRows, fused_kd_loss, split_hea
 from compress.distill.loss import TopK, kd_loss
 from compress.distill.report import DistillError
 from compress.distill.train import distill
-from compress.tiny import build_tiny, build_tiny_llama
+from compress.loading.tiny import build_tiny, build_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

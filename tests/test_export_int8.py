@@ -15,7 +15,7 @@ from compress.config import QuantizeConfig
 from compress.drivers import load_lm
 from compress.export.gqa import build_gqa_artifact
 from compress.quantize import quantize_artifact
-from compress.tiny import FAMILIES, build_tiny
+from compress.loading.tiny import FAMILIES, build_tiny
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -40,7 +40,7 @@ def test_int8_from_the_checkpoint_is_the_quantize_stages_weight_only_form(family
 
 def test_a_block_wider_than_the_tied_table_matches_the_quantize_stage(tmp_path):
     """weight_block_size 128 over a 64-wide tied table: both paths round the table in blocks of 64 (golden's rounded
-    reference too: compress/blocks.py), the linears in 128; logits equal bit for bit."""
+    reference too: compress/formats/blocks.py), the linears in 128; logits equal bit for bit."""
     model, tok = build_tiny("llama", 0)
     cfg = QuantizeConfig(method="weight_only", smoothquant_alpha=None, weight_block_size=128)
     build_gqa_artifact(model, tok, tmp_path / "fp32")

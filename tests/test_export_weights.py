@@ -12,7 +12,7 @@ import pytest
 from compress.artifact import checkpoint_digest, read_manifest
 from compress.config import ConfigError, load_config
 from compress.export.weights import fallback_weights, fp32_needed_by, int4_wanted_by, resolve_weights
-from compress.memory import GIB, MemoryBudgetError, Shape, check_stage_memory
+from compress.sizing.memory import GIB, MemoryBudgetError, Shape, check_stage_memory
 from serve.artifact import ArtifactError
 
 INT8_RUN = ["prune.enabled=false", "distill.enabled=false", "quantize.method=weight_only", "accept.relax_trials=0",
@@ -92,7 +92,7 @@ def test_the_int8_export_is_the_candidate_judged_against_the_checkpoint(int8_run
 
 
 def test_the_baseline_version_records_the_checkpoint_by_digest(int8_run, tmp_path):
-    from compress import registry
+    from compress.registry import store as registry
     from serve.engine.engine import Engine
     from serve.registry.client import download
 

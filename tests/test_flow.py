@@ -11,7 +11,7 @@ import onnx
 import pytest
 from mlflow import MlflowClient
 
-from compress import registry
+from compress.registry import store as registry
 from compress.artifact import read_manifest
 
 

@@ -17,9 +17,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from compress.models import gguf_end_of_turn_ids, load_teacher  # noqa: E402
-from compress.special_tokens import eos_ids_of  # noqa: E402
-from compress.tiny import build_tiny  # noqa: E402
+from compress.loading.models import gguf_end_of_turn_ids, load_teacher  # noqa: E402
+from compress.loading.special_tokens import eos_ids_of  # noqa: E402
+from compress.loading.tiny import build_tiny  # noqa: E402
 
 # family -> GGUF architecture name (transformers reads these from GGUF; gpt_neox it does not)
 # GGUF has no per-layer attention types: transformers (like llama.cpp) takes Gemma 3's fixed pattern of five

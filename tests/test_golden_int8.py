@@ -15,8 +15,8 @@ from compress.evaluate import compare_from_config, record_golden
 from compress.evaluate.golden_int8 import _round_blocks, fake_quantize_, int8_thresholds
 from compress.config import GoldenConfig
 from compress.export.gqa import build_gqa_artifact
-from compress.shapes import SHAPES, build_shape, scaled_shape
-from compress.tiny import FAMILIES, build_tiny
+from compress.sizing.shapes import SHAPES, build_shape, scaled_shape
+from compress.loading.tiny import FAMILIES, build_tiny
 
 INT8 = (32, 4)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "In a hole in the ground there lived"]

@@ -113,7 +113,7 @@ def test_golden_passes_on_gqa(tiny, gqa_artifact):
 
 
 def test_rope_scaling_checked(tiny):
-    from compress.tiny import build_tiny_llama
+    from compress.loading.tiny import build_tiny_llama
 
     model, _ = build_tiny_llama(0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
@@ -460,7 +460,7 @@ def test_the_gqa_builder_honours_the_external_data_threshold(tmp_path):
     import onnx
     from onnx import numpy_helper
 
-    from compress.tiny import build_tiny_llama
+    from compress.loading.tiny import build_tiny_llama
 
     model, tok = build_tiny_llama(seed=0, intermediate_size=1024)  # ~1.3 MB of weights: over a 1 MB threshold
     build_gqa_artifact(model, tok, tmp_path / "one")

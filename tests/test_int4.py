@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from compress.artifact import read_manifest, write_manifest
 from compress.config import AcceptConfig, QuantizeConfig
 from compress.drivers import lm_for_model
-from compress.tiny import FAMILIES
+from compress.loading.tiny import FAMILIES
 from compress.evaluate.gate import accept
 from compress.evaluate.onnx_eval import evaluate_onnx
 from compress.quantize.calibration import Linear
@@ -50,13 +50,13 @@ def _one_matmul(w: np.ndarray) -> onnx.ModelProto:
 
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_without_clipping_the_4bit_tensors_are_ort_s_own(symmetric):
-    """compress/nbits.py pack_w4 with quantize.weight_clip none writes what ORT's block quantizer writes, bit for bit
+    """compress/formats/nbits.py pack_w4 with quantize.weight_clip none writes what ORT's block quantizer writes, bit for bit
     (its layout: codes low nibble first, scales per block, zero points two a byte); with mse the block ranges shrink
     where that lowers the error, so the weight error falls and every scale is at most ORT's."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                  DefaultWeightOnlyQuantizer)
 
-    from compress.nbits import pack_w4, w4_weight_error
+    from compress.formats.nbits import pack_w4, w4_weight_error
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((96, 40)).astype(np.float32)  # 3 blocks along K: an odd count of zero points a column
@@ -193,7 +193,7 @@ def test_the_gate_rejects_a_4bit_form_with_one_destroyed_layer(trained_tiny4, ti
     """On a trained tiny model the 4-bit form passes a gate its figures meet; the same form with one decoder layer's
     4-bit blocks destroyed fails it, on perplexity and agreement."""
     from compress.export.gqa import build_gqa_artifact
-    from compress.tiny import build_tiny_llama
+    from compress.loading.tiny import build_tiny_llama
 
     tok = build_tiny_llama(seed=1, num_hidden_layers=4)[1]
     src = tmp_path / "fp32"
@@ -261,7 +261,7 @@ def test_4bit_written_from_the_checkpoint_passes_its_golden_and_a_wrong_one_does
     from compress.evaluate.golden_int8 import int8_thresholds
     from compress.export.gqa import build_gqa_artifact
     from compress.export.weights import Int4Plan, int4_plan
-    from compress.tiny import build_tiny
+    from compress.loading.tiny import build_tiny
 
     model, tok = build_tiny(family, seed=0)
     plan = int4_plan(model, 32, False, 0.1)
@@ -315,7 +315,7 @@ def test_an_untied_lm_head_at_4_bits_when_asked_and_golden_rounds_it_the_same_wa
     from compress.evaluate.golden_int8 import int8_thresholds
     from compress.export.gqa import build_gqa_artifact
     from compress.export.weights import Int4Plan, int4_plan
-    from compress.tiny import build_tiny
+    from compress.loading.tiny import build_tiny
 
     assert int4_plan(build_tiny("llama", seed=0)[0], 32, False, 0.1, lm_head_4bit=True).lm_head_bits == 8  # tied
     model, tok = build_tiny("phi3", seed=0)
@@ -342,7 +342,7 @@ def test_a_4bit_block_of_its_own_keeps_the_8bit_parts_at_theirs_and_golden_round
     from compress.evaluate.golden_int8 import int8_thresholds
     from compress.export.gqa import build_gqa_artifact
     from compress.export.weights import Int4Plan, int4_plan
-    from compress.tiny import build_tiny
+    from compress.loading.tiny import build_tiny
 
     assert QuantizeConfig(int4_block_size=64).w4_block() == 64 and QuantizeConfig().w4_block() == 32
     model, tok = build_tiny("phi3", seed=0)  # untied: a 4-bit table too

@@ -20,10 +20,10 @@ import torch
 from compress.config import QuantizeConfig
 from compress.export.gqa import build_gqa_artifact, build_gqa_model
 from compress.drivers import load_lm
-from compress.memory import (GIB, MemoryBudgetError, Shape, check_distill_memory, check_prune_memory,
+from compress.sizing.memory import (GIB, MemoryBudgetError, Shape, check_distill_memory, check_prune_memory,
                              estimate_for_shape)
-from compress.models import ModelError, resolve_source
-from compress.shapes import SHAPES, build_shape, scaled_shape, shape_config
+from compress.loading.models import ModelError, resolve_source
+from compress.sizing.shapes import SHAPES, build_shape, scaled_shape, shape_config
 from serve.runners.onnx_external import is_external, load_lazy, save_external, tensor_array
 from serve.runners.onnx_session import make_session
 
@@ -87,7 +87,7 @@ def small_llama(tmp_path_factory):
 
 
 def test_streamed_export_from_bf16_equals_the_in_memory_fp32_export(small_llama, tmp_path):
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
 
     bf16, tok = load_teacher(str(small_llama), dtype="auto")
     fp32, _ = load_teacher(str(small_llama))
@@ -125,7 +125,7 @@ def _feed(model) -> dict:
 
 
 def test_save_external_copies_file_to_file_without_touching_the_model(small_llama, tmp_path):
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
 
     model, tok = load_teacher(str(small_llama), dtype="auto")
     build_gqa_artifact(model, tok, tmp_path / "a")
@@ -146,7 +146,7 @@ def test_weight_only_one_weight_at_a_time_equals_ort_matmulnbits_quantizer(small
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from compress.quantize.calibration import find_linears
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
     from compress.quantize.graph import weight_only
 
     model, tok = load_teacher(str(small_llama), dtype="auto")
@@ -171,7 +171,7 @@ def test_weight_only_one_weight_at_a_time_equals_ort_matmulnbits_quantizer(small
 
 @pytest.mark.parametrize("method", ["weight_only", "dynamic"])
 def test_quantizer_on_an_external_data_artifact_equals_the_inline_one(small_llama, tmp_path, method):
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
     from compress.quantize.quantizer import quantize_artifact
 
     model, tok = load_teacher(str(small_llama), dtype="auto")
@@ -198,7 +198,7 @@ def test_one_reference_pass_serves_every_candidate(small_llama, tmp_path):
     """The reference runs once (its logits spooled), then each candidate alone: the figures are the ones the
     reference's own evaluation and its argmax give, and other blocks are refused."""
     import compress.evaluate.onnx_eval as ev
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
     from compress.quantize.quantizer import quantize_artifact
 
     model, tok = load_teacher(str(small_llama), dtype="auto")
@@ -285,7 +285,7 @@ import numpy as np
 from compress.config import GoldenConfig, QuantizeConfig
 from compress.export.gqa import build_gqa_artifact
 from compress.evaluate.golden import compare_from_config, record_golden
-from compress.models import load_teacher, resolve_source
+from compress.loading.models import load_teacher, resolve_source
 from compress.quantize.quantizer import quantize_artifact
 from compress.drivers import load_lm
 src = resolve_source("shape:llama-3.2-1b", None, ".cache/models")
@@ -311,7 +311,7 @@ print("logit correlation", r)
 
 
 def test_large_checkpoint_widened_in_place_equals_an_fp32_load(small_llama, monkeypatch):
-    import compress.models as models
+    import compress.loading.models as models
 
     ref, _ = models.load_teacher(str(small_llama))
     monkeypatch.setattr(models, "LARGE_BYTES", 0)  # every checkpoint counts as large: read as stored, then widened

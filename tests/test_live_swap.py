@@ -74,7 +74,7 @@ def versions(mlflow_store, tiny_artifact, seed1_artifact, tmp_path_factory):
     """v1 = seed 0 (champion), v2 = seed 1, v3 = a corrupt copy of v1 (model.onnx altered after hashing)."""
     import mlflow
 
-    from compress import registry
+    from compress.registry import store as registry
 
     corrupt = tmp_path_factory.mktemp("swap") / "corrupt"
     shutil.copytree(tiny_artifact, corrupt)
@@ -149,7 +149,7 @@ def test_serves_the_champion(server, http, refs):
 
 
 def test_corrupt_version_is_refused_and_the_old_one_keeps_serving(server, http, refs, versions):
-    from compress import registry
+    from compress.registry import store as registry
 
     mgr = server.app.state.manager
     with alias_polls(mgr) as polls:
@@ -167,7 +167,7 @@ def test_corrupt_version_is_refused_and_the_old_one_keeps_serving(server, http, 
 
 
 def test_alias_move_swaps_while_an_inflight_stream_finishes_on_the_old_model(server, http, refs, versions):
-    from compress import registry
+    from compress.registry import store as registry
 
     n = 450
     prompt = "a stream that spans the swap"
@@ -222,7 +222,7 @@ def test_alias_move_swaps_while_an_inflight_stream_finishes_on_the_old_model(ser
 
 
 def test_rollback_follows_the_alias_back(server, http, refs, versions):
-    from compress import registry
+    from compress.registry import store as registry
 
     gen_before = metric(http.get("/metrics").text, "vllm:generation_tokens_total")
     registry.rollback(NAME, to_version=versions["v1"])
@@ -237,7 +237,7 @@ def test_a_hand_move_the_server_follows_is_recorded_as_champion(server, http, ve
     poll records the move, so the registered model names the version it serves, and says it was moved by hand."""
     import mlflow
 
-    from compress import registry
+    from compress.registry import store as registry
 
     client = mlflow.MlflowClient()
     client.set_registered_model_alias(NAME, "champion", versions["v2"])
@@ -256,7 +256,7 @@ def test_a_hand_move_the_server_follows_is_recorded_as_champion(server, http, ve
 
 def test_the_deploy_flows_view_of_the_server(server, versions, tiny_artifact):
     """flows/deploy.py's plain helpers (no Prefect run) against this server: the contract it relies on."""
-    from compress import registry
+    from compress.registry import store as registry
     from flows.deploy import SmokeTestFailed, served_model, served_version, smoke_test, wait_for_version
 
     assert served_version(server.url, NAME) == "1"
@@ -280,7 +280,7 @@ def test_the_deploy_flows_view_of_the_server(server, versions, tiny_artifact):
 def test_server_started_before_the_alias_exists_becomes_ready_when_it_does(versions, mlflow_store):
     import mlflow
 
-    from compress import registry
+    from compress.registry import store as registry
 
     name = "tiny-serve-late"  # a registered model with a version but no alias yet
     src = registry.get_version(NAME, versions["v1"])

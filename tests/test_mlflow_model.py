@@ -14,7 +14,7 @@ import mlflow
 import pandas as pd
 import pytest
 
-from compress import registry
+from compress.registry import store as registry
 from compress.config import load_config
 from serve.config import ServeConfig
 from serve.engine.engine import Engine

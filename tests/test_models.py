@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from compress.models import ModelError, load_teacher, model_info
+from compress.loading.models import ModelError, load_teacher, model_info
 
 
 def test_local_folder_loads_identical_weights(tiny_model, tiny_model_dir):

@@ -46,7 +46,7 @@ def _state(model) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def tiny4():
     """A 4-layer tiny Llama (same tokenizer as the fixture), for layer removal."""
-    from compress.tiny import build_tiny_llama
+    from compress.loading.tiny import build_tiny_llama
 
     return build_tiny_llama(seed=1, num_hidden_layers=4)[0]
 

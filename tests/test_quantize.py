@@ -15,7 +15,7 @@ from compress.quantize.calibration import find_linears
 from compress.config import QuantizeConfig
 from compress.evaluate.onnx_eval import prefill_logits
 from compress.drivers import lm_for_model, load_lm
-from compress.cpu import has_vnni
+from compress.sizing.cpu import has_vnni
 from compress.quantize.quantizer import QuantizeError, Quantizer, quantize_artifact, resolve_reduce_range
 from compress.quantize.smoothquant import apply_smoothquant
 
@@ -231,7 +231,7 @@ def test_a_block_wider_than_the_table_rounds_the_table_in_the_widest_block_that_
                                                                                        fp32_logits, tmp_path):
     """weight_block_size 128 on a 64-wide table (SmolLM2: 576 = 4.5 x 128): the table still goes to 8 bits, in
     blocks of 64, and the linears keep 128 (MatMulNBits pads K)."""
-    from compress.blocks import table_block
+    from compress.formats.blocks import table_block
 
     assert (table_block(576, 128), table_block(1536, 128), table_block(640, 256), table_block(24, 128)) == (64, 128, 128, 0)
     cfg = QuantizeConfig(method="weight_only", weight_block_size=128)

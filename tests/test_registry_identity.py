@@ -10,7 +10,7 @@ import time
 
 import mlflow
 
-from compress import registry
+from compress.registry import store as registry
 from compress.artifact import MANIFEST, content_digest, read_manifest, write_manifest
 from compress.config import load_config
 from tasks.register import register_task

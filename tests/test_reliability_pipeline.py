@@ -19,7 +19,7 @@ from urllib.request import url2pathname
 import httpx
 import pytest
 
-from compress import registry
+from compress.registry import store as registry
 from compress.artifact import ArtifactError, read_manifest
 from compress.config import ServeConfig, load_config
 from serve.runners.onnx_session import CPU

@@ -51,7 +51,7 @@ def versions(mlflow_store, tiny_artifact, seed1_artifact, tmp_path_factory):
     """v1 = seed 0 (champion), v2 = seed 1."""
     import mlflow
 
-    from compress import registry
+    from compress.registry import store as registry
 
     root = tmp_path_factory.mktemp("replicas_mlruns")
     exp = mlflow.create_experiment(f"{NAME}-{time.time_ns()}", artifact_location=root.as_uri())
@@ -206,7 +206,7 @@ def test_queue_full_is_a_429_with_retry_after_through_the_proxy(cluster):
 
 
 def test_an_alias_flip_reaches_both_replicas_without_dropping_requests(cluster, versions, refs):
-    from compress import registry
+    from compress.registry import store as registry
     from flows.deploy import served_version
     from serve.replicas import lifecycle as replicas
 

@@ -1,4 +1,4 @@
-"""Refusals before work: disk room (compress/room.py) and the evaluation stages' memory (compress/memory.py).
+"""Refusals before work: disk room (compress/sizing/disk.py) and the evaluation stages' memory (compress/sizing/memory.py).
 
 A stage that cannot fit must say so before it starts, with the bytes needed and free and the way out, as a user
 error (no traceback), and leave nothing half-written behind.
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from compress import room
+from compress.sizing import disk as room
 from compress.config import load_config
-from compress.memory import GIB, MemoryBudgetError, Shape, accept_bytes, check_stage_memory
-from compress.room import DiskSpaceError, check_room, folder_bytes, free_bytes, int8_bytes, local_artifact_dir
-from compress.shapes import shape_config
+from compress.sizing.memory import GIB, MemoryBudgetError, Shape, accept_bytes, check_stage_memory
+from compress.sizing.disk import DiskSpaceError, check_room, folder_bytes, free_bytes, int8_bytes, local_artifact_dir
+from compress.sizing.shapes import shape_config
 from flows.errors import is_user_error
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 from mlflow import MlflowClient
 
-from compress.search import (Candidate, best_rejected, describe, pareto_figure, pareto_front, pick_fastest_accepted,
+from compress.prune.search import (Candidate, best_rejected, describe, pareto_figure, pareto_front, pick_fastest_accepted,
                              search_table)
 
 MB = 2**20
@@ -151,7 +151,7 @@ def test_models_load_in_parallel_threads_without_meta_tensors(tiny_model_dir):
     one of 4 concurrent tiny loads with its tied lm_head on the meta device (3 of 3 tries); load_teacher takes turns."""
     import threading
 
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
 
     metas: dict[int, list[str]] = {}
 
@@ -283,7 +283,7 @@ def test_search_with_no_accepted_candidate_is_rejected_naming_the_best(dask_sear
 
 
 def test_with_chat_figures_the_front_is_speed_against_the_chat_ratio_and_the_plot_shows_it():
-    from compress.search import CHAT_OBJECTIVES, front_objectives
+    from compress.prune.search import CHAT_OBJECTIVES, front_objectives
 
     cands = smollm2_like()
     assert front_objectives(cands) != CHAT_OBJECTIVES  # not scored on chat: size, speed, perplexity

@@ -210,7 +210,7 @@ def test_no_pickle_or_remote_code_anywhere_in_the_code_base():
 def test_trust_remote_code_is_off_unless_the_config_turns_it_on(monkeypatch):
     import transformers
 
-    from compress import models
+    from compress.loading import models
 
     def load_from_config(cfg: ModelConfig):
         return models.load_teacher(cfg.source, cfg.gguf_file, cfg.cache_dir, cfg.revision, cfg.trust_remote_code)

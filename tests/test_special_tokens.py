@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from compress.config import GoldenConfig
-from compress.data import DataSplits, embedded_corpus, make_splits
-from compress.special_tokens import SpecialTokens, eos_ids_of, from_manifest, special_tokens
+from compress.corpus.splits import DataSplits, embedded_corpus, make_splits
+from compress.loading.special_tokens import SpecialTokens, eos_ids_of, from_manifest, special_tokens
 
 PROMPTS = GoldenConfig().prompts
 BLOCK, TRAIN, CALIB, EVAL, TEST = 32, 64, 8, 8, 8
@@ -38,7 +38,7 @@ def bos_tok(tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def stream(tiny_tokenizer):
-    """The embedded corpus as one token stream, documents separated by EOS: computed here, not by compress.data."""
+    """The embedded corpus as one token stream, documents separated by EOS: computed here, not by compress.corpus.splits."""
     ids: list[int] = []
     for text in embedded_corpus():
         ids += tiny_tokenizer.encode(text, add_special_tokens=False) + [tiny_tokenizer.eos_token_id]

@@ -117,7 +117,7 @@ def test_rejected_drafts_give_back_blocks_at_boundaries_and_under_preemption(lay
     preempted: greedy outputs equal the run without drafts, the block invariants hold after every step, rejected
     drafts past a block boundary gave their block back, and sequences preempted after drafting recomputed."""
     from compress.export.gqa import build_gqa_artifact
-    from compress.tiny import build_tiny_llama
+    from compress.loading.tiny import build_tiny_llama
 
     folder = tiny_gqa if layout == "gqa" else tiny_artifact
     stranger = tiny_gqa.parent.parent / "stranger"
@@ -196,7 +196,7 @@ def test_seeded_sampling_with_drafts_repeats_itself(tiny_gqa):
 
 def test_a_draft_that_is_no_artifact_or_has_another_tokenizer_is_refused(tiny_gqa, tmp_path):
     from compress.export.gqa import build_gqa_artifact
-    from compress.tiny import build_tiny_tokenizer, tiny_llama_config
+    from compress.loading.tiny import build_tiny_tokenizer, tiny_llama_config
     from transformers import LlamaForCausalLM
 
     with pytest.raises(ConfigError, match="serve.speculative.*neither 'off', 'prompt_lookup' nor an artifact"):
@@ -214,7 +214,7 @@ def test_uniform_kernels_make_drafted_checks_compute_as_decode_steps(tmp_path, t
     greedy text with drafts equals text without; the one-row kernel's logits are compared too (printed)."""
     from compress.export.gqa import build_gqa_artifact
     from compress.export.weights import int4_plan
-    from compress.tiny import build_tiny_llama
+    from compress.loading.tiny import build_tiny_llama
     from serve.engine import engine as engine_mod
 
     model, tok = build_tiny_llama(seed=0, hidden_size=128, intermediate_size=256)

@@ -23,8 +23,8 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from compress import registry
-from compress.scorecard import FIGURES, PREFIX
+from compress.registry import store as registry
+from compress.registry.scorecard import FIGURES, PREFIX
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 pytestmark = [

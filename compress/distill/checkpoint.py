@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from compress.data import DataSplits
+from compress.corpus.splits import DataSplits
 from compress.distill.report import DistillError
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from compress.data import DataSplits
+from compress.corpus.splits import DataSplits
 
 
 def chat_opening(tokenizer, bos_id: int | None = None) -> list[int]:

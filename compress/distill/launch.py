@@ -53,7 +53,7 @@ class DistillJob:
     config: dict  # DistillConfig fields
     masks: str | None = None  # safetensors {param name: keep mask} of unstructured pruning
     teacher_layers: list[int] | None = None  # the teacher layer of each student layer (distill.hidden_weight)
-    # How the teacher (a folder or a hub id) is loaded: as compress.models.load_teacher takes it.
+    # How the teacher (a folder or a hub id) is loaded: as compress.loading.models.load_teacher takes it.
     cache_dir: str = ".cache/models"
     revision: str | None = None
     trust_remote_code: bool = False
@@ -166,9 +166,9 @@ def run_rank(job_path: str) -> None:
 
     from compress.distill import distributed
     from compress.config import DistillConfig
-    from compress.data import DataSplits
+    from compress.corpus.splits import DataSplits
     from compress.distill.train import distill
-    from compress.models import load_teacher
+    from compress.loading.models import load_teacher
 
     from transformers.utils import logging as hf_logging
 

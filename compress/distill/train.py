@@ -33,8 +33,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from compress.cpu import has_bf16
-from compress.data import DataSplits
+from compress.sizing.cpu import has_bf16
+from compress.corpus.splits import DataSplits
 from compress.distill import distributed
 from compress.distill.checkpoint import (REPORT, TrainState, best_step_on_disk, load_best, load_last, run_fingerprint,
                                          save_best, save_last)

@@ -35,7 +35,7 @@ import numpy as np
 from compress.drivers.base import CONTINUATION_LOGITS_BYTES, _batches
 from compress.evaluate.generate import Generated
 # auto: the checkpoint is the reference from this many parameters on, when stored in 16 bits (memory.py reads it too)
-from compress.memory import CHECKPOINT_FROM_PARAMS
+from compress.sizing.memory import CHECKPOINT_FROM_PARAMS
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class CheckpointReference:
 
         import torch
 
-        from compress.models import load_teacher
+        from compress.loading.models import load_teacher
         from serve.engine.heap import release_free_memory
 
         # glibc keeps what a candidate's session freed (1.9 GiB after the 3B's chat scoring): back to the system

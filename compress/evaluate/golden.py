@@ -68,8 +68,8 @@ class GoldenSet:
 @torch.no_grad()
 def record_golden(model, tokenizer, prompts: list[str], top_k: int = 8, new_tokens: int = 16) -> GoldenSet:
     """prompt_ids are the prompts as the model expects them (BOS first when it takes one, see
-    compress/special_tokens.py); the ONNX check replays exactly these ids."""
-    from compress.special_tokens import special_tokens
+    compress/loading/special_tokens.py); the ONNX check replays exactly these ids."""
+    from compress.loading.special_tokens import special_tokens
 
     model.eval()
     st = special_tokens(tokenizer, model)

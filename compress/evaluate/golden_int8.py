@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compress.blocks import table_block
+from compress.formats.blocks import table_block
 from compress.evaluate.golden import GoldenSet
 
 
@@ -53,8 +53,8 @@ def _round_rows_(w: torch.Tensor, block: int, signed_max: bool = True) -> None:
 
 def _round_rows_4bit_(w: torch.Tensor, block: int, symmetric: bool, clip: bool) -> None:
     """w [N, K] (torch's Linear layout) rounded in place to 4-bit blocks along K, ROUND_ROWS rows at a time, on the
-    grid of ONNX Runtime's quantizer (compress/nbits.py fake_quant_w4, which takes [K, N])."""
-    from compress.nbits import fake_quant_w4
+    grid of ONNX Runtime's quantizer (compress/formats/nbits.py fake_quant_w4, which takes [K, N])."""
+    from compress.formats.nbits import fake_quant_w4
 
     for i in range(0, w.shape[0], ROUND_ROWS):
         rows = w[i:i + ROUND_ROWS].float().numpy().T
@@ -71,7 +71,7 @@ def fake_quantize_(model, block_size: int, accuracy_level: int, int4=None) -> li
     emb = model.get_input_embeddings().weight
     tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
     block4 = int4.block4(block_size) if int4 is not None else block_size
-    table = table_block(emb.shape[1], block_size)  # the tied table's rows in whole blocks (compress/blocks.py)
+    table = table_block(emb.shape[1], block_size)  # the tied table's rows in whole blocks (compress/formats/blocks.py)
     if tied:  # one 8-bit table read by the Gather and the lm_head (gqa._embedding_q8's arithmetic)
         _round_rows_(emb.data, table, signed_max=False)
     elif int4 is not None and int4.embedding_bits == 4:  # gqa._embedding_q4

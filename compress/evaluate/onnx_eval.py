@@ -7,7 +7,7 @@ back (``standard``) or kept in place (``gqa``), the way the server runs it.
 
 Scored positions, the same for every model: in each eval block of s tokens, the logits at positions
 0..s-2 predict the tokens at 1..s-1, so n blocks give n * (s - 1) scored tokens (``eval_tokens``). Block
-position 0 is never a target; for a model that takes BOS it holds the BOS (compress/data.py), so BOS is
+position 0 is never a target; for a model that takes BOS it holds the BOS (compress/corpus/splits.py), so BOS is
 never scored and every scored token is text (the first text token is predicted from BOS); for a model
 without BOS it is the first text token, which has no context to predict it from.
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from compress.artifact import read_manifest
 from compress.config import PipelineConfig
-from compress.data import DataSplits
+from compress.corpus.splits import DataSplits
 from compress.evaluate import chat as chat_eval
 from compress.evaluate.budget import Budget
 from compress.evaluate.checkpoint_ref import CheckpointReference, resolve
@@ -34,8 +34,8 @@ from compress.evaluate.downstream import downstream_scores
 from compress.evaluate.gate import Verdict, accept, genre_table, resolve_criteria
 from compress.evaluate.onnx_eval import ReferencePass, evaluate_onnx
 from compress.export.weights import written_int8
-from compress.memory import Shape, accept_bytes, check_stage_memory
-from compress.room import check_room
+from compress.sizing.memory import Shape, accept_bytes, check_stage_memory
+from compress.sizing.disk import check_room
 
 log = logging.getLogger(__name__)
 

@@ -43,15 +43,15 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from compress.export import gqa_families as fams
-from compress.blocks import table_block
+from compress.formats.blocks import table_block
 from compress.artifact import write_manifest
 from compress.export.gqa_families import GqaBuildError
 from compress.export.graph_fusion import fuse_decoder
 from compress.export.kv_fp16 import kv_to_fp16
 from compress.export.servable import MODEL_FILE, serving_fields, write_tokenizer_files
 from compress.export.weights import FROM_CHECKPOINT, Int4Plan
-from compress.nbits import pack_w4
-from compress.models import model_info
+from compress.formats.nbits import pack_w4
+from compress.loading.models import model_info
 from serve.runners.onnx_external import ALIGN, BASE_KEY, save_external
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class _Graph:
         # (block_size, accuracy_level): every linear written as 8-bit MatMulNBits straight from the checkpoint's
         # tensor, the arithmetic of the quantize stage's weight_only form (ORT's block quantizer), no fp32 graph
         self.int8 = int8
-        # int4 (with int8's block size and accuracy level): the linears written as 4-bit MatMulNBits (compress/nbits.py),
+        # int4 (with int8's block size and accuracy level): the linears written as 4-bit MatMulNBits (compress/formats/nbits.py),
         # but for the plan's groups and lm_head kept at 8 bits (compress/export/weights.py int4_plan)
         self.int4 = int4
         self._q8 = None
@@ -417,7 +417,7 @@ def _embedding_q8(g: _Graph, E: np.ndarray, tied: bool) -> str:
 
 
 def _embedding_q4(g: _Graph, E: np.ndarray) -> str:
-    """An untied table as 4-bit blocks along the hidden axis (compress/nbits.py's grid, the plan's rounding), read by
+    """An untied table as 4-bit blocks along the hidden axis (compress/formats/nbits.py's grid, the plan's rounding), read by
     the token Gather (GatherBlockQuantized, two codes a byte)."""
     V, K = E.shape
     b = g.int4.block4(g.int8[0])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from compress.special_tokens import eos_ids_of, special_tokens
+from compress.loading.special_tokens import eos_ids_of, special_tokens
 
 MODEL_FILE = "model.onnx"
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from compress.artifact import io_names, write_manifest
-from compress.models import model_info
+from compress.loading.models import model_info
 from compress.export.gqa_families import layer_types
 from compress.export.servable import MODEL_FILE, serving_fields, write_tokenizer_files
 

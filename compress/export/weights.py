@@ -1,6 +1,6 @@
 """export.weights: whether the export writes the fp32 graph, or the weight-only INT8 or 4-bit one straight from the checkpoint.
 
-From 1B parameters (compress.memory.CHECKPOINT_FROM_PARAMS, where the accept stage's reference becomes the checkpoint
+From 1B parameters (compress.sizing.memory.CHECKPOINT_FROM_PARAMS, where the accept stage's reference becomes the checkpoint
 too) an fp32 graph is 4 bytes a parameter in memory, on disk and in the registry that nothing needs: the INT8 graph is
 written tensor by tensor from the bf16 weights (gqa.build_gqa_model's int8), golden and acceptance judge it against
 the checkpoint as stored, and the baseline version records the checkpoint by digest (docs/models.md#large-models).
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compress.memory import CHECKPOINT_FROM_PARAMS
+from compress.sizing.memory import CHECKPOINT_FROM_PARAMS
 
 # manifest["quantization"]["written_from"] of an INT8 graph the export wrote (not the quantize stage)
 FROM_CHECKPOINT = "checkpoint"
@@ -161,7 +161,7 @@ def int4_plan(model, block: int, symmetric: bool, keep_int8: float, clip: bool =
     ``block4``: the 4-bit parts' block where it is not ``block`` (quantize.int4_block_size)."""
     import torch
 
-    from compress.nbits import w4_weight_error  # torch: not at import (flows/pipeline.py imports this module)
+    from compress.formats.nbits import w4_weight_error  # torch: not at import (flows/pipeline.py imports this module)
 
     lost: dict[str, float] = {}
     energy: dict[str, float] = {}

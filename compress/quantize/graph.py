@@ -22,8 +22,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from compress.blocks import table_block
-from compress.nbits import pack_w4
+from compress.formats.blocks import table_block
+from compress.formats.nbits import pack_w4
 from compress.quantize.calibration import Linear
 from serve.runners.onnx_external import save_external, tensor_array
 
@@ -264,7 +264,7 @@ def quantize_tied_embedding(model: onnx.ModelProto, block_size: int = 32, accura
 
 def _tied_table(g: onnx.GraphProto, block_size: int):
     """(the token Gather, the Transposes of its table, the MatMuls reading them, the block its rows are rounded in:
-    compress/blocks.py table_block of its width) when the table is read only so and its rows split into whole blocks
+    compress/formats/blocks.py table_block of its width) when the table is read only so and its rows split into whole blocks
     of some power of two up to ``block_size``; else None."""
     inits = {i.name: i for i in g.initializer}
     gather = next((n for n in g.node if n.op_type == "Gather" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2), None)
@@ -317,7 +317,7 @@ def weight_only(model: onnx.ModelProto, linears: list[Linear], block_size: int, 
     """In place (and returned): `linears` as `bits`-bit (8 or 4) block-wise MatMulNBits, float activations.
 
     The same tensors and node ORT's MatMulNBitsQuantizer writes (8 bits: its C++ block quantizer does the arithmetic;
-    4 bits: compress/nbits.py pack_w4, ORT's layout and grid, ``clip`` searching each block's range), but one weight
+    4 bits: compress/formats/nbits.py pack_w4, ORT's layout and grid, ``clip`` searching each block's range), but one weight
     at a time: each float weight is read (from the proto or, for a lazily loaded graph, from its file), quantized and
     dropped before the next, so a model never has an fp32 copy and an int8 copy of all its linears at once. ORT's
     quantizer holds the whole model in memory; on a 1B model that was most of the quantize stage's memory.

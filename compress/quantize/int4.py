@@ -1,7 +1,7 @@
 """4-bit weights: the arithmetic the 4-bit weight-only form needs that ONNX Runtime's quantizer lacks.
 
 ORT has the 4-bit `MatMulNBits` kernel and a round-to-nearest block quantizer; the tensors are written in its layout by
-compress/nbits.py `pack_w4` (its grid, each block's range searched: quantize.weight_clip). What ORT does not do is decide *which* weights may lose that much
+compress/formats/nbits.py `pack_w4` (its grid, each block's range searched: quantize.weight_clip). What ORT does not do is decide *which* weights may lose that much
 and *how to scale them first*. Both are measured here on the calibration sample (the calib split's token rows that
 calibration already keeps per linear input, `ActStats.sample`), never on the selection split:
 
@@ -14,7 +14,7 @@ calibration already keeps per linear input, `ActStats.sample`), never on the sel
   the kernel sees them up to its int8 blocks), the measure by which the mixed-precision choice keeps the worst groups
   at 8 bits (compress/quantize/sensitivity.py `candidate_ranking`).
 
-``fake_quant_w4`` (compress/nbits.py) is the round trip of the written tensors, so the search scores the grid the
+``fake_quant_w4`` (compress/formats/nbits.py) is the round trip of the written tensors, so the search scores the grid the
 kernel will use; tests compare it with them.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from compress.nbits import fake_quant_w4
+from compress.formats.nbits import fake_quant_w4
 from compress.quantize.calibration import ActStats
 
 AWQ_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)

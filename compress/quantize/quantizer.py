@@ -35,7 +35,7 @@ import onnx
 from compress.artifact import read_manifest, write_manifest
 from compress.quantize.calibration import ActStats, Linear, find_linears
 from compress.config import QuantizeConfig
-from compress.cpu import has_vnni
+from compress.sizing.cpu import has_vnni
 from compress.export.graph_fusion import pack_siblings
 from compress.quantize.kv_int8 import int8_kv_artifact
 from compress.quantize.graph import (QuantizeError, dynamic_per_tensor, insert_dynamic_per_token, insert_qdq, pow2_block,

@@ -7,5 +7,5 @@ importing onnx or onnxruntime."""
 # 5: a per-tensor int8 K/V cache evens out K's channels first (kv_equalize.py).
 # 6: the per-token form's tied lm_head is smoothed too (smoothquant.py smooth_tied_lm_head).
 # 7: weight_only takes weight_bits 4 (AWQ, mixed precision), and method auto weighs that form too.
-# 8: 4-bit blocks written by compress/nbits.py, whose ranges may shrink (quantize.weight_clip mse).
+# 8: 4-bit blocks written by compress/formats/nbits.py, whose ranges may shrink (quantize.weight_clip mse).
 QUANT_FORMAT = 8

@@ -97,7 +97,7 @@ def _measured(cfg: PipelineConfig) -> list[Setting]:
     if d.enabled:
         rows += _distill(d)
     if cfg.registry.baseline_weights == "auto":
-        from compress.registry import DIGEST_ABOVE_BYTES
+        from compress.registry.store import DIGEST_ABOVE_BYTES
 
         rows.append(Setting("registry.baseline_weights", "copy or digest", f"digest above {DIGEST_ABOVE_BYTES / 2**30:g} "
                             "GiB of graph weights, known after the export", False))
@@ -119,7 +119,7 @@ def _distill(d) -> list[Setting]:
     if d.amp == "auto":
         amp = amp_dtype_for(d, device)
         rows.append(Setting("distill.amp", str(amp).replace("torch.", "") if amp else "off",
-                            f"bf16 where the device computes it natively (compress/cpu.py flags; {here})", False))
+                            f"bf16 where the device computes it natively (compress/sizing/cpu.py flags; {here})", False))
     if d.compile == "auto":
         rows.append(Setting("distill.compile", "on the CPU from " + f"{COMPILE_MIN_TOKENS:,} training tokens",
                             "pays back its one-off compile there (compress/distill/train.py)", False))

@@ -18,11 +18,11 @@ def load_tokenizer(artifact_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
-# ---- BOS: the rule compress/special_tokens.py decided and wrote to the manifest ------------------
+# ---- BOS: the rule compress/loading/special_tokens.py decided and wrote to the manifest ------------------
 def bos_id(manifest: dict) -> int | None:
     """The BOS id every sequence starts with: ``bos_token_id`` when the manifest says ``add_bos_token``,
     else None (also for manifests written before the field: no BOS, as before). Mirrors
-    compress/special_tokens.py ``from_manifest`` (serve/ does not import compress/)."""
+    compress/loading/special_tokens.py ``from_manifest`` (serve/ does not import compress/)."""
     bos = manifest.get("bos_token_id")
     return int(bos) if manifest.get("add_bos_token") and bos is not None else None
 

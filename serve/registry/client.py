@@ -4,7 +4,7 @@ Only what serving a ``models:/`` URI needs: resolve the tracking store, check it
 look up a version or alias, download a version's artifact folder, and the file lock that serialises writes to a
 local store (``store_lock``). MLflow is imported lazily, inside the functions, so serving a local folder needs no
 MLflow at all. The one write a server makes is the champion's labels (serve/registry/champion.py). The pipeline's
-registry (compress/registry.py: register, promote, roll back) builds on these same functions.
+registry (compress/registry/store.py: register, promote, roll back) builds on these same functions.
 """
 
 from __future__ import annotations

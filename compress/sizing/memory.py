@@ -99,8 +99,8 @@ def accept_bytes(shape: Shape, checkpoint: bool, batch: int = 4, block: int = 12
 
 
 def estimate_for_shape(name: str) -> dict:
-    """Estimates (GiB) for one of compress/shapes.py's SHAPES, with the weights' sizes."""
-    from compress.shapes import shape_config
+    """Estimates (GiB) for one of compress/sizing/shapes.py's SHAPES, with the weights' sizes."""
+    from compress.sizing.shapes import shape_config
 
     s = Shape.of_config(shape_config(name))
     est = stage_bytes(s)

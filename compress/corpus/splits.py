@@ -22,7 +22,7 @@ of a fixed list of pure-Python standard-library modules (docs/quantization.md, "
 The test split and the held-out source are written to their own file (``save_heldout``), apart from the
 train / calib / selection file every stage opens (``save``), so no stage before the verdict can read them.
 
-A model that takes BOS (compress/special_tokens.py decides) gets it at the start of every block:
+A model that takes BOS (compress/loading/special_tokens.py decides) gets it at the start of every block:
 BOS + block_size - 1 tokens of the stream; a model without BOS gets block_size tokens of the stream.
 """
 
@@ -233,7 +233,7 @@ def make_splits(
 ) -> DataSplits:
     """Cut `source` into the four disjoint splits (module docstring: lanes) and `heldout_source` into
     heldout_blocks blocks ("none": no held-out source)."""
-    from compress.special_tokens import bos_id_of
+    from compress.loading.special_tokens import bos_id_of
 
     texts = load_texts(source, text_field, subset, split)
     bos = bos_id_of(tokenizer)

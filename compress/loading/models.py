@@ -142,8 +142,8 @@ def _add_end_of_turn_ids(model, gguf: Path) -> None:
 
 
 def _tiny_folder(source: str, cache_root: Path) -> Path:
-    """model.source 'tiny[-FAMILY][:SEED]': a seeded tiny model of compress/tiny.py (Llama by default), saved once."""
-    from compress.tiny import FAMILIES, FAMILY_CONFIGS_VERSION, save_tiny
+    """model.source 'tiny[-FAMILY][:SEED]': a seeded tiny model of compress/loading/tiny.py (Llama by default), saved once."""
+    from compress.loading.tiny import FAMILIES, FAMILY_CONFIGS_VERSION, save_tiny
 
     name, _, seed = source.partition(":")
     family = name.removeprefix("tiny").removeprefix("-") or "llama"
@@ -169,7 +169,7 @@ def resolve_source(source: str, gguf_file: str | None, cache_dir: str | Path) ->
     if source.startswith("tiny"):
         return str(_tiny_folder(source, cache_root))
     if source.startswith("shape:"):
-        from compress.shapes import ShapeError, shape_folder
+        from compress.sizing.shapes import ShapeError, shape_folder
 
         try:
             return str(shape_folder(source, cache_root))

@@ -4,7 +4,7 @@
 vocabulary, RoPE, tying) with seeded random weights and saves it once, in bf16, under the model cache, so
 every stage can be run and measured at real size offline, without downloading a checkpoint. The text is
 garbage (random weights); golden still checks the ONNX graph against torch on the same weights. The
-tokenizer is compress/tiny.py's small byte-level BPE: its ids are a corner of the real vocabulary, whose
+tokenizer is compress/loading/tiny.py's small byte-level BPE: its ids are a corner of the real vocabulary, whose
 full width the embedding and lm_head keep (the memory and the time of the lm_head are the real ones).
 
 Weights are drawn tensor by tensor from one seeded generator in bf16, like the published checkpoints'
@@ -12,7 +12,7 @@ dtype, on a model first built on the meta device: a 3B model never exists in fp3
 ``scaled_shape(name, **overrides)`` gives the same config with smaller widths, for fast tests.
 
 ``SHAPES`` also lists 7B/8B configs that are not built here (16 GB of bf16) but feed the memory estimates
-of compress/memory.py and docs/models.md.
+of compress/sizing/memory.py and docs/models.md.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ SHAPES: dict[str, dict] = {
                          tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768,
                          use_sliding_window=False,
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-    # Estimates only (compress/memory.py); building them needs 15-16 GB of bf16.
+    # Estimates only (compress/sizing/memory.py); building them needs 15-16 GB of bf16.
     "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                          tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=131072,
@@ -75,7 +75,7 @@ def shape_config(name: str, vocab_size: int | None = None, **overrides):
     if vocab_size is not None:
         kw["vocab_size"] = vocab_size
     model_type = kw.pop("model_type")
-    # ids of compress/tiny.py's tokenizer: <|endoftext|> = 0 (BOS, pad), <|im_end|> = 2 (EOS)
+    # ids of compress/loading/tiny.py's tokenizer: <|endoftext|> = 0 (BOS, pad), <|im_end|> = 2 (EOS)
     kw.update(bos_token_id=0, eos_token_id=2, pad_token_id=0)
     return AutoConfig.for_model(model_type, **kw)
 
@@ -95,7 +95,7 @@ def build_shape(name: str, seed: int = 0, config=None):
     """(model in bf16 with seeded random weights, the tiny tokenizer). ``config``: a scaled_shape for tests."""
     from transformers import AutoModelForCausalLM
 
-    from compress.tiny import build_tiny_tokenizer
+    from compress.loading.tiny import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     config = config or shape_config(name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from compress.memory import GIB, Shape
+from compress.sizing.memory import GIB, Shape
 
 # Room kept free beyond what a stage writes: logs, MLflow's database, the OS's own writes.
 SLACK = 512 * 2**20

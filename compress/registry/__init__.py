@@ -1,0 +1,1 @@
+"""The MLflow model registry: versions, aliases, promotion, rollback, and a version's scorecard."""
