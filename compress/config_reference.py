@@ -1,8 +1,8 @@
 """docs/configuration.md, generated from the config schema: every key, its type, default and what it does.
 
 Types, bounds and defaults come from the pydantic models; "what it does" is the comment block written above each
-field in the sections' settings modules (compress/<stage>/settings.py) and serve/config.py (a section's docstring introduces its table). A key without a comment
-is an error here, so the reference cannot leave a key out. `python -m compress.config_reference` rewrites the file;
+field in the sections' settings modules (compress/<stage>/settings.py) and serve/config.py (a section's docstring
+introduces its table). A key without a comment is an error here, so the reference cannot leave a key out. `python -m compress.config_reference` rewrites the file;
 tests/test_docs.py fails when it is not current.
 """
 
