@@ -23,8 +23,9 @@ Names follow the exported graph's so quantization selects the same nodes: MatMul
 ([in, out]), and each carries the ``pkg.torch.onnx.name_scopes`` metadata compress.quantize.calibration reads.
 A tied lm_head is ``MatMul(x, Transpose(embedding))`` so the table is stored once.
 
-One job, one module although over 400 lines: writing our own attention-op decoder graph from torch weights
-(the decoder, norm, linear and rotary helpers and the artifact writer). For CUDA the quantize stage turns the graph
+The graph writer (initializers, quantized weights) is compress/export/gqa_graph.py and the decoder's blocks
+compress/export/gqa_decoder.py; this module checks the model, adds the attention op and the graph's inputs and
+outputs, and writes the artifact. For CUDA the quantize stage turns the graph
 into fp16 (compress/quantize/cuda_fp16.py): ONNX Runtime's CUDA GroupQueryAttention reads and appends the K/V rows
 in GPU memory, which is what a PagedAttention layout would have been for (docs/serving.md#cuda).
 """
@@ -40,26 +41,24 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from compress.export import gqa_families as fams
-from compress.formats.blocks import table_block
 from compress.artifact import write_manifest
+from compress.export.gqa_decoder import _decoder, _tied
 from compress.export.gqa_families import GqaBuildError
+from compress.export.gqa_graph import MS_DOMAIN, OPSET, _Graph, _model
 from compress.export.graph_fusion import fuse_decoder
 from compress.export.kv_fp16 import kv_to_fp16
 from compress.export.servable import MODEL_FILE, serving_fields, write_tokenizer_files
 from compress.export.weights import FROM_CHECKPOINT, Int4Plan
-from compress.formats.nbits import pack_w4
 from compress.loading.models import model_info
-from serve.runners.onnx_external import ALIGN, BASE_KEY, save_external
+from serve.runners.onnx_external import save_external
 
 log = logging.getLogger(__name__)
 
 # Above this many bytes of fp32 weights the graph is built straight into external data (protobuf's limit is 2 GB).
 STREAM_BYTES = 1_500_000_000
-OPSET = 17
-MS_DOMAIN = "com.microsoft"
 SUPPORTED_FAMILIES = tuple(fams.FAMILIES)  # what differs per family: compress/export/gqa_families.py
 # Rope types whose frequencies do not depend on the sequence length, so one cos/sin table is exact.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -134,351 +133,6 @@ def rope_tables(model, max_positions: int, head_dim: int, layer_type: str | None
     half = cos.shape[-1] // 2  # head_dim // 2, or fewer with partial rotary (GQA rotates 2 * half dims)
     # HF builds cat(freqs, freqs): the first half is the table GQA wants (non-interleaved rotation).
     return cos[0, :, :half].float().numpy().copy(), sin[0, :, :half].float().numpy().copy()
-
-
-class _Graph:
-    """Nodes and initializers of the graph being written.
-
-    data_path: write every initializer of 1 KiB or more straight into this external-data file as it is made
-    (the proto keeps only its offset), so building a large model holds one weight at a time in fp32, never
-    the whole graph. pack_qkv: write each layer's q/k/v as one packed MatMul (what graph_fusion.pack_siblings
-    would make of them afterwards, without first writing the three apart).
-    """
-
-    def __init__(self, float_dtype=np.float32, data_path: Path | None = None, pack_qkv: bool = False,
-                 int8: tuple[int, int] | None = None, int4: Int4Plan | None = None):
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self.float_dtype = float_dtype  # weights and activations
-        self.data_path = data_path
-        self.pack_qkv = pack_qkv
-        self._data = open(data_path, "wb") if data_path is not None else None
-        # (block_size, accuracy_level): every linear written as 8-bit MatMulNBits straight from the checkpoint's
-        # tensor, the arithmetic of the quantize stage's weight_only form (ORT's block quantizer), no fp32 graph
-        self.int8 = int8
-        # int4 (with int8's block size and accuracy level): the linears written as 4-bit MatMulNBits (compress/formats/nbits.py),
-        # but for the plan's groups and lm_head kept at 8 bits (compress/export/weights.py int4_plan)
-        self.int4 = int4
-        self._q8 = None
-        if int8 is not None:
-            from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
-                                                                         DefaultWeightOnlyQuantizer)
-
-            self._q8 = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
-                block_size=int8[0], is_symmetric=True, accuracy_level=int8[1], bits=8))
-
-    def embedding(self, E: np.ndarray, tied: bool) -> tuple[str, str | None]:
-        """The token Gather over the table ``E`` [V, h]: (its output, the fp32 table's name, None when written in
-        8 bits, _embedding_q8)."""
-        if self._q8 is not None and self.int4 is not None and self.int4.embedding_bits == 4 and not tied:
-            return _embedding_q4(self, E), None
-        if self._q8 is not None:
-            return _embedding_q8(self, E, tied), None
-        emb = self.init("model.embed_tokens.weight", E)
-        (x,) = self.node("Gather", [emb, "input_ids"], ["/model/embed_tokens/Gather_output_0"],
-                         "/model/embed_tokens/Gather", module="model.embed_tokens")
-        return x, emb
-
-    def matmul(self, x: str, wt: np.ndarray, w_name: str, path: str, module: str | None,
-               out: str | None = None) -> str:
-        """x @ wt ([K, N]): a MatMul on the fp32 weight, or with ``int8`` a MatMulNBits on its 8-bit blocks."""
-        out = out or f"{path}/MatMul_output_0"
-        if self._q8 is None:
-            w = self.init(w_name, wt)
-            (y,) = self.node("MatMul", [x, w], [out], f"{path}/MatMul", module=module)
-            return y
-        K, N = wt.shape
-        bits = 4 if self.int4 is not None and self.int4.at_4_bits(module) else 8
-        block = self.int4.block4(self.int8[0]) if bits == 4 else self.int8[0]
-        packed, scales, zero_points = (
-            pack_w4(wt, block, self.int4.symmetric, self.int4.clip) if bits == 4 else
-            self._q8.qbits_block_quant(np.ascontiguousarray(wt, np.float32)))
-        inputs = [x, self.init(f"{w_name}_Q{bits}", packed), self.init(f"{w_name}_scales", scales)]
-        if bits == 4 and not self.int4.symmetric:
-            inputs.append(self.init(f"{w_name}_zero_points", zero_points))
-        kw = {"accuracy_level": self.int8[1]} if self.int8[1] else {}
-        (y,) = self.node("MatMulNBits", inputs, [out], f"{path}/MatMul_Q{bits}", module=module,
-                         domain=MS_DOMAIN, K=K, N=N, bits=bits, block_size=block, **kw)
-        return y
-
-    def init(self, name: str, arr: np.ndarray) -> str:
-        if arr.dtype.kind == "f":
-            arr = arr.astype(self.float_dtype, copy=False)
-        arr = np.ascontiguousarray(arr)
-        if self._data is None or arr.nbytes < 1024:
-            self.inits.append(numpy_helper.from_array(arr, name))
-            return name
-        t = onnx.TensorProto()
-        t.name = name
-        t.dims.extend(arr.shape)
-        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
-        pos = self._data.seek(0, 2)
-        pad = (-pos) % ALIGN
-        self._data.write(b"\0" * pad)
-        self._data.write(arr.tobytes())
-        t.data_location = TensorProto.EXTERNAL
-        for k, v in (("location", self.data_path.name), ("offset", str(pos + pad)), ("length", str(arr.nbytes)),
-                     (BASE_KEY, str(self.data_path.resolve().parent))):
-            e = t.external_data.add()
-            e.key, e.value = k, v
-        self.inits.append(t)
-        return name
-
-    def close(self) -> None:
-        if self._data is not None:
-            self._data.close()
-            self._data = None
-
-    def node(self, op: str, inputs: list[str], outputs: list[str], name: str, module: str | None = None,
-             domain: str = "", **attrs) -> list[str]:
-        n = helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs)
-        if module:
-            # The scope list the dynamo exporter records; compress.quantize.calibration reads parts[-2] minus one "model.".
-            e = n.metadata_props.add()
-            e.key = "pkg.torch.onnx.name_scopes"
-            e.value = repr(["", f"model.{module}", op.lower()])
-        self.nodes.append(n)
-        return outputs
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    # One tensor at a time to fp32: the model itself may stay in bf16 (a large model is loaded as stored).
-    return t.detach().to(torch.float32).cpu().numpy()
-
-
-def _packed_qkv(g: _Graph, x: str, lins, module: str, role: str = "qkv_proj") -> str:
-    """q/k/v (or gate/up) as one MatMul(x, [Wq^T | Wk^T | Wv^T]), named and tagged as graph_fusion.pack_siblings
-    names it. Block quantization runs along K, so the 8-bit form of the packed weight is the packed 8-bit forms."""
-    path = "/" + f"{module}.{role}".replace(".", "/")
-    return g.matmul(x, np.concatenate([_np(lin.weight).T for lin in lins], axis=1), f"{module}.{role}.weight_t",
-                    path, f"{module}.{role}")
-
-
-def _linear(g: _Graph, x: str, lin, module: str) -> str:
-    """MatMul(x, W^T) [+ bias], named like the exported graph."""
-    path = "/" + module.replace(".", "/")
-    y = g.matmul(x, _np(lin.weight).T, f"{module}.weight_t", path, module)
-    if getattr(lin, "bias", None) is not None:
-        b = g.init(f"{module}.bias", _np(lin.bias))
-        (y,) = g.node("Add", [y, b], [f"{path}/Add_output_0"], f"{path}/Add")
-    return y
-
-
-def _rmsnorm(g: _Graph, x: str, norm, module: str, eps: float, offset: float = 0.0) -> str:
-    w = g.init(f"{module}.weight", _np(norm.weight) + offset)  # offset 1: Gemma's (1 + w)
-    path = "/" + module.replace(".", "/")
-    (y,) = g.node("SimplifiedLayerNormalization", [x, w], [f"{path}/output_0"], f"{path}/SimplifiedLayerNormalization",
-                  axis=-1, epsilon=float(eps), stash_type=1)
-    return y
-
-
-@dataclass(frozen=True)
-class _Layers:
-    """What every decoder layer of one model is written with: its family's rules, head counts, norm settings."""
-
-    fam: object
-    H: int
-    KV: int
-    D: int
-    eps: float
-    off: float
-    act: str
-
-
-def _attention_block(g: _Graph, lay: _Layers, layer, i: int, x: str, attention) -> str:
-    """Input norm, q/k/v (packed when GQA can split them), the layout's attention, o_proj and the residual."""
-    pre, fam, eps, off = f"model.layers.{i}", lay.fam, lay.eps, lay.off
-    a = layer.self_attn
-    h = _rmsnorm(g, x, layer.input_layernorm, f"{pre}.input_layernorm", eps, off)
-    qp, kp, vp = fams.attn_linears(fam, layer, lay.H, lay.KV, lay.D)
-    if g.pack_qkv and not fam.qk_norm and all(getattr(p, "bias", None) is None for p in (qp, kp, vp)):
-        # GQA splits a packed QKV itself: key and value inputs left empty
-        attn = attention(g, i, _packed_qkv(g, h, (qp, kp, vp), f"{pre}.self_attn"), "", "")
-    else:
-        q = _linear(g, h, qp, f"{pre}.self_attn.q_proj")
-        k = _linear(g, h, kp, f"{pre}.self_attn.k_proj")
-        v = _linear(g, h, vp, f"{pre}.self_attn.v_proj")
-        if fam.qk_norm:  # per head, before the rotary GQA applies
-            q = _head_norm(g, q, a.q_norm, f"{pre}.self_attn.q_norm", eps, off, lay.D)
-            k = _head_norm(g, k, a.k_norm, f"{pre}.self_attn.k_norm", eps, off, lay.D)
-        attn = attention(g, i, q, k, v)
-    o = _linear(g, attn, a.o_proj, f"{pre}.self_attn.o_proj")
-    if fam.sandwich_norms:
-        o = _rmsnorm(g, o, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps, off)
-    (x,) = g.node("Add", [x, o], [f"/model/layers/{i}/attn_residual_output_0"], f"/model/layers/{i}/attn_residual")
-    return x
-
-
-def _mlp_block(g: _Graph, lay: _Layers, layer, i: int, x: str) -> str:
-    """The MLP's norm, gate/up (packed in the INT8 graph), the gated activation, down_proj and the residual."""
-    pre, fam, eps, off = f"model.layers.{i}", lay.fam, lay.eps, lay.off
-    if fam.sandwich_norms:
-        h = _rmsnorm(g, x, layer.pre_feedforward_layernorm, f"{pre}.pre_feedforward_layernorm", eps, off)
-    else:
-        h = _rmsnorm(g, x, layer.post_attention_layernorm, f"{pre}.post_attention_layernorm", eps, off)
-    gp, upp = fams.mlp_linears(fam, layer)
-    if g.int8 is not None and g.pack_qkv and all(getattr(p, "bias", None) is None for p in (gp, upp)):
-        # as the quantize stage packs them after quantization (graph_fusion.pack_siblings), written packed
-        gu_out = _packed_qkv(g, h, (gp, upp), f"{pre}.mlp", "gate_up_proj")
-        n = int(gp.weight.shape[0])
-        mp = f"/model/layers/{i}/mlp"
-        g.init(f"{mp}/gate_up_split", np.array([n, n], np.int64))
-        gate, up = g.node("Split", [gu_out, f"{mp}/gate_up_split"], [f"{mp}/gate_output_0", f"{mp}/up_output_0"],
-                          f"{mp}/gate_up_Split", axis=-1)
-    else:
-        gate = _linear(g, h, gp, f"{pre}.mlp.gate_proj")
-        up = _linear(g, h, upp, f"{pre}.mlp.up_proj")
-    gu = _gated(g, gate, up, lay.act, f"/model/layers/{i}/mlp")
-    down = _linear(g, gu, layer.mlp.down_proj, f"{pre}.mlp.down_proj")
-    if fam.sandwich_norms:
-        down = _rmsnorm(g, down, layer.post_feedforward_layernorm, f"{pre}.post_feedforward_layernorm", eps, off)
-    (x,) = g.node("Add", [x, down], [f"/model/layers/{i}/mlp_residual_output_0"], f"/model/layers/{i}/mlp_residual")
-    return x
-
-
-def _lm_head(g: _Graph, model, h: str, emb: str, tied: bool, logits_name: str) -> str:
-    """The logits from the final hidden state: the tied table (8-bit in the INT8 graph) or the lm_head's own
-    weight, soft-capped where the family does (Gemma 2)."""
-    c, head = model.config, model.lm_head
-    if getattr(head, "bias", None) is not None:
-        raise GqaBuildError("lm_head with a bias is not supported")
-    cap = float(getattr(c, "final_logit_softcapping", None) or 0.0)
-    out = "/lm_head/MatMul_output_0" if cap else logits_name
-    if g.int8 is not None and tied:  # the 8-bit table the Gather reads, as MatMulNBits' blocks
-        V, K = head.weight.shape
-        kw = {"accuracy_level": g.int8[1]} if g.int8[1] else {}
-        (logits,) = g.node("MatMulNBits", [h, "model.embed_tokens.weight_q8", "model.embed_tokens.weight_q8_scales"],
-                           [out], "/lm_head/MatMul_q8", module="lm_head", domain=MS_DOMAIN, K=K, N=V, bits=8,
-                           block_size=table_block(K, g.int8[0]), **kw)
-    elif tied:
-        # Tied: keep one table (quantize_tied_embedding recognises this exact pattern).
-        (wt,) = g.node("Transpose", [emb], ["/lm_head/Transpose_output_0"], "/lm_head/Transpose", perm=[1, 0])
-        (logits,) = g.node("MatMul", [h, wt], [out], "/lm_head/MatMul", module="lm_head")
-    else:
-        logits = g.matmul(h, _np(head.weight).T, "lm_head.weight_t", "/lm_head", "lm_head", out)
-    if cap:  # Gemma 2: cap * tanh(logits / cap)
-        logits = _softcap(g, logits, cap, logits_name)
-    return logits
-
-
-def _decoder(model, g: _Graph, attention, select_positions, logits_name: str = "logits") -> tuple[str, str]:
-    """Embedding, layers and final norm + lm_head; ``attention(g, i, q, k, v) -> output`` is the layout's part.
-
-    ``select_positions(g, x) -> x`` picks the positions whose logits are computed (before the final norm).
-    Returns (logits tensor name, embedding initializer name).
-    """
-    c = model.config
-    if c.model_type == "gpt_neox":
-        from compress.export.gqa_neox import neox_decoder
-
-        return neox_decoder(model, g, attention, select_positions, logits_name, _linear)
-    fam = fams.family_of(model)
-    info = model_info(model)
-    lay = _Layers(fam, info["num_heads"], info["num_kv_heads"], info["head_dim"],
-                  float(getattr(c, "rms_norm_eps", 1e-6)), fam.norm_offset, fams.activation(c))
-    tied = _tied(model)
-    x, emb = g.embedding(_np(model.model.embed_tokens.weight), tied)
-    if fam.embed_scale:
-        x = _embed_scale(g, x, c.hidden_size)
-    for i, layer in enumerate(model.model.layers):
-        x = _attention_block(g, lay, layer, i, x, attention)
-        x = _mlp_block(g, lay, layer, i, x)
-    x = select_positions(g, x)
-    h = _rmsnorm(g, x, model.model.norm, "model.norm", lay.eps, lay.off)
-    return _lm_head(g, model, h, emb, tied, logits_name), emb
-
-
-def _embedding_q8(g: _Graph, E: np.ndarray, tied: bool) -> str:
-    """The table as 8-bit blocks along the hidden axis, read by the token Gather (GatherBlockQuantized) and, tied, by
-    the lm_head (MatMulNBits): compress.quantize.graph.quantize_tied_embedding's arithmetic, written once."""
-    V, K = E.shape
-    b = table_block(K, g.int8[0])
-    if not b:
-        raise GqaBuildError(f"the embedding table's width {K} splits into no power-of-two block of at least 16: set "
-                            f"export.weights to float32")
-    Eb = E.reshape(V, K // b, b)
-    scale = (np.abs(Eb).max(-1) / 127.0).astype(np.float32)
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = (np.clip(np.round(Eb / scale[..., None]), -127, 127) + 128).astype(np.uint8)
-    del Eb
-    qn = "model.embed_tokens.weight_q8"
-    g.init(qn, q)
-    g.init(f"{qn}_gather_scales", scale.reshape(V, K // b, 1))
-    g.init(f"{qn}_gather_zero_points", np.full((V, K // b, 1), 128, np.uint8))
-    if tied:
-        g.init(f"{qn}_scales", scale.reshape(-1))
-    g.init(f"{qn}_shape", np.array([0, 0, K], np.int64))
-    out = "/model/embed_tokens/Gather_output_0"
-    (blocks,) = g.node("GatherBlockQuantized", [qn, "input_ids", f"{qn}_gather_scales", f"{qn}_gather_zero_points"],
-                       [f"{out}_blocks"], "/model/embed_tokens/Gather_q8", domain=MS_DOMAIN, gather_axis=0,
-                       quantize_axis=2, block_size=b, bits=8)
-    (x,) = g.node("Reshape", [blocks, f"{qn}_shape"], [out], "/model/embed_tokens/Gather_q8_reshape")
-    return x
-
-
-def _embedding_q4(g: _Graph, E: np.ndarray) -> str:
-    """An untied table as 4-bit blocks along the hidden axis (compress/formats/nbits.py's grid, the plan's rounding), read by
-    the token Gather (GatherBlockQuantized, two codes a byte)."""
-    V, K = E.shape
-    b = g.int4.block4(g.int8[0])
-    packed, scales, zps = pack_w4(E.T, b, g.int4.symmetric, g.int4.clip)  # E.T: blocks along the hidden axis
-    if zps is None:  # symmetric: the kernel's implied zero point, written out for the Gather
-        zps = np.full((V, (scales.shape[1] + 1) // 2), 0x88, np.uint8)
-    qn = "model.embed_tokens.weight_q4"
-    g.init(qn, packed.reshape(V, -1))
-    g.init(f"{qn}_scales", scales)
-    g.init(f"{qn}_zero_points", zps)
-    out = "/model/embed_tokens/Gather_output_0"
-    (x,) = g.node("GatherBlockQuantized", [qn, "input_ids", f"{qn}_scales", f"{qn}_zero_points"], [out],
-                  "/model/embed_tokens/Gather_q4", domain=MS_DOMAIN, gather_axis=0, quantize_axis=1, block_size=b,
-                  bits=4)
-    return x
-
-
-def _embed_scale(g: _Graph, x: str, hidden: int) -> str:
-    """Gemma scales embeddings by sqrt(hidden) (a Mul, not folded: a tied lm_head reads the same table).
-    HF rounds the factor to the weights' dtype first; fp32 here."""
-    s = g.init("/model/embed_scale", np.array(np.float32(hidden ** 0.5)))
-    (x,) = g.node("Mul", [x, s], ["/model/embed_tokens/Mul_output_0"], "/model/embed_tokens/Mul")
-    return x
-
-
-def _head_norm(g: _Graph, x: str, norm, module: str, eps: float, offset: float, head_dim: int) -> str:
-    """QK-norm: RMSNorm over each head of a [b, s, heads*head_dim] projection."""
-    path = "/" + module.replace(".", "/")
-    heads = g.init(f"{path}/heads_shape", np.array([0, 0, -1, head_dim], np.int64))
-    flat = g.init(f"{path}/flat_shape", np.array([0, 0, -1], np.int64))
-    (y,) = g.node("Reshape", [x, heads], [f"{path}/Reshape_output_0"], f"{path}/Reshape")
-    y = _rmsnorm(g, y, norm, module, eps, offset)
-    (y,) = g.node("Reshape", [y, flat], [f"{path}/Reshape_1_output_0"], f"{path}/Reshape_1")
-    return y
-
-
-def _gated(g: _Graph, gate: str, up: str, act: str, mp: str) -> str:
-    """act(gate) * up: SiLU (Llama, Qwen, Mistral, Phi-3) or tanh-approximated GELU (Gemma)."""
-    if act == "gelu_tanh":
-        (a,) = g.node("FastGelu", [gate], [f"{mp}/act_fn/FastGelu_output_0"], f"{mp}/act_fn/FastGelu", domain=MS_DOMAIN)
-    else:
-        (sg,) = g.node("Sigmoid", [gate], [f"{mp}/act_fn/Sigmoid_output_0"], f"{mp}/act_fn/Sigmoid")
-        (a,) = g.node("Mul", [gate, sg], [f"{mp}/act_fn/Mul_output_0"], f"{mp}/act_fn/Mul")
-    (gu,) = g.node("Mul", [a, up], [f"{mp}/Mul_output_0"], f"{mp}/Mul")
-    return gu
-
-
-def _softcap(g: _Graph, x: str, cap: float, out: str) -> str:
-    c = g.init("/lm_head/softcap", np.array(np.float32(cap)))
-    (y,) = g.node("Div", [x, c], ["/lm_head/softcap/Div_output_0"], "/lm_head/softcap/Div")
-    (y,) = g.node("Tanh", [y], ["/lm_head/softcap/Tanh_output_0"], "/lm_head/softcap/Tanh")
-    (y,) = g.node("Mul", [y, c], [out], "/lm_head/softcap/Mul")
-    return y
-
-
-def _model(g: _Graph, inputs, outputs, name: str) -> onnx.ModelProto:
-    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-                          producer_name="compress.export.gqa")
-    m.ir_version = 8
-    return m
 
 
 def _layer_attention(model, g: _Graph, max_positions: int, head_dim: int) -> list[tuple[str, str, dict]]:
@@ -588,10 +242,6 @@ class GqaBuildResult:
 def save_model(m: onnx.ModelProto, path: Path, external_data_threshold_mb: int = 1800) -> None:
     """One file, or ``path.data`` beside it when the weights are large or already written there (streamed)."""
     save_external(m, path, inline_limit=external_data_threshold_mb * 2**20)
-
-
-def _tied(model) -> bool:
-    return model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
 
 
 def _fp32_bytes(model) -> int:
