@@ -1,7 +1,8 @@
 """Knowledge distillation: the (pruned) student learns from the teacher under a temperature schedule.
 
 The loss and the eval are in compress/distill/loss.py, checkpoints in compress/distill/checkpoint.py,
-the returned report in compress/distill/report.py; this module is the training loop.
+the returned report in compress/distill/report.py, one optimizer step in compress/distill/optimizer_step.py and the
+device, autocast and compile choices in compress/distill/device_setup.py; this module is the training loop.
 
 T and alpha follow the schedules of compress/distill/schedules.py, one value per optimizer step. The
 training loop (:func:`distill`) runs on CPU or CUDA (autocast bf16/fp16 there), accumulates
@@ -21,101 +22,32 @@ writes checkpoints, the report and the ``on_log`` stream.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
-from compress.sizing.cpu import has_bf16
 from compress.corpus.splits import DataSplits
 from compress.distill import distributed
 from compress.distill.checkpoint import (REPORT, TrainState, best_step_on_disk, load_best, load_last, run_fingerprint,
                                          save_best, save_last)
+from compress.distill.device_setup import _resolve_compile, _training_attention, amp_dtype_for, resolve_device
 from compress.distill.distributed import Rank
-from compress.distill.fused import KDBody, TeacherRows, fused_kd_loss, split_head
-from compress.distill.loss import TeacherCache, TeacherOut, autocast, evaluate, hidden_loss, kd_loss
+from compress.distill.fused import KDBody, TeacherRows, split_head
+from compress.distill.loss import TeacherCache, TeacherOut, autocast, evaluate
+from compress.distill.optimizer_step import _apply_masks, _DataOrder, _prepare_masks, per_rank_blocks, train_step
 from compress.distill.plan import PROBE_STEPS, Plan, make_plan, refusal, with_token_budget
 from compress.distill.report import DistillError, DistillReport
-from compress.distill.schedules import alpha_at, lr_at, temperature_at
+
+# Importers read these here (compress/resolve/settings.py, tests/test_distill_ddp.py).
+from compress.distill.device_setup import COMPILE_MIN_TOKENS  # noqa: F401
+from compress.distill.optimizer_step import step_chunks  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-EAGER_ATTENTION_MAX = 512  # tokens per block up to which CPU training uses the matmul form of attention
-COMPILE_MIN_TOKENS = 200_000  # training tokens from which distill.compile 'auto' compiles on the CPU
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """The training device; under torchrun CUDA rank i trains on GPU i of its node."""
-    if name == "cuda" and not torch.cuda.is_available():
-        raise DistillError("distill.device is 'cuda' but torch sees no CUDA device; set distill.device to 'auto' or 'cpu'")
-    if name == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", local_rank)
-
-
-def amp_dtype_for(cfg, device: torch.device) -> torch.dtype | None:
-    """Autocast dtype, None for fp32. 'auto': bf16 where the device computes it natively (a GPU with bf16, a CPU with
-    AVX-512 BF16 or AMX), fp16 on a GPU without bf16, fp32 on any other CPU."""
-    if cfg.amp == "off":
-        return None
-    if device.type == "cuda":
-        if cfg.amp == "auto":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp]
-    if cfg.amp == "fp16":
-        raise DistillError("distill.amp fp16 trains on CUDA only; on the CPU set distill.amp to bf16, auto or off")
-    return torch.bfloat16 if cfg.amp == "bf16" or has_bf16() else None
-
-
-def _prepare_masks(student, masks: dict | None) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """[(param, pruned positions)] on the param's device; names as in named_parameters (tied names too)."""
-    if not masks:
-        return []
-    params = dict(student.named_parameters(remove_duplicate=False))
-    out = []
-    for name, keep in masks.items():
-        if name not in params:
-            raise DistillError(f"mask for {name!r}: the student has no such parameter")
-        p = params[name]
-        if tuple(keep.shape) != tuple(p.shape):
-            raise DistillError(f"mask for {name!r} has shape {tuple(keep.shape)}, the parameter {tuple(p.shape)}")
-        out.append((p, ~torch.as_tensor(keep).to(device=p.device, dtype=torch.bool)))
-    return out
-
-
-@torch.no_grad()
-def _apply_masks(pairs) -> None:
-    for p, pruned in pairs:
-        p.masked_fill_(pruned, 0.0)
-
-
-class _DataOrder:
-    """Sample j of the run is train block perm_e[j % n] of epoch e = j // n, perm_e seeded by (seed, e).
-
-    The order is a function of the step alone, so a resumed run sees the batches it would have seen.
-    """
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed, self._perms = n, seed, {}
-
-    def blocks(self, start: int, count: int) -> list[int]:
-        out = []
-        for j in range(start, start + count):
-            e, r = divmod(j, self.n)
-            if e not in self._perms:
-                self._perms = {e: np.random.default_rng([self.seed, e]).permutation(self.n)}
-            out.append(int(self._perms[e][r]))
-        return out
-
-
-# ---------------------------------------------------------------------------------------------- training
 
 
 def _layer_map(student, teacher, cfg, teacher_layers: list[int] | None) -> list[int] | None:
@@ -149,115 +81,6 @@ def _report(state: TrainState, resumed_from: int, device: torch.device, world: i
         stop_reason=state.stop_reason, resumed_from=resumed_from, device=str(device), world_size=world,
         history=list(state.history), evals=list(state.evals), plan=dict(state.plan),
     )
-
-
-def per_rank_blocks(cfg, world: int) -> int:
-    """Blocks each of ``world`` ranks trains on per optimizer step: the global batch split evenly."""
-    global_batch = cfg.batch_size * cfg.grad_accum
-    if global_batch % world:
-        raise DistillError(
-            f"distill.batch_size x distill.grad_accum = {global_batch} blocks per step cannot be split evenly "
-            f"over {world} processes; make it a multiple of {world} (distill.nproc_per_node)")
-    return global_batch // world
-
-
-def step_chunks(order: _DataOrder, step: int, cfg, rank: Rank) -> list[list[int]]:
-    """The train blocks ``rank`` runs in 0-based optimizer step ``step``, as micro-batches of <= batch_size.
-
-    The step's global batch is samples [step * G, (step + 1) * G) of the seeded order (G =
-    batch_size * grad_accum); rank r takes the r-th of world equal slices of it.
-    """
-    mine = per_rank_blocks(cfg, rank.world)
-    ids = order.blocks(step * cfg.batch_size * cfg.grad_accum + rank.rank * mine, mine)
-    return [ids[c : c + cfg.batch_size] for c in range(0, mine, cfg.batch_size)]
-
-
-def _micro_batch_loss(model, x: torch.Tensor, ids: list[int], *, teacher_for, cfg, T: float, alpha: float,
-                      device: torch.device, amp_dtype, teacher_layers, head, compile_loss: bool):
-    """One micro-batch's loss (to back-propagate) and its parts as floats: the student's forward, the teacher's
-    rows for the same blocks, the KD loss (fused with the head when ``head`` is given) and the hidden-state term."""
-    with_hidden = cfg.hidden_weight > 0
-    with autocast(device, amp_dtype):
-        if head is not None:
-            last, hidden = model(x, with_hidden)
-        else:
-            out = model(input_ids=x, use_cache=False, output_hidden_states=with_hidden)
-            hidden = out.hidden_states
-    t_out = teacher_for(ids, x)
-    if head is not None:
-        loss, parts = fused_kd_loss(last[:, :-1].reshape(-1, last.shape[-1]), head, TeacherRows.of(t_out.logits),
-                                    x[:, 1:].reshape(-1), T, alpha, seq=x.shape[1] - 1,
-                                    compute_dtype=amp_dtype or torch.float32, compile_loss=compile_loss)
-    else:
-        loss, parts = kd_loss(out.logits[:, :-1], t_out.logits, x[:, 1:], None, T, alpha)
-    parts["hidden_loss"] = 0.0
-    if with_hidden:
-        h = hidden_loss(hidden, t_out.hidden, teacher_layers)
-        loss = loss + cfg.hidden_weight * h
-        parts["hidden_loss"] = h.item()
-        parts["loss"] += cfg.hidden_weight * parts["hidden_loss"]
-    return loss, parts
-
-
-def _update(opt: torch.optim.Optimizer, scaler, pairs, cfg, lr: float) -> None:
-    """The optimizer step on the accumulated gradients: pruned gradients zeroed, unscaled, clipped, at ``lr``;
-    pruned weights zeroed again after it."""
-    for p, pruned in pairs:
-        if p.grad is not None:
-            p.grad.masked_fill_(pruned, 0.0)
-    if scaler:
-        scaler.unscale_(opt)
-    if cfg.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.max_grad_norm)
-    for g in opt.param_groups:
-        g["lr"] = lr
-    if scaler:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
-    opt.zero_grad(set_to_none=True)
-    _apply_masks(pairs)
-
-
-def train_step(i: int, *, model, teacher_for: Callable[[list[int], torch.Tensor], TeacherOut],
-               train: np.ndarray, order: _DataOrder, opt: torch.optim.Optimizer, scaler, pairs, cfg, rank: Rank,
-               device: torch.device, amp_dtype: torch.dtype | None,
-               teacher_layers: list[int] | None = None, head: torch.nn.Parameter | None = None,
-               compile_loss: bool = False, lr_scale: float = 1.0) -> dict[str, float]:
-    """Optimizer step ``i`` (0-based) on this rank's share of the step's global batch.
-
-    ``model`` is the student, or with ``head`` (its LM head's weight) the student's body (a KDBody, maybe in DDP):
-    the loss is then fused with the head (compress/distill/fused.py).
-    Forward and KD loss per micro-batch, backward (DDP all-reduces on the last micro-batch only),
-    pruned gradients zeroed, clipping, the step, pruned weights zeroed again. teacher_for(ids, x)
-    gives the teacher's logits (or cached top-k) for train blocks ``ids`` = ``x``, and its hidden
-    states when cfg.hidden_weight > 0 (compared layer by layer through ``teacher_layers``). Returns
-    {T, alpha, kd_loss, ce_loss, hidden_loss, loss, lr}: the schedule values used and the losses
-    averaged over the global batch.
-    """
-    T, alpha, lr = temperature_at(i, cfg.steps, cfg), alpha_at(i, cfg.steps, cfg), lr_at(i, cfg.steps, cfg) * lr_scale
-    model.train()
-    sums = {"kd_loss": 0.0, "ce_loss": 0.0, "hidden_loss": 0.0, "loss": 0.0}
-    chunks = step_chunks(order, i, cfg, rank)
-    mine = per_rank_blocks(cfg, rank.world)
-    for c, ids in enumerate(chunks):
-        share = mine / len(ids)  # = grad_accum alone: each micro-batch's mean weighs by its size
-        x = torch.as_tensor(train[ids], dtype=torch.long, device=device)
-        sync = c == len(chunks) - 1 or not rank.distributed
-        with (contextlib.nullcontext() if sync else model.no_sync()):
-            loss, parts = _micro_batch_loss(model, x, ids,
-                                            teacher_for=teacher_for, cfg=cfg, T=T, alpha=alpha, device=device,
-                                            amp_dtype=amp_dtype, teacher_layers=teacher_layers, head=head,
-                                            compile_loss=compile_loss)
-            (scaler.scale(loss / share) if scaler else loss / share).backward()
-        for k in sums:
-            sums[k] += parts[k] / share
-    if rank.distributed:
-        sums = dict(zip(sums, distributed.mean(rank, list(sums.values()), device)))
-    _update(opt, scaler, pairs, cfg, lr)
-    return {"T": T, "alpha": alpha, **sums, "lr": lr}
-
 
 def distill(student, teacher, splits: DataSplits, cfg, workdir: str | Path, *, masks: dict | None = None,
             on_log: Callable[[int, dict], None] | None = None, progress: bool = True,
@@ -561,33 +384,3 @@ class Trainer:
                     raise DistillError(why or "distill.tokens: rank 0's plan does not fit distill.max_minutes")
             self.train(progress)
             return self.finish()
-
-
-@contextlib.contextmanager
-def _training_attention(device: torch.device, block: int, *models):
-    """On the CPU, blocks up to EAGER_ATTENTION_MAX tokens train with the matmul form of attention: its backward is
-    4x faster there than the CPU flash-attention kernel's (0.22 of 0.85 s of a SmolLM2 step at 128 tokens), and its
-    [seq x seq] scores are small at these lengths. The models' own setting comes back afterwards."""
-    if device.type != "cpu" or block > EAGER_ATTENTION_MAX:
-        yield
-        return
-    before = [m.config._attn_implementation for m in models]
-    try:
-        for m in models:
-            m.set_attn_implementation("eager")
-        yield
-    finally:
-        for m, impl in zip(models, before):
-            m.set_attn_implementation(impl)
-
-
-def _resolve_compile(cfg, device: torch.device, cut: KDBody | None, rank: Rank, positions: int) -> bool:
-    """distill.compile: whether to torch.compile the bodies and the fused loss's chunk. 'auto' compiles where it pays
-    back its one-off compile (~100 s on 2 cores, 0.35 s a step saved at 4 x 128 tokens, 1.5 s at 16 x 128): CPU runs
-    of COMPILE_MIN_TOKENS or more in one process, with a C++ compiler for inductor."""
-    if cut is None or cfg.compile == "off" or rank.distributed:
-        return False
-    if cfg.compile == "on":
-        return True
-    tokens = cfg.tokens or cfg.steps * cfg.batch_size * cfg.grad_accum * positions
-    return device.type == "cpu" and tokens >= COMPILE_MIN_TOKENS and shutil.which("c++") is not None
