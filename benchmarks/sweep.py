@@ -32,7 +32,6 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.burst import cpu_flags
 from loadtest.serve_bench import free_port, running_server, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +40,16 @@ TOPICS = ("the tides", "a sourdough starter", "binary search", "the French revol
           "a job interview", "jet lag", "the printing press", "black holes", "a garden in winter")
 FORMS = ("Explain {t} to a twelve-year-old.", "Write three sentences about {t}.", "What should I know about {t}?",
          "Give me a short list of facts on {t}.", "Tell me a story that involves {t}.")
+
+
+def cpu_flags() -> str:
+    """The CPU's vector flags that matter to the kernels, for a results file (the other tools import it from here)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    have = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
+    return " ".join(have) or "none of avx2/avx512"
 
 
 def chats(n: int, seed: int = 0) -> list[list[dict]]:

@@ -136,8 +136,8 @@ def test_only_the_accept_stage_opens_the_heldout_file():
     readers = sorted(str(p.relative_to(ROOT)) for d in ("compress", "tasks", "flows", "serve", "benchmarks", "scripts")
                      for p in (ROOT / d).rglob("*.py") if "load_heldout" in p.read_text() or "heldout.npz" in p.read_text())
     # benchmarks/large_models.py measures the accept stage's evaluation in a process of its own (peak RSS per stage),
-    # benchmarks/accept_reference.py runs the stage's function against either reference.
-    assert readers == ["benchmarks/accept_reference.py", "benchmarks/large_models.py", "compress/corpus/splits.py",
+    # benchmarks/int4_variants.py --accept-reference runs the stage's function against either reference.
+    assert readers == ["benchmarks/int4_variants.py", "benchmarks/large_models.py", "compress/corpus/splits.py",
                        "tasks/accept.py", "tasks/load.py"], readers  # compress/evaluate/verdict.py is handed the splits
     assert "load_heldout" not in (ROOT / "tasks" / "load.py").read_text()  # the load stage writes it, only
 

@@ -68,5 +68,5 @@ def test_bad_input_names_the_fix(int8_graph, tmp_path):
     assert run.returncode == 1 and "the sweep has no such system" in run.stderr
     run = run_bench("ceiling", "--sweep", sweep, "--artifact", f"int8={path}", "--reps", "1", "--target", "int8>=2")
     assert run.returncode == 1 and "write it as A@C>=K*B@D" in run.stderr
-    roof = run_bench("nbits_roofline", "--layers", "2", "--rows", "1", "--reps", "1", "--forms", "8:30")
+    roof = run_bench("ceiling", "--roofline", "--layers", "2", "--rows", "1", "--reps", "1", "--forms", "8:30")
     assert roof.returncode == 2 and "--forms '8:30'" in roof.stderr

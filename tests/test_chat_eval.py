@@ -194,13 +194,13 @@ def test_a_candidate_worse_than_the_champion_on_chat_is_named():
 
 
 def test_eval_speed_benchmark_compares_both_paths(chat_artifacts, tmp_path):
-    """benchmarks.eval_speed: the batched path and the one-prompt-at-a-time loop on the same prompts, the same
+    """benchmarks.chat_check --speed: the batched path and the one-prompt-at-a-time loop on the same prompts, the same
     answers token for token (its exit status), the figures written out."""
     from bench_cli import run_bench
 
     teacher, damaged, _ = chat_artifacts
     out = tmp_path / "speed.json"
-    run = run_bench("eval_speed", "--teacher", teacher, "--candidate", damaged, "--prompts", "6", "--new-tokens", "8",
+    run = run_bench("chat_check", "--speed", "--teacher", teacher, "--candidate", damaged, "--prompts", "6", "--new-tokens", "8",
                     "--json", out)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())

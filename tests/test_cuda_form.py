@@ -130,9 +130,10 @@ def test_the_cuda_docs_name_keys_commands_and_paths_that_exist():
         assert (root / path).exists() or list(root.glob(path.replace("...", "*"))), path
     for gauge in [n for n in names if n.startswith("compressor:gpu")]:
         assert gauge.split(":")[1] in GPU_GAUGES, gauge
-    for module in ("benchmarks.gpu_pack", "benchmarks.gpu_serve"):
-        assert f"-m {module}" in section
-        r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, capture_output=True, text=True)
+    for command in ("benchmarks.gpu_serve --pack", "benchmarks.gpu_serve --unpack"):
+        assert f"-m {command}" in section
+        r = subprocess.run([sys.executable, "-m", *command.split()[:-1], "--help"], cwd=root, capture_output=True,
+                           text=True)
         assert r.returncode == 0, r.stderr
     flags = set(re.findall(r"--[a-z][a-z-]+", section))
     help_text = subprocess.run([sys.executable, "-m", "benchmarks.gpu_serve", "--help"], cwd=root,

@@ -1,4 +1,4 @@
-"""The prepared GPU window (benchmarks/gpu_pack.py, benchmarks/gpu_serve.py) rehearsed on the CPU: the fatbin pruning
+"""The prepared GPU window (benchmarks/gpu_serve.py --pack, then the run) rehearsed on the CPU: the fatbin pruning
 on a synthetic container, the unpacking of parts, and the whole run on the tiny model with the CUDA path's K/V code."""
 
 from __future__ import annotations

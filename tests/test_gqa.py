@@ -407,11 +407,11 @@ def test_pruned_student_builds_and_passes_golden(tiny, tiny_splits, tmp_path):
 
 
 def test_prompt_profile_times_the_servers_batched_prompt_call(gqa_artifact, tiny_artifact, tmp_path):
-    """benchmarks.prompt_profile: the call of a wave's first prompts (sorted, right-padded), timed and split by op."""
+    """benchmarks.ceiling --prompt-profile: the call of a wave's first prompts (sorted, right-padded), timed and split by op."""
     from bench_cli import run_bench
 
     out = tmp_path / "pp.json"
-    run = run_bench("prompt_profile", "--artifact", f"g={gqa_artifact}", "--prompts", "3", "--runs", "2", "--profile",
+    run = run_bench("ceiling", "--prompt-profile", "--artifact", f"g={gqa_artifact}", "--prompts", "3", "--runs", "2", "--profile",
                     "--json", out)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())["results"]["g"]
@@ -419,22 +419,22 @@ def test_prompt_profile_times_the_servers_batched_prompt_call(gqa_artifact, tiny
     assert len(lens) == 3 and (r["tokens"], r["padded_tokens"]) == (sum(lens), 3 * max(lens))
     assert r["median_ms"] > 0 and len(r["runs_ms"]) == 2
     assert r["op_ms"]["GroupQueryAttention"] > 0 and "MatMul" in r["op_ms"]
-    refused = run_bench("prompt_profile", "--artifact", f"s={tiny_artifact}")
+    refused = run_bench("ceiling", "--prompt-profile", "--artifact", f"s={tiny_artifact}")
     assert refused.returncode != 0 and "attention layout 'standard'" in refused.stderr
 
 
 def test_prompt_cut_times_a_wave_cut_both_ways(gqa_artifact, tiny_artifact):
-    """benchmarks.prompt_cut: one wave of first prompts per engine step, cut at half and by balanced_cut, paired."""
+    """benchmarks.ceiling --prompt-cut: one wave of first prompts per engine step, cut at half and by balanced_cut, paired."""
     import os
 
     from bench_cli import run_bench
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the split session (two prompt calls at once) needs 2 cores")
-    run = run_bench("prompt_cut", "--artifact", gqa_artifact, "--prompts", "6", "--long", "1", "--trials", "2")
+    run = run_bench("ceiling", "--prompt-cut", "--artifact", gqa_artifact, "--prompts", "6", "--long", "1", "--trials", "2")
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("trial ") == 2 and "balanced / half" in run.stdout
-    refused = run_bench("prompt_cut", "--artifact", tiny_artifact)
+    refused = run_bench("ceiling", "--prompt-cut", "--artifact", tiny_artifact)
     assert refused.returncode != 0 and "needs a gqa artifact" in refused.stderr
 
 
