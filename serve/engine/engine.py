@@ -32,7 +32,8 @@ that is complete ends the request with ``stop``. Log-probs stay the raw model's.
 
 One job: run the steps (schedule, run the model, sample, stream) and own the requests'
 lifecycle. The parts it drives live beside it: serve/engine/request_handle.py (what the caller
-iterates), serve/engine/in_flight.py (one request's state and the text each token adds) and
+iterates), serve/engine/in_flight.py (one request's state and the text each token adds),
+serve/engine/request_outputs.py (what a step's chosen tokens do to the requests: streamed, finished) and
 serve/engine/stats.py (counters and the /metrics snapshot).
 
 Invariants (``check_invariants``): an in-flight request is keyed by its own id, its sequence
@@ -58,8 +59,9 @@ from serve.engine.in_flight import InFlightRequest
 from serve.engine.drafter import make_drafter
 from serve.engine.grammar import GrammarCompiler
 from serve.engine.request_handle import RequestHandle, RequestOutput, TokenEvent
+from serve.engine.request_outputs import RequestOutputs
 from serve.engine.runner_factory import make_runner
-from serve.engine.sampling import SamplingError, SamplingParams, sample_token, token_logprobs
+from serve.engine.sampling import SamplingError, SamplingParams, sample_token
 from serve.engine.scheduler import AdmissionError, Scheduler, SchedulerOutput, SeqStatus, SequenceState
 from serve.engine.speculative import accept_drafts
 from serve.engine.stats import EngineCounters, EngineStats, FinishedRequestSample
@@ -74,7 +76,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineStats", "RequestHandle", "RequestOutput", "TokenEvent"]
 
 
-class Engine:
+class Engine(RequestOutputs):
     def __init__(self, artifact_dir: str | Path, config: ServeConfig | None = None, *, start: bool = True,
                  hidden_sink: Callable[[str, int, np.ndarray], None] | None = None):
         self.config = config = config or ServeConfig()
@@ -356,56 +358,7 @@ class Engine:
         if running or not self.scheduler.waiting:  # keep the rows for queued requests
             self.runner.trim(max((len(s.token_ids) for s in running), default=0))
 
-    # ---- internals (called with the lock held) ---------------------------------------------
-    def _apply_aborts(self) -> list:
-        events = []
-        for rid in list(self._aborts):
-            req = self._reqs.get(rid)
-            if req is not None:
-                events.append(self._finish(req, "cancelled"))
-        self._aborts.clear()
-        return events
-
-    def _finish(self, req: InFlightRequest, reason: str, error: str | None = None, token_id: int | None = None,
-                text: str = "", logprobs=None) -> tuple[RequestHandle, TokenEvent]:
-        seq = req.seq
-        self.scheduler.finish(seq, reason)
-        self._reqs.pop(seq.request_id, None)
-        self._aborts.discard(seq.request_id)
-        self._counters.record_finish(reason, seq.prompt_len)
-        if req.first_token_t is not None and req.scheduled_t is not None:  # vLLM v1's phases, per request
-            last = req.last_token_t
-            self._counters.record_request(FinishedRequestSample(
-                req.scheduled_t - seq.arrival, req.first_token_t - req.scheduled_t, last - req.first_token_t,
-                last - req.scheduled_t, seq.prompt_len, seq.num_output))
-        req.handle.num_preemptions = seq.num_preemptions
-        ev = TokenEvent(seq.request_id, token_id, text, seq.num_output, reason, error, logprobs)
-        return req.handle, ev
-
-    def _wants_prompt_logits(self, row) -> bool:
-        """The row computes prompt positions whose log-probs its request asked for and does not have yet."""
-        seq = row.seq
-        if seq.params.prompt_logprobs is None or row.start >= seq.prompt_len - 1:
-            return False
-        req = self._reqs.get(seq.request_id)
-        return req is not None and len(req.handle.prompt_logprobs) < seq.prompt_len - 1
-
-    def _record_prompt_logprobs(self, row, lg: np.ndarray) -> None:
-        """``lg`` [n, vocab]: the logits of positions start .. start+n-1; position p gives prompt token p+1's
-        log-prob. Positions already recorded (a recompute after preemption) are skipped."""
-        seq = row.seq
-        req = self._reqs.get(seq.request_id)
-        if req is None:
-            return
-        got = req.handle.prompt_logprobs
-        k = seq.params.prompt_logprobs
-        for i in range(lg.shape[0]):
-            p = row.start + i
-            if p + 1 >= seq.prompt_len:
-                break
-            if p == len(got):
-                got.append(token_logprobs(lg[i], seq.token_ids[p + 1], k))
-
+    # ---- internals (called with the lock held; the per-request part: request_outputs.py) -
     def _process(self, out: SchedulerOutput, logits: list[np.ndarray | None], events: list) -> None:
         now = time.monotonic()
         hidden = self.runner.last_hidden if self._observe_hidden else [None] * len(out.scheduled)
@@ -454,45 +407,6 @@ class Engine:
         self.scheduler.commit_drafted(row, len(toks) - 1)
         if hidden is not None:
             self._observe(seq, hidden[len(toks) - 1], False)
-
-    def _observe(self, seq, hidden: np.ndarray, ended: bool) -> None:
-        """Hand the hidden state that chose the sequence's newest token to the sink and (while it runs) the draft
-        head."""
-        if self._hidden_sink is not None:
-            self._hidden_sink(seq.request_id, len(seq.token_ids), hidden)
-        if not ended and self.drafter is not None and self.drafter.reads_hidden:
-            self.drafter.observe((seq.request_id, seq.epoch), len(seq.token_ids), hidden)
-
-    def _add_token(self, req: InFlightRequest, tok: int, lg: np.ndarray, now: float, events: list) -> bool:
-        """Append one sampled token to the request, stream it; True when it ended the request."""
-        seq, params, counters = req.seq, req.seq.params, self._counters
-        if req.grammar is not None and not req.grammar.accept(tok):  # the mask allowed it: a matcher fault
-            events.append(self._finish(req, "error", f"the grammar refused token {tok}: {req.grammar.error}"))
-            return True
-        # log-probs from the raw logits of the same row the sampler saw (vLLM's default raw_logprobs)
-        lp = token_logprobs(lg, tok, params.logprobs) if params.logprobs is not None else None
-        seq.token_ids.append(tok)
-        counters.generated += 1
-        if req.first_token_t is None:
-            req.first_token_t = now
-            ttft = now - seq.arrival
-            req.handle.ttft_s = ttft
-            req.handle.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
-            counters.record_ttft(ttft)
-        else:
-            counters.record_itl(now - req.last_token_t)
-        req.last_token_t = now
-        reason, delta = req.add_token(tok, self.max_model_len)
-        if reason is not None:
-            events.append(self._finish(req, reason, token_id=tok, text=delta, logprobs=lp))
-            return True
-        events.append((req.handle, TokenEvent(seq.request_id, tok, delta, seq.num_output, logprobs=lp)))
-        return False
-
-    @staticmethod
-    def _emit(events) -> None:
-        for handle, ev in events:
-            handle._push(ev)
 
     # ---- stats -----------------------------------------------------------------------------
     def stats(self, wait: bool = True) -> EngineStats:
