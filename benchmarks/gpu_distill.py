@@ -151,8 +151,9 @@ def run(a) -> dict:
     save()
 
     t0 = time.perf_counter()
-    j = judge(cfg, str(arts["student"]), str(work / "teacher_fp32"), splits, selection=lambda: splits.selection,
-              chat_cache=work / "chat_targets")
+    j = judge(cfg.accept, str(arts["student"]), str(work / "teacher_fp32"), splits, model=cfg.model,
+              trained=cfg.prune.enabled or cfg.distill.enabled, seed=cfg.data.seed,
+              selection=lambda: splits.selection, chat_cache=work / "chat_targets")
     _stage(report, "verdict", t0, accepted=j.verdict.accepted, reasons=j.verdict.reasons,
            checks=j.verdict.checks, chat={k: v for k, v in j.chat.items() if k not in ("by_kind", "seconds")})
     save()

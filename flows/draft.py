@@ -23,7 +23,7 @@ from prefect import flow, get_run_logger
 from compress.registry import store as registry
 from compress.config import PipelineConfig, load_config
 from flows.outcome import flow_state
-from tasks.common import workdir
+from flows.stages import workdir
 
 DRAFTER_TAG = "drafter"  # on the target version: "<drafter model>/<version>"
 

@@ -11,11 +11,11 @@ import math
 
 from prefect import task
 
-from compress.config import PipelineConfig
+from compress.evaluate.settings import BenchmarkConfig
 from loadtest.batch1 import compare_with_genai, genai_metrics
 from loadtest.serve_bench import benchmark_artifact, ratios
 from loadtest.workloads import fit_to_context, make_workload
-from tasks.common import cache_key_fn, mark_done, open_stage
+from tasks.common import StageRun, cache_key_fn, mark_done, open_stage
 from tasks.results import Benchmarked
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
 
@@ -26,14 +26,13 @@ def finite(figures: dict) -> dict[str, float]:
 
 
 @task(name="benchmark", cache_key_fn=cache_key_fn, persist_result=True)
-def benchmark_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, candidate: str,
-                   baseline: str) -> Benchmarked:
-    folder, done = open_stage(cfg, stage, key, Benchmarked)
+def benchmark_task(at: StageRun, *, benchmark: BenchmarkConfig, candidate: str, baseline: str) -> Benchmarked:
+    folder, done = open_stage(at, Benchmarked)
     if done is not None:
         return done
-    b = cfg.benchmark
+    b = benchmark
     workload = make_workload(b.requests, seed=b.seed, prompt_words=tuple(b.prompt_words), max_tokens=tuple(b.max_tokens))
-    with child_run(parent_run_id, stage) as run:
+    with child_run(at.parent_run_id, at.stage) as run:
         log_params({"benchmark": b.model_dump()})
         results = {}
         for label, art in (("baseline", baseline), ("candidate", candidate)):

@@ -21,30 +21,47 @@ import os
 import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from compress.config import PipelineConfig, project_root
 from tasks.results import RESULTS_FORMAT, R, ResultFormatError, StageResult
 
 DONE = "DONE.json"
 
 
-def workdir(cfg: PipelineConfig) -> Path:
-    p = Path(cfg.workdir)
-    return p if p.is_absolute() else project_root() / p
+@dataclass(frozen=True)
+class StageRun:
+    """Where one stage's result lives and is logged: <workdir>/<stage>/<key>/ (the key hashes the stage's inputs and
+    the settings it reads) and a child run of the MLflow parent run."""
+
+    workdir: str
+    stage: str
+    key: str
+    parent_run_id: str | None = None
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.workdir) / self.stage / self.key
 
 
-def stage_key(cfg: PipelineConfig, stage: str, sections: list[str], *upstream: str) -> str:
-    h = hashlib.sha256()
-    h.update(stage.encode())
-    h.update(cfg.section_hash(*sections).encode())
-    for u in upstream:
-        h.update(str(u).encode())
-    return h.hexdigest()[:16]
+@dataclass(frozen=True)
+class RunContext:
+    """What the stages of one pipeline run share: where their folders live, the MLflow parent run, and the hash of
+    each group of config sections a stage's key depends on (hashed once by the flow: no task sees the whole
+    config)."""
 
+    workdir: str
+    parent_run_id: str | None
+    section_hashes: dict[str, str]
 
-def stage_dir(cfg: PipelineConfig, stage: str, key: str) -> Path:
-    return workdir(cfg) / stage / key
+    def at(self, stage: str, sections: list[str], *upstream: str) -> StageRun:
+        """The stage's place: its key is the stage, the hash of the sections it reads and its upstream keys."""
+        h = hashlib.sha256()
+        h.update(stage.encode())
+        h.update(self.section_hashes["+".join(sections)].encode())
+        for u in upstream:
+            h.update(str(u).encode())
+        return StageRun(self.workdir, stage, h.hexdigest()[:16], self.parent_run_id)
 
 
 def is_done(folder: Path) -> bool:
@@ -68,13 +85,12 @@ def fresh(folder: Path) -> Path:
     return folder
 
 
-def open_stage(cfg: PipelineConfig, stage: str, key: str, kind: type[R], *,
-               wipe: bool = True) -> tuple[Path, R | None]:
+def open_stage(at: StageRun, kind: type[R], *, wipe: bool = True) -> tuple[Path, R | None]:
     """The stage's folder and, when it finished before, its result (a ``kind``); else the folder made ready to
     compute (emptied, or kept with wipe=False for a stage that resumes from what it left there), with this process
     holding its lock until mark_done. Waits while another live process computes the same key, then reuses its
     result."""
-    folder = stage_dir(cfg, stage, key)
+    folder = at.folder
     if is_done(folder) and (done := read_done(folder, kind)) is not None:
         return folder, done
     take_lock(folder)
@@ -177,16 +193,16 @@ def cache_key_fn(context, parameters) -> str:
     under another workdir must not answer for this one. The flow refreshes the cache when
     the folder is gone.
     """
-    folder = stage_dir(parameters["cfg"], parameters["stage"], parameters["key"])
-    where = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
-    return f"{parameters['stage']}-{parameters['key']}-{where}-r{RESULTS_FORMAT}"
+    at: StageRun = parameters["at"]
+    where = hashlib.sha256(str(at.folder).encode()).hexdigest()[:8]
+    return f"{at.stage}-{at.key}-{where}-r{RESULTS_FORMAT}"
 
 
-def submit_stage(task, cfg: PipelineConfig, stage: str, key: str, **kwargs):
+def submit_stage(task, at: StageRun, **kwargs):
     """Run a stage task; bypass a Prefect cache hit whose outputs no longer exist on disk."""
-    if not is_done(stage_dir(cfg, stage, key)):
+    if not is_done(at.folder):
         task = task.with_options(refresh_cache=True)
-    return task(cfg=cfg, stage=stage, key=key, **kwargs)
+    return task(at=at, **kwargs)
 
 
 def stage_logger():

@@ -8,26 +8,28 @@ from __future__ import annotations
 
 from prefect import task
 
-from compress.config import PipelineConfig
-from tasks.common import cache_key_fn, mark_done, open_stage, stage_logger
+from compress.evaluate.settings import AcceptConfig
+from compress.loading.settings import ModelConfig
+from compress.quantize.settings import QuantizeConfig
+from tasks.common import StageRun, cache_key_fn, mark_done, open_stage, stage_logger
 from tasks.load import load_splits
 from tasks.results import FormGated, FormsTimed
 from tasks.tracking import child_run, log_figure, log_metrics, log_params
 
 
 @task(name="export_gate", cache_key_fn=cache_key_fn, persist_result=True)
-def export_gate_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, *, artifact: str,
-                     weights: str, splits: str, model_dir: str) -> FormGated:
-    """artifact: the export's graph, written with ``weights`` (int4 | int8) from the checkpoint in ``model_dir``;
-    splits: the load stage's splits file (its selection split is read)."""
-    folder, done = open_stage(cfg, stage, key, FormGated)
+def export_gate_task(at: StageRun, *, accept: AcceptConfig, model: ModelConfig, int4_keep_int8: float,
+                     artifact: str, weights: str, splits: str, model_dir: str) -> FormGated:
+    """artifact: the export's graph, written with ``weights`` (int4 | int8, ``int4_keep_int8`` of its groups at 8 bits)
+    from the checkpoint in ``model_dir``; splits: the load stage's splits file (its selection split is read)."""
+    folder, done = open_stage(at, FormGated)
     if done is not None:
         return done
     from compress.evaluate.written_form import gate_written_form
 
-    with child_run(parent_run_id, stage) as run:
-        g = gate_written_form(cfg, artifact, weights, load_splits(splits).selection, model_dir=model_dir,
-                              splits=splits)
+    with child_run(at.parent_run_id, at.stage) as run:
+        g = gate_written_form(accept, model, artifact, weights, load_splits(splits).selection, model_dir=model_dir,
+                              splits=splits, int4_keep_int8=int4_keep_int8)
         a, name = g.attempt, f"auto_{g.attempt['form']}"
         metrics = {f"{name}_accepted": float(g.accepted), f"{name}_perplexity_ratio": a["perplexity_ratio"],
                    f"{name}_top1_agreement": a["top1_agreement"], f"{name}_size_ratio": a["size_ratio"]}
@@ -45,11 +47,11 @@ def export_gate_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: s
 
 
 @task(name="export_timing", cache_key_fn=cache_key_fn, persist_result=True)
-def export_timing_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, *,
-                       artifacts: dict[str, str], perplexity: dict[str, float], splits: str) -> FormsTimed:
+def export_timing_task(at: StageRun, *, quantize: QuantizeConfig, artifacts: dict[str, str],
+                       perplexity: dict[str, float], splits: str) -> FormsTimed:
     """artifacts: form -> a graph that passed export_gate; perplexity: its selection-split perplexity (the tie-break
     within quantize.auto_speed_tolerance)."""
-    folder, done = open_stage(cfg, stage, key, FormsTimed)
+    folder, done = open_stage(at, FormsTimed)
     if done is not None:
         return done
     from pathlib import Path
@@ -58,16 +60,16 @@ def export_timing_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id:
 
     prompt = [int(t) for t in load_splits(splits).selection[0][:32]]
     records: dict[str, dict] = {n: {} for n in artifacts}
-    with child_run(parent_run_id, stage):
-        chosen = fastest_form({n: Path(p) for n, p in artifacts.items()}, perplexity, records, cfg.quantize, prompt)
+    with child_run(at.parent_run_id, at.stage):
+        chosen = fastest_form({n: Path(p) for n, p in artifacts.items()}, perplexity, records, quantize, prompt)
         metrics = {f"auto_{n}_{k}": float(v) for n, r in records.items() for k, v in r.items()}
-        log_params({"auto_concurrency": cfg.quantize.auto_concurrency, "export_timing_chosen": chosen})
+        log_params({"auto_concurrency": quantize.auto_concurrency, "export_timing_chosen": chosen})
         log_metrics(metrics)
         fig = profile_figure(records, chosen)
         if fig is not None:
             log_figure(fig, "auto_forms_tokens_per_s.png")
-        at = cfg.quantize.auto_concurrency
+        users = quantize.auto_concurrency
         stage_logger().info("export_timing: %s kept (%s)", chosen, ", ".join(
-            f"{n} {r.get(f'tokens_per_s_b{at}', 0):.1f} tokens/s at {at} users" if at > 1 else
+            f"{n} {r.get(f'tokens_per_s_b{users}', 0):.1f} tokens/s at {users} users" if users > 1 else
             f"{n} {r['decode_ms_per_step']:.1f} ms a step" for n, r in records.items()))
     return mark_done(folder, FormsTimed(chosen=chosen, records=records, metrics=metrics))

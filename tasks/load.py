@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from prefect import task
 
-from compress.config import PipelineConfig
+from compress.corpus.settings import DataConfig
+from compress.loading.settings import ModelConfig
 from compress.corpus.splits import DataSplits, splits_from_config
-from tasks.common import cache_key_fn, mark_done, open_stage
+from tasks.common import StageRun, cache_key_fn, mark_done, open_stage
 from tasks.results import Loaded
 from tasks.tracking import child_run, log_metrics, log_params
 
@@ -19,34 +20,34 @@ def load_splits(path: str) -> DataSplits:
     return DataSplits.load(path)
 
 
-def load_model(model_dir: str, cfg: PipelineConfig, dtype="float32"):
+def load_model(model_dir: str, m: ModelConfig, dtype="float32"):
     """The teacher in fp32 (what torch stages compute in), or dtype="auto": as stored (bf16 for most checkpoints)."""
     import torch
 
     from compress.loading.models import load_teacher
 
-    return load_teacher(model_dir, None, cfg.model.cache_dir, cfg.model.revision, cfg.model.trust_remote_code,
+    return load_teacher(model_dir, None, m.cache_dir, m.revision, m.trust_remote_code,
                         dtype=torch.float32 if dtype == "float32" else dtype)
 
 
 @task(name="load", cache_key_fn=cache_key_fn, persist_result=True, retries=1, retry_delay_seconds=5)
-def load_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None) -> Loaded:
-    folder, done = open_stage(cfg, stage, key, Loaded)
+def load_task(at: StageRun, *, model: ModelConfig, data: DataConfig) -> Loaded:
+    folder, done = open_stage(at, Loaded)
     if done is not None:
         return done
     from compress.export import choose_exporter
     from compress.loading.models import model_info, resolve_source
 
-    with child_run(parent_run_id, stage):
-        model_dir = resolve_source(cfg.model.source, cfg.model.gguf_file, cfg.model.cache_dir)
-        model, tok = load_model(model_dir, cfg, dtype="auto")  # only its shape is read here
-        splits = splits_from_config(tok, cfg.data)
+    with child_run(at.parent_run_id, at.stage):
+        model_dir = resolve_source(model.source, model.gguf_file, model.cache_dir)
+        lm, tok = load_model(model_dir, model, dtype="auto")  # only its shape is read here
+        splits = splits_from_config(tok, data)
         path, heldout = folder / "splits.npz", folder / "heldout.npz"
         splits.save(path)
         splits.save_heldout(heldout)
-        info = model_info(model)
-        exporter_auto = list(choose_exporter(model, "auto"))
-        log_params({"model": cfg.model.model_dump(), "data": cfg.data.model_dump()})
+        info = model_info(lm)
+        exporter_auto = list(choose_exporter(lm, "auto"))
+        log_params({"model": model.model_dump(), "data": data.model_dump()})
         metrics = {**{k: v for k, v in splits.summary().items() if isinstance(v, (int, float))},
                    "teacher_num_parameters": info["num_parameters"]}
         log_metrics(metrics)

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from prefect import task
 
-from compress.config import PipelineConfig
+from compress.loading.settings import ModelConfig
+from compress.prune.settings import PruneConfig
 from compress.sizing.memory import check_prune_memory, shape_of_folder
-from tasks.common import cache_key_fn, mark_done, open_stage
+from tasks.common import StageRun, cache_key_fn, mark_done, open_stage
 from tasks.results import Pruned
 from tasks.load import load_model, load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params, log_rows
 
 
 @task(name="prune", cache_key_fn=cache_key_fn, persist_result=True)
-def prune_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, model_dir: str,
+def prune_task(at: StageRun, *, prune: PruneConfig, model: ModelConfig, block_size: int, model_dir: str,
                splits: str) -> Pruned:
-    folder, done = open_stage(cfg, stage, key, Pruned)
+    """block_size: data.block_size (the calib blocks' length, for the memory check)."""
+    folder, done = open_stage(at, Pruned)
     if done is not None:
         return done
     import torch
@@ -25,14 +27,13 @@ def prune_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | N
     from compress.prune import prune_model, sensitivity_scan
 
     data = load_splits(splits)
-    with child_run(parent_run_id, stage) as run:
-        log_params({"prune": cfg.prune.model_dump()})
+    with child_run(at.parent_run_id, at.stage) as run:
+        log_params({"prune": prune.model_dump()})
         # before loading anything: a model too large for this machine is refused with the numbers
-        check_prune_memory(shape_of_folder(model_dir, cfg.model.trust_remote_code), cfg.prune.sensitivity_blocks,
-                           cfg.data.block_size)
-        teacher, tok = load_model(model_dir, cfg)
-        sens = sensitivity_scan(teacher, data.calib, cfg.prune) if cfg.prune.sensitivity else None
-        student, report = prune_model(teacher, data.calib, cfg.prune, sens)
+        check_prune_memory(shape_of_folder(model_dir, model.trust_remote_code), prune.sensitivity_blocks, block_size)
+        teacher, tok = load_model(model_dir, model)
+        sens = sensitivity_scan(teacher, data.calib, prune) if prune.sensitivity else None
+        student, report = prune_model(teacher, data.calib, prune, sens)
         metrics = {**report.metrics(), "prune_eval_ppl_before": perplexity(teacher, data.selection),
                    "prune_eval_ppl_after": perplexity(student, data.selection)}
         out = folder / "model"

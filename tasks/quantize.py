@@ -8,22 +8,23 @@ import mlflow
 from prefect import task
 
 from compress.artifact import read_manifest
-from compress.config import PipelineConfig
+from compress.evaluate.settings import AcceptConfig
+from compress.quantize.settings import QuantizeConfig
 from compress.sizing.memory import Shape, check_stage_memory
 from compress.sizing.disk import check_room, int8_bytes
-from tasks.common import cache_key_fn, mark_done, open_stage
+from tasks.common import StageRun, cache_key_fn, mark_done, open_stage
 from tasks.results import Quantized
 from tasks.load import load_splits
 from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_params
 
 
 @task(name="quantize", cache_key_fn=cache_key_fn, persist_result=True)
-def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str | None, src_artifact: str,
+def quantize_task(at: StageRun, *, quantize: QuantizeConfig, accept: AcceptConfig, src_artifact: str,
                   splits: str) -> Quantized:
     """The result's `evaluation`, when the accuracy-aware loop ran, holds the final candidate's and the source's
     figures on the selection split, with `src_artifact` as the reference: the accept stage reuses them when it
     gates against that same artifact instead of evaluating both again."""
-    folder, done = open_stage(cfg, stage, key, Quantized)
+    folder, done = open_stage(at, Quantized)
     if done is not None:
         return done
     from compress.quantize import choose_quant_form, quantize_artifact, quantize_with_acceptance
@@ -33,34 +34,34 @@ def quantize_task(cfg: PipelineConfig, stage: str, key: str, parent_run_id: str 
     out = folder / "artifact"
     shape = Shape.of_manifest(read_manifest(src_artifact, verify=False))
     check_stage_memory("quantize", shape, block=data.selection.shape[1])
-    cuda = cfg.quantize.target == "cuda"  # the fp16 CUDA form, nothing to choose among
-    forms = 2 if cfg.quantize.method == "auto" and not cuda else 1  # auto writes each weight form before it keeps one
+    cuda = quantize.target == "cuda"  # the fp16 CUDA form, nothing to choose among
+    forms = 2 if quantize.method == "auto" and not cuda else 1  # auto writes each weight form before it keeps one
     size = 2 * shape.params if cuda else forms * int8_bytes(shape)
     check_room("quantize", folder, size, "the forms it writes: free the room, or set workdir to a larger disk")
     evaluation = None
-    with child_run(parent_run_id, stage) as run:
-        log_params({"quantize": cfg.quantize.model_dump()})
+    with child_run(at.parent_run_id, at.stage) as run:
+        log_params({"quantize": quantize.model_dump()})
         trials: list[dict] = []
         choice = None
         if cuda:
-            report = quantize_artifact(src_artifact, out, data.calib, cfg.quantize)
+            report = quantize_artifact(src_artifact, out, data.calib, quantize)
             artifact = out
-        elif "auto" in (cfg.quantize.method, cfg.quantize.kv_cache):
+        elif "auto" in (quantize.method, quantize.kv_cache):
             # the forms (weights x K/V cache) the stage chooses from, gated on the selection split, fastest kept
-            choice = choose_quant_form(src_artifact, out, data.calib, data.selection, cfg.quantize, cfg.accept,
+            choice = choose_quant_form(src_artifact, out, data.calib, data.selection, quantize, accept,
                                        on_trial=lambda form, i, m: trials.append({"form": form, **m}))
             res = choice.result
             report, artifact = res.report, Path(res.artifact)
             evaluation = {"reference": str(src_artifact), "splits": str(splits), "candidate": res.metrics,
                           "baseline": res.baseline}
-        elif cfg.accept.enabled and cfg.accept.relax_trials > 0:
-            res = quantize_with_acceptance(src_artifact, out, data.calib, data.selection, cfg.quantize, cfg.accept,
+        elif accept.enabled and accept.relax_trials > 0:
+            res = quantize_with_acceptance(src_artifact, out, data.calib, data.selection, quantize, accept,
                                            on_trial=lambda i, m: (log_metrics(m.get("metrics", {}), step=i), trials.append(m)))
             report, artifact = res.report, Path(res.artifact)
             evaluation = {"reference": str(src_artifact), "splits": str(splits), "candidate": res.metrics,
                           "baseline": res.baseline}
         else:
-            report = quantize_artifact(src_artifact, out, data.calib, cfg.quantize)
+            report = quantize_artifact(src_artifact, out, data.calib, quantize)
             artifact = out
         metrics = {**report.metrics(), **(choice.metrics() if choice else {})}
         log_metrics(metrics)

@@ -15,7 +15,6 @@ from prefect import task
 
 from compress.registry import store as registry
 from compress.artifact import MANIFEST, checkpoint_digest, content_digest, read_manifest, sha256_file
-from compress.config import PipelineConfig
 from compress.sizing.disk import check_room, folder_bytes, local_artifact_dir
 from serve.artifact import CHECKPOINT_RECORD
 from tasks.results import Registered
@@ -23,25 +22,25 @@ from tasks.tracking import child_run
 
 
 @task(name="register", retries=2, retry_delay_seconds=3)
-def register_task(cfg: PipelineConfig, parent_run_id: str | None, artifact: str, aliases: list[str],
+def register_task(name: str, parent_run_id: str | None, artifact: str, aliases: list[str],
                   tags: dict, *, stage: str = "register", metrics: dict | None = None,
                   params: dict | None = None, same_config_only: bool = True, weights: str = "copy") -> Registered:
-    """metrics become the version's figures (its source run's metrics); tags say what it is. weights: "copy" uploads
+    """Register ``artifact`` as a version of the model ``name`` (registry.model_name). metrics become the version's
+    figures (its source run's metrics); tags say what it is. weights: "copy" uploads
     the graph's weights, "digest" records them, "auto" decides by their size (registry.baseline_weights)."""
     folder = Path(artifact)
     read_manifest(folder, verify=True)  # a truncated or swapped file stops here, before the registry changes
     sha = sha256_file(folder / MANIFEST)
     record = read_manifest(folder, verify=False).get("kind") == CHECKPOINT_RECORD  # the checkpoint, by digest
-    name = cfg.registry.model_name
     content = content_digest(folder)
     # looked up and created under one lock: two runs registering the same baseline at once make one version
     with registry.store_lock(f"register-{name}", mlflow.get_tracking_uri()):
-        return _register(cfg, parent_run_id, folder, name=name, sha=sha, content=content, record=record,
+        return _register(parent_run_id, folder, name=name, sha=sha, content=content, record=record,
                          aliases=aliases, tags=tags, stage=stage, metrics=metrics, params=params,
                          same_config_only=same_config_only, weights=weights)
 
 
-def _register(cfg, parent_run_id, folder: Path, *, name: str, sha: str, content: str, record: bool, aliases, tags,
+def _register(parent_run_id, folder: Path, *, name: str, sha: str, content: str, record: bool, aliases, tags,
               stage, metrics, params, same_config_only: bool, weights: str) -> Registered:
     if same_config_only:
         found = registry.find_by_digest(name, sha, tags.get("config_hash", ""))

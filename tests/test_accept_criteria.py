@@ -92,6 +92,7 @@ def test_accept_stage_judges_a_pruned_student_on_quality(tiny, tiny_artifact, ti
     from compress.export.gqa import build_gqa_artifact
     from compress.prune import prune_model
     from tasks.accept import accept_task
+    from tasks.common import StageRun
 
     model, tok = tiny
     student, _ = prune_model(model, tiny_splits.calib, PruneConfig(enabled=True, mlp_ratio=0.5, sensitivity=False,
@@ -106,7 +107,8 @@ def test_accept_stage_judges_a_pruned_student_on_quality(tiny, tiny_artifact, ti
     cfg = PipelineConfig.model_validate(overrides)
     mlflow.set_experiment("accept-criteria")
     with mlflow.start_run() as parent:  # the stage logs to a child run, as under the flow
-        out = accept_task.fn(cfg, "accept", "k-quality", parent_run_id=parent.info.run_id,
+        at = StageRun(str(tmp_path / "work"), "accept", "k-quality", parent.info.run_id)
+        out = accept_task.fn(at, accept=cfg.accept, model=cfg.model, trained=True, seed=cfg.data.seed,
                              candidate=str(tmp_path / "student"), baseline=str(tiny_artifact),
                              splits=str(tmp_path / "splits.npz"), heldout=str(tmp_path / "heldout.npz"))
     assert mlflow.active_run() is None

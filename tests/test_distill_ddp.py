@@ -90,7 +90,8 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks_through_the_task(folders,
     import mlflow
     from mlflow import MlflowClient
 
-    from tasks.common import stage_dir
+    from flows.stages import workdir
+    from tasks.common import StageRun
     from tasks.distill import distill_task
 
     cfg = load_config("configs/tiny.yaml", [f"workdir={tmp_path}"])
@@ -106,13 +107,15 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks_through_the_task(folders,
         if step == 5:
             raise Crash
 
-    ckpt = stage_dir(cfg, "distill", "k") / "ckpt"
+    at = StageRun(str(workdir(cfg)), "distill", "k", None)
+    ckpt = at.folder / "ckpt"
     with pytest.raises(Crash):  # one process, killed after step 5; its last checkpoint is step 4
         distill(copy.deepcopy(student0), teacher, tiny_splits, _cfg(), ckpt, on_log=crash_at_5, progress=False)
 
     mlflow.set_experiment("ddp-test")
     with mlflow.start_run() as parent:
-        out = distill_task.fn(cfg, "distill", "k", parent_run_id=parent.info.run_id, teacher_dir=folders["teacher"],
+        out = distill_task.fn(StageRun(at.workdir, at.stage, at.key, parent.info.run_id), distill=cfg.distill,
+                              model=cfg.model, block_size=cfg.data.block_size, teacher_dir=folders["teacher"],
                               student_dir=folders["student"], splits=folders["splits"])
     assert out.metrics["distill_resumed_from"] == 4 and out.metrics["distill_world_size"] == 2
     assert out.metrics["distill_kl_after"] == pytest.approx(ref.kl_after, rel=1e-5)

@@ -198,7 +198,7 @@ def test_auto_for_size_stops_at_the_first_4_bit_graph_that_passes(prefect_harnes
 
 
 def test_the_forms_table_names_each_4_bit_try_by_its_8_bit_groups_and_marks_one_kept():
-    from flows.pipeline import forms_markdown
+    from flows.summary import forms_markdown
 
     row = {"kv": "float32", "kv_label": "as exported", "perplexity_ratio": 1.0, "top1_agreement": 0.9, "failed": ""}
     attempts = [{**row, "form": "weight_only_int4", "int8_share": 0.0, "int8_groups": 0, "accepted": False,

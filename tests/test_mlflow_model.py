@@ -28,7 +28,7 @@ def version(tiny_artifact, mlflow_store):
     name = f"pyfunc-{time.time_ns()}"
     cfg = load_config(None, [f"registry.model_name={name}"])
     with mlflow.start_run() as run:
-        reg = register_task.fn(cfg, run.info.run_id, str(tiny_artifact), ["champion"], {"role": "candidate"})
+        reg = register_task.fn(cfg.registry.model_name, run.info.run_id, str(tiny_artifact), ["champion"], {"role": "candidate"})
     return name, reg.version
 
 

@@ -38,10 +38,10 @@ def test_one_teacher_is_one_baseline_version_across_configs(tiny_artifact, tmp_p
     assert (a / MANIFEST).read_bytes() != (b / MANIFEST).read_bytes()
     assert content_digest(a) == content_digest(b) == content_digest(tiny_artifact)
     with mlflow.start_run() as run:
-        first = register_task.fn(cfg, run.info.run_id, str(a), ["baseline"], {"config_hash": "aaa", "role": "baseline"},
+        first = register_task.fn(cfg.registry.model_name, run.info.run_id, str(a), ["baseline"], {"config_hash": "aaa", "role": "baseline"},
                                  same_config_only=False)
     with mlflow.start_run() as run:
-        again = register_task.fn(cfg, run.info.run_id, str(b), ["baseline"], {"config_hash": "bbb", "role": "baseline"},
+        again = register_task.fn(cfg.registry.model_name, run.info.run_id, str(b), ["baseline"], {"config_hash": "bbb", "role": "baseline"},
                                  metrics={"perplexity": 12.5}, same_config_only=False)
     assert (first.version, again.version, again.reused) == ("1", "1", True)
     assert [v.version for v in registry.list_versions(name)] == ["1"]
@@ -53,12 +53,12 @@ def test_one_teacher_is_one_baseline_version_across_configs(tiny_artifact, tmp_p
     old = read_manifest(tiny_artifact)
     write_manifest(c, {k: v for k, v in old.items() if k not in ("files", "manifest_version")})
     with mlflow.start_run() as run:
-        other = register_task.fn(cfg, run.info.run_id, str(c), ["baseline"], {"config_hash": "aaa"},
+        other = register_task.fn(cfg.registry.model_name, run.info.run_id, str(c), ["baseline"], {"config_hash": "aaa"},
                                  same_config_only=False)
     assert other.version == "2" and registry.version_for_alias(name, "baseline").version == "2"
     # Candidates stay one version per (manifest, config): the same files under another gate are judged apart.
     with mlflow.start_run() as run:
-        cand = register_task.fn(cfg, run.info.run_id, str(a), ["candidate"], {"config_hash": "zzz"})
+        cand = register_task.fn(cfg.registry.model_name, run.info.run_id, str(a), ["candidate"], {"config_hash": "zzz"})
     assert cand.version == "3" and not cand.reused
 
 
@@ -133,7 +133,7 @@ def test_a_large_baseline_is_recorded_by_digest_not_copied(tiny_artifact, tiny_m
     monkeypatch.setattr(registry, "DIGEST_ABOVE_BYTES", 0)
     assert not registry.keeps_weights(art, "auto") and registry.keeps_weights(art, "copy")
     with mlflow.start_run() as run:
-        reg = register_task.fn(cfg, run.info.run_id, str(art), ["baseline"], {"role": "baseline"},
+        reg = register_task.fn(cfg.registry.model_name, run.info.run_id, str(art), ["baseline"], {"role": "baseline"},
                                same_config_only=False, weights="auto")
     v = registry.get_version(name, reg.version)
     assert v.tags["weights"] == "digest"
@@ -150,6 +150,6 @@ def test_a_large_baseline_is_recorded_by_digest_not_copied(tiny_artifact, tiny_m
         read_manifest(got)  # what the server checks before it loads a version
     # the same export again is the same version (its content digest), not a new upload
     with mlflow.start_run() as run:
-        again = register_task.fn(cfg, run.info.run_id, str(art), ["baseline"], {"role": "baseline"},
+        again = register_task.fn(cfg.registry.model_name, run.info.run_id, str(art), ["baseline"], {"role": "baseline"},
                                  same_config_only=False, weights="auto")
     assert again.reused and again.version == reg.version

@@ -111,7 +111,7 @@ def test_a_damaged_artifact_is_caught_and_never_registered(how, tiny_artifact, t
     cfg = load_config(None, [f"registry.model_name={name}"])
     registry.configure(mlflow_store)
     with pytest.raises(ArtifactError) as e2:
-        register_task.fn(cfg, None, str(folder), ["candidate", "champion"], {"config_hash": "h", "verdict": "accepted"})
+        register_task.fn(cfg.registry.model_name, None, str(folder), ["candidate", "champion"], {"config_hash": "h", "verdict": "accepted"})
     assert expect in str(e2.value)
     assert versions_of(name) == []
     assert registry.version_for_alias(name, "champion") is None
@@ -136,7 +136,7 @@ def test_upload_failure_midway_leaves_no_half_registered_version(tiny_artifact, 
         monkeypatch.setattr(MlflowClient, "log_artifacts", broken_upload)  # a store without logged models
         monkeypatch.setattr(MlflowClient, "log_model_artifacts", broken_upload)
         with pytest.raises(ConnectionError, match="went away"):
-            register_task.fn(cfg, run.info.run_id, str(tiny_artifact), ["candidate", "champion"], {"config_hash": "h"})
+            register_task.fn(cfg.registry.model_name, run.info.run_id, str(tiny_artifact), ["candidate", "champion"], {"config_hash": "h"})
         monkeypatch.undo()
     assert versions_of(name) == []
     assert registry.version_for_alias(name, "candidate") is None
@@ -147,12 +147,12 @@ def test_upload_failure_midway_leaves_no_half_registered_version(tiny_artifact, 
     with mlflow.start_run() as run:
         monkeypatch.setattr(MlflowClient, "create_model_version", broken_create)
         with pytest.raises(ConnectionError):
-            register_task.fn(cfg, run.info.run_id, str(tiny_artifact), ["candidate"], {"config_hash": "h"})
+            register_task.fn(cfg.registry.model_name, run.info.run_id, str(tiny_artifact), ["candidate"], {"config_hash": "h"})
         monkeypatch.undo()
     assert versions_of(name) == []
     # With MLflow back, the same call registers exactly one version.
     with mlflow.start_run() as run:
-        out = register_task.fn(cfg, run.info.run_id, str(tiny_artifact), ["candidate"], {"config_hash": "h"})
+        out = register_task.fn(cfg.registry.model_name, run.info.run_id, str(tiny_artifact), ["candidate"], {"config_hash": "h"})
     assert [v.version for v in versions_of(name)] == [out.version] == ["1"]
 
 

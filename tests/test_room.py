@@ -58,10 +58,12 @@ def test_a_7b_is_refused_golden_and_quantize_on_24_gib_but_its_accept_stage_fits
 
 
 def test_the_export_stage_refuses_a_full_disk_before_writing(tiny_model_dir, tmp_path, monkeypatch):
+    from tasks.common import StageRun
     from tasks.export import export_task
 
     cfg = load_config("configs/tiny.yaml", [f"workdir={tmp_path}", f"model.source={tiny_model_dir}"])
     monkeypatch.setattr(room, "free_bytes", lambda where: 2**20)
     with pytest.raises(DiskSpaceError, match=r"export writes about \d+\.\d MiB .* has 1\.0 MiB free"):
-        export_task.fn(cfg, "export", "k", None, str(tiny_model_dir))
+        export_task.fn(StageRun(str(tmp_path), "export", "k"), export=cfg.export, quantize=cfg.quantize, model=cfg.model,
+                       model_dir=str(tiny_model_dir))
     assert not list(tmp_path.rglob("model.onnx*"))  # nothing written

@@ -105,7 +105,10 @@ def test_bad_search_settings_name_the_field(override, message):
 
 def test_selection_margin_narrows_every_accuracy_tolerance():
     from compress.config import PipelineConfig
-    from tasks.search import gate_config
+    from flows.stages import search_gate
+
+    def gate_config(cfg):
+        return search_gate(cfg).limits
 
     accept = {"enabled": True, "max_perplexity_ratio": 1.10, "max_perplexity_delta": 2.0, "min_top1_agreement": 0.90,
               "max_kl": 0.2, "max_heldout_perplexity_ratio": 1.25, "max_downstream_drop": 0.05,
@@ -225,7 +228,7 @@ def test_a_scheduler_address_nobody_answers_is_a_clear_error_before_any_stage():
     import socket
 
     from compress.config import ConfigError
-    from flows.pipeline import check_dask_scheduler
+    from flows.search import check_dask_scheduler
 
     with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
         sock.bind(("127.0.0.1", 0))
@@ -241,7 +244,8 @@ def test_search_on_a_running_scheduler_by_address(dask_search):
     Dask run's cache (same workdir), so the branches only look up their keys."""
     from distributed import LocalCluster
 
-    from flows.pipeline import check_dask_scheduler, compress_flow
+    from flows.pipeline import compress_flow
+    from flows.search import check_dask_scheduler
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
         before = cluster.scheduler.transition_counter

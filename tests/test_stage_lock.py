@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from compress.config import load_config
-from tasks.common import DONE, lock_path, mark_done, open_stage, stage_dir
+from flows.stages import workdir
+from tasks.common import DONE, StageRun, lock_path, mark_done, open_stage
 from tasks.results import Distilled, Exported, Judged, Loaded, ResultFormatError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,11 +24,11 @@ WORKER = textwrap.dedent("""
     import json, logging, os, sys, time
     logging.basicConfig(level=logging.INFO)
     from compress.config import load_config
-    from tasks.common import mark_done, open_stage
+    from tasks.common import StageRun, mark_done, open_stage
     from tasks.results import Distilled
     workdir, peer_log = sys.argv[1], sys.argv[2]
     cfg = load_config("configs/tiny.yaml", [f"workdir={workdir}"])
-    folder, done = open_stage(cfg, "export", "samekey", Distilled)
+    folder, done = open_stage(StageRun(cfg.workdir, "export", "samekey"), Distilled)
     if done is None:
         with open(os.path.join(workdir, "computed"), "a") as fh:
             fh.write(f"{os.getpid()}\\n")
@@ -40,6 +41,10 @@ WORKER = textwrap.dedent("""
         done = mark_done(folder, Distilled(model_dir=str(folder), metrics={"by": os.getpid()}))
     print(json.dumps(done.to_json()))
 """)
+
+
+def _at(cfg, stage: str, key: str) -> StageRun:
+    return StageRun(str(workdir(cfg)), stage, key)
 
 
 def _until(cond, what: str, timeout_s: float = 60.0) -> None:
@@ -74,34 +79,34 @@ def test_two_runs_on_one_key_compute_it_once(tmp_path):
     results = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     assert results[0]["metrics"] == results[1]["metrics"] == {"by": first.pid}
     cfg = load_config("configs/tiny.yaml", [f"workdir={work}"])
-    assert not lock_path(stage_dir(cfg, "export", "samekey")).exists()
+    assert not lock_path(_at(cfg, "export", "samekey").folder).exists()
 
 
 def test_a_dead_runs_lock_is_broken_and_its_folder_redone(tmp_path):
     cfg = load_config("configs/tiny.yaml", [f"workdir={tmp_path}"])
-    folder = stage_dir(cfg, "export", "k")
+    folder = _at(cfg, "export", "k").folder
     folder.mkdir(parents=True)
     (folder / "half-written.bin").write_bytes(b"x")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     import socket
 
     lock_path(folder).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
-    got, done = open_stage(cfg, "export", "k", Exported)
+    got, done = open_stage(_at(cfg, "export", "k"), Exported)
     assert done is None and got == folder and list(folder.iterdir()) == []  # wiped: redone from scratch
     assert json.loads(lock_path(folder).read_text())["pid"] == os.getpid()
-    got, done = open_stage(cfg, "export", "k", Exported)  # a retry in the same process: its own lock
+    got, done = open_stage(_at(cfg, "export", "k"), Exported)  # a retry in the same process: its own lock
     assert done is None
 
 
 def test_an_empty_lock_left_by_a_crash_is_broken_once_old(tmp_path):
     cfg = load_config("configs/tiny.yaml", [f"workdir={tmp_path}"])
-    folder = stage_dir(cfg, "export", "e")
+    folder = _at(cfg, "export", "e").folder
     folder.parent.mkdir(parents=True)
     lock = lock_path(folder)
     lock.write_text("")  # a process died between creating the lock and writing its owner
     old = os.stat(lock).st_mtime - 120
     os.utime(lock, (old, old))
-    got, done = open_stage(cfg, "export", "e", Exported)
+    got, done = open_stage(_at(cfg, "export", "e"), Exported)
     assert done is None and json.loads(lock.read_text())["pid"] == os.getpid()
 
 
@@ -109,7 +114,7 @@ def test_a_result_of_another_format_is_computed_again_not_handed_on(tmp_path):
     """A DONE.json whose fields are not the stage's result class (older code, a renamed field) is refused by name,
     and open_stage treats the stage as not finished; a whole result of the class is reused as it was written."""
     cfg = load_config("configs/tiny.yaml", [f"workdir={tmp_path}"])
-    folder = stage_dir(cfg, "load", "k")
+    folder = _at(cfg, "load", "k").folder
     folder.mkdir(parents=True)
     written = Loaded(model_dir="m", splits="s.npz", heldout="h.npz", info={"family": "llama"},
                      exporter_auto=["gqa", "fits"], metrics={"blocks": 3})
@@ -118,10 +123,10 @@ def test_a_result_of_another_format_is_computed_again_not_handed_on(tmp_path):
     with pytest.raises(ResultFormatError, match=r"unknown fields \['split_file'\]; missing fields \['splits'\]"):
         Loaded.from_json(old)
     (folder / DONE).write_text(json.dumps(old))
-    got, done = open_stage(cfg, "load", "k", Loaded)
+    got, done = open_stage(_at(cfg, "load", "k"), Loaded)
     assert done is None and not (folder / DONE).exists()
     mark_done(folder, written)
-    assert open_stage(cfg, "load", "k", Loaded)[1] == written
+    assert open_stage(_at(cfg, "load", "k"), Loaded)[1] == written
     with pytest.raises(ResultFormatError, match="not the fields of Exported"):
         Exported.from_json(written.to_json())
 

@@ -25,7 +25,6 @@ from typing import Callable
 import numpy as np
 
 from compress.artifact import read_manifest
-from compress.config import PipelineConfig
 from compress.corpus.splits import DataSplits
 from compress.evaluate import chat as chat_eval
 from compress.evaluate.budget import Budget
@@ -33,7 +32,9 @@ from compress.evaluate.checkpoint_ref import CheckpointReference, resolve
 from compress.evaluate.downstream import downstream_scores
 from compress.evaluate.gate import Verdict, accept, genre_table, resolve_criteria
 from compress.evaluate.onnx_eval import ReferencePass, evaluate_onnx
+from compress.evaluate.settings import AcceptConfig
 from compress.export.weights import written_int8
+from compress.loading.settings import ModelConfig
 from compress.sizing.memory import Shape, accept_bytes, check_stage_memory
 from compress.sizing.disk import check_room
 
@@ -63,37 +64,37 @@ def against_baseline(candidate: str, baseline: str, blocks, latency: bool = Fals
                 evaluate_onnx(candidate, blocks, reference=ref, latency=latency))
 
 
-def reference_of(cfg: PipelineConfig, model_dir: str | None, baseline: str | None = None) -> CheckpointReference | None:
+def reference_of(a: AcceptConfig, m: ModelConfig, model_dir: str | None,
+                 baseline: str | None = None) -> CheckpointReference | None:
     """The checkpoint as the reference when accept.reference resolves to it (checkpoint_ref.resolve), or always when
     the baseline artifact is the INT8 graph the export wrote from it (export.weights int8); else None: the baseline
     artifact's graph."""
-    setting = cfg.accept.reference
+    setting = a.reference
     if baseline is not None and written_int8(read_manifest(baseline, verify=False)):
         setting = "checkpoint"
-    if not resolve(setting, model_dir, cfg.accept.min_decode_speed_ratio is not None):
+    if not resolve(setting, model_dir, a.min_decode_speed_ratio is not None):
         return None
-    m = cfg.model
     return CheckpointReference(str(model_dir), str(m.cache_dir), m.revision, m.trust_remote_code)
 
 
-def structured_figures(cfg: PipelineConfig, candidate: str, baseline: str) -> dict:
+def structured_figures(a: AcceptConfig, candidate: str, baseline: str) -> dict:
     """The structured genre's figures (compress/evaluate/structured.py) on accept.structured_sets; {} when off or when
     the model has no chat template."""
-    sets = cfg.accept.structured_sets
+    sets = a.structured_sets
     if not sets or not chat_eval.has_chat_template(baseline):
         return {}
     from compress.evaluate.structured import evaluate_structured, load_tasks
 
-    return evaluate_structured(candidate, baseline, load_tasks(sets), cfg.accept.structured_max_new_tokens)
+    return evaluate_structured(candidate, baseline, load_tasks(sets), a.structured_max_new_tokens)
 
 
-def chat_figures(cfg: PipelineConfig, candidate: str, baseline: str, cache_dir: str | Path | None, check=None,
-                 reference: CheckpointReference | None = None, *, setting: str = "accept.chat_sets",
-                 progress: bool = True) -> tuple[dict, str]:
-    """The chat figures of the candidate against the baseline (the teacher) on the sets of ``setting``
-    (accept.chat_sets, or search.chat_sets for a search branch), and a note saying what was scored or why nothing
-    was. The teacher's side is cached in ``cache_dir``."""
-    a, sets = cfg.accept, getattr(getattr(cfg, setting.split(".")[0]), "chat_sets")
+def chat_figures(a: AcceptConfig, candidate: str, baseline: str, cache_dir: str | Path | None, check=None,
+                 reference: CheckpointReference | None = None, *, sets: list[str] | None = None,
+                 setting: str = "accept.chat_sets", progress: bool = True) -> tuple[dict, str]:
+    """The chat figures of the candidate against the baseline (the teacher) on ``sets`` (accept.chat_sets when None;
+    search.chat_sets for a search branch, ``setting`` naming the key in messages), and a note saying what was scored
+    or why nothing was. The teacher's side is cached in ``cache_dir``."""
+    sets = a.chat_sets if sets is None else sets
     if not sets:
         return {}, f"not scored: {setting} is []"
     if not chat_eval.has_chat_template(baseline):
@@ -141,16 +142,17 @@ class Judgement:
                                    chat_note=self.chat_note, **extra)
 
 
-def judge(cfg: PipelineConfig, candidate: str, baseline: str, held: DataSplits, *,
-          selection: Callable[[], np.ndarray], evaluated: dict | None = None, model_dir: str | None = None,
+def judge(a: AcceptConfig, candidate: str, baseline: str, held: DataSplits, *, model: ModelConfig, trained: bool,
+          seed: int, selection: Callable[[], np.ndarray], evaluated: dict | None = None, model_dir: str | None = None,
           chat_cache: str | Path | None = None) -> Judgement:
     """The verdict on ``candidate`` against ``baseline`` (artifact folders). held: the held-out splits (test, held-out
     source). selection: gives the selection split's blocks, read only when ``evaluated`` (the quantize stage's
     figures of this candidate against this baseline on that split) is None. model_dir: the source checkpoint's
-    folder, the reference when accept.reference resolves to it."""
+    folder, the reference when accept.reference resolves to it. trained: the candidate was pruned or distilled (the
+    criteria's auto); seed: data.seed, the downstream task's sample."""
     reference_name = "artifact"
-    budget = Budget(cfg.accept.max_minutes, "accept.max_minutes")
-    ref = reference_of(cfg, model_dir, baseline)
+    budget = Budget(a.max_minutes, "accept.max_minutes")
+    ref = reference_of(a, model, model_dir, baseline)
     shape = Shape.of_manifest(read_manifest(baseline, verify=False))
     check_stage_memory("accept", shape, block=held.test.shape[1],
                        need=accept_bytes(shape, ref is not None, block=held.test.shape[1]))
@@ -161,25 +163,25 @@ def judge(cfg: PipelineConfig, candidate: str, baseline: str, held: DataSplits, 
     if ref is not None:
         reference_name = "checkpoint"
         log.info("accept: judged against the checkpoint %s as stored (accept.reference: %s)", model_dir,
-                 cfg.accept.reference)
+                 a.reference)
     with budget.part("test"):
         base, cand = against_baseline(candidate, baseline, held.test, latency=True, reference=ref)
-    criteria = resolve_criteria(cfg.accept, cfg.prune.enabled or cfg.distill.enabled)
+    criteria = resolve_criteria(a, trained)
     side: dict[str, float] = {}
     if held.heldout is not None:
         with budget.part("heldout"):
             held_base, held_cand = against_baseline(candidate, baseline, held.heldout, reference=ref)
             side.update(side_figures("heldout", held_cand, held_base))
-    if criteria == "quality" and cfg.accept.max_downstream_drop is not None:
-        n = cfg.accept.downstream_items
+    if criteria == "quality" and a.max_downstream_drop is not None:
+        n = a.downstream_items
         with budget.part("downstream"):
-            cand.update(downstream_scores(candidate, held.test, held.heldout, n, seed=cfg.data.seed))
-            base.update(downstream_scores(baseline, held.test, held.heldout, n, seed=cfg.data.seed))
+            cand.update(downstream_scores(candidate, held.test, held.heldout, n, seed=seed))
+            base.update(downstream_scores(baseline, held.test, held.heldout, n, seed=seed))
     with budget.part("chat"):
-        chat, chat_note = chat_figures(cfg, candidate, baseline, chat_cache, budget.check, ref)
+        chat, chat_note = chat_figures(a, candidate, baseline, chat_cache, budget.check, ref)
     cand.update({k: v for k, v in chat.items() if k not in ("by_kind", "seconds", "teacher_cached")})
     with budget.part("structured"):
-        structured = structured_figures(cfg, candidate, baseline)
+        structured = structured_figures(a, candidate, baseline)
     if structured:  # the baseline against itself, under the same names (as the chat rows)
         cand.update({k: v for k, v in structured.items() if k != "by_kind"})
         base.update({"structured_valid_share": structured["structured_baseline_valid_share"],
@@ -192,7 +194,7 @@ def judge(cfg: PipelineConfig, candidate: str, baseline: str, held: DataSplits, 
     # The gate reads the held-out source's perplexity beside the test split's (quality criteria).
     held_ppl = ({"heldout_perplexity": side["heldout_perplexity"]},
                 {"heldout_perplexity": side["heldout_baseline_perplexity"]}) if side else ({}, {})
-    verdict = accept({**cand, **held_ppl[0]}, {**base, **held_ppl[1]}, cfg.accept, criteria)
+    verdict = accept({**cand, **held_ppl[0]}, {**base, **held_ppl[1]}, a, criteria)
     if evaluated:
         evaluated_in = "quantize"
         sel_base, sel_cand = evaluated["baseline"], evaluated["candidate"]

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from compress.artifact import read_manifest
-from compress.config import PipelineConfig
 from compress.evaluate.gate import accept, failed_checks, selection_limits
+from compress.evaluate.settings import AcceptConfig
 from compress.evaluate.verdict import against_baseline, reference_of
+from compress.loading.settings import ModelConfig
 
 FORM_OF_WEIGHTS = {"int4": "weight_only_int4", "int8": "weight_only"}
 
@@ -29,21 +30,23 @@ class WrittenFormGate:
     evaluation: dict
 
 
-def gate_written_form(cfg: PipelineConfig, artifact: str, weights: str, selection: np.ndarray, *, model_dir: str,
-                      splits: str) -> WrittenFormGate:
-    """``artifact`` (written from the checkpoint in ``model_dir`` with ``weights``) against that checkpoint on the
-    ``selection`` blocks, through the accept section's limits under the fidelity criteria."""
-    ref = reference_of(cfg, model_dir, artifact)
+def gate_written_form(accept_cfg: AcceptConfig, model: ModelConfig, artifact: str, weights: str,
+                      selection: np.ndarray, *, model_dir: str, splits: str,
+                      int4_keep_int8: float | None = None) -> WrittenFormGate:
+    """``artifact`` (written from the checkpoint in ``model_dir`` with ``weights``; ``int4_keep_int8``: the 4-bit
+    graph's share of groups at 8 bits) against that checkpoint on the ``selection`` blocks, through the accept
+    section's limits under the fidelity criteria."""
+    ref = reference_of(accept_cfg, model, model_dir, artifact)
     if ref is None:
         raise ValueError(f"{artifact}: not a graph written from the checkpoint (export.weights int8 or int4)")
     base, cand = against_baseline(artifact, artifact, selection, reference=ref)
-    limits = selection_limits(cfg.accept, 0.0)  # the accept section's, less the held-out source's check
+    limits = selection_limits(accept_cfg, 0.0)  # the accept section's, less the held-out source's check
     verdict = accept(cand, base, limits, criteria="fidelity")  # the same model, rounded: stay the checkpoint
     manifest = read_manifest(artifact, verify=False)
     fp32 = 4.0 * int(manifest.get("num_parameters") or 0)  # the column's "x source"
     ppl_ratio = cand["perplexity"] / base["perplexity"] if base["perplexity"] > 0 else float("inf")
     q = manifest.get("quantization") or {}
-    share = cfg.quantize.int4_keep_int8 if weights == "int4" else None
+    share = int4_keep_int8 if weights == "int4" else None
     attempt = {"form": FORM_OF_WEIGHTS.get(weights, weights), "weights": weights, "kv": "float32",
                "int8_share": share, "int8_groups": len(q.get("int8_groups", [])),
                "kv_label": "as exported", "accepted": verdict.accepted,
