@@ -81,7 +81,7 @@ class Chain:
 @dataclass(frozen=True)
 class TeacherStages:
     """load -> export -> golden, the stages every run shares; their keys are the candidate chain's roots.
-    The config they ran under is the flow's (its `auto`s resolved after load: compress/resolve/settings.py)."""
+    The config they ran under is the flow's (its `auto`s resolved after load: compress/resolve/auto.py)."""
 
     k_load: str
     loaded: Loaded

@@ -9,8 +9,10 @@ Entry points (lazy: importing this package imports no torch):
   compress.distill.launch``);
 * ``DistillReport`` / ``DistillError`` (report.py).
 
-Beside them: loss.py (KD + hidden-state losses, the teacher top-k cache, eval), checkpoint.py, schedules.py
-(temperature / alpha / learning rate per step) and distributed.py (process-group helpers). docs/distillation.md.
+Beside them: optimizer_step.py (one step: the data order, each rank's share, the update), device_setup.py (device,
+autocast, attention form, compile), loss.py (KD + hidden-state losses, the teacher top-k cache, eval), fused.py,
+plan.py, checkpoint.py, schedules.py (temperature / alpha / learning rate per step), distributed.py (process-group
+helpers) and settings.py (the ``distill:`` section). docs/distillation.md.
 """
 
 from compress._lazy import lazy_exports

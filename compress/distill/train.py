@@ -43,7 +43,7 @@ from compress.distill.optimizer_step import _apply_masks, _DataOrder, _prepare_m
 from compress.distill.plan import PROBE_STEPS, Plan, make_plan, refusal, with_token_budget
 from compress.distill.report import DistillError, DistillReport
 
-# Importers read these here (compress/resolve/settings.py, tests/test_distill_ddp.py).
+# Importers read these here (compress/resolve/auto.py, tests/test_distill_ddp.py).
 from compress.distill.device_setup import COMPILE_MIN_TOKENS  # noqa: F401
 from compress.distill.optimizer_step import step_chunks  # noqa: F401
 

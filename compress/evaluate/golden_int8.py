@@ -72,9 +72,9 @@ def fake_quantize_(model, block_size: int, accuracy_level: int, int4=None) -> li
     tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
     block4 = int4.block4(block_size) if int4 is not None else block_size
     table = table_block(emb.shape[1], block_size)  # the tied table's rows in whole blocks (compress/formats/blocks.py)
-    if tied:  # one 8-bit table read by the Gather and the lm_head (gqa._embedding_q8's arithmetic)
+    if tied:  # one 8-bit table read by the Gather and the lm_head (gqa_graph._embedding_q8's arithmetic)
         _round_rows_(emb.data, table, signed_max=False)
-    elif int4 is not None and int4.embedding_bits == 4:  # gqa._embedding_q4
+    elif int4 is not None and int4.embedding_bits == 4:  # gqa_graph._embedding_q4
         _round_rows_4bit_(emb.data, block4, int4.symmetric, int4.clip)
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):

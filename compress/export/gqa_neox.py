@@ -38,7 +38,7 @@ def _layernorm(g, x: str, norm, module: str) -> str:
 
 
 def neox_decoder(model, g, attention, select_positions, logits_name: str, linear) -> tuple[str, str]:
-    """Embedding, layers, final norm and embed_out, like compress.export.gqa._decoder; ``linear`` is its _linear."""
+    """Embedding, layers, final norm and embed_out, like compress.export.gqa_decoder._decoder; ``linear`` is its _linear."""
     c = model.config
     base = model.gpt_neox
     H, D = c.num_attention_heads, c.hidden_size // c.num_attention_heads
