@@ -39,7 +39,7 @@ import collections
 TARGET = re.compile(r"^(?P<a>[\w.-]+)@(?P<c>\d+)>=(?P<k>[\d.]+)\*(?P<b>[\w.-]+)@(?P<d>\d+)$")
 
 
-MODES_HELP = 'modes (each with its own --help): --roofline: a stack of MatMulNBits alone per bit width and block (formerly benchmarks/nbits_roofline.py); --prompt-profile: one batched first-prompt call timed and split by op type; --prompt-cut: a wave of first prompts cut at half or where the work is even'
+MODES_HELP = 'modes (each with its own --help): --roofline: a stack of MatMulNBits alone per bit width and block (formerly benchmarks/nbits_roofline.py); --prompt-profile: one batched first-prompt call timed and split by op type; --prompt-cut: a wave of first prompts cut at half or where the work is even; --prefill-forms: what a prompt costs in each weight form of one model, with its agreement'
 
 
 def kernel_graphs(artifact: Path, folder: Path) -> dict:
@@ -491,5 +491,71 @@ def prompt_cut_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# --- `--prefill-forms`: what a prompt costs in each weight form (issue 70) ---------------------------------------
+
+PREFILL_DOC = """What a prompt costs on this CPU in each weight form of one model: one call of ``--tokens`` prompt tokens at
+batch 1 (the last position's logits only, as the server asks), the fastest of ``--reps``, in prompt tokens/s and
+G multiply-adds a second (the decoder's linears: parameters less the embedding table, per token). Beside it, each
+form's top-1 agreement and largest logit difference against the first form (the reference, e.g. fp32) at every
+position of ``--prompts`` prompts cut from the load stage's selection split.
+
+    python -m benchmarks.ceiling --prefill-forms --form fp32=<dir> --form wo8=<dir> --form w8a8=<dir>
+        --splits <load stage>/splits.npz [--tokens 512] [--out benchmarks/results/prefill_forms_<model>.json]
+"""
+
+
+def prefill_forms_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=PREFILL_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--form", action="append", required=True, metavar="NAME=DIR", help="a gqa artifact (repeat; the first is the reference)")
+    p.add_argument("--splits", type=Path, required=True, help="the load stage's splits.npz (its selection blocks are the prompts)")
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    from compress.corpus.splits import DataSplits
+    from compress.drivers import load_lm
+
+    test = np.asarray(DataSplits.load(a.splits).selection).reshape(-1)
+    if test.size < a.tokens * a.prompts:
+        raise SystemExit(f"--splits: {test.size} selection tokens, fewer than --tokens x --prompts ({a.tokens * a.prompts})")
+    prompts = test[:a.tokens * a.prompts].reshape(a.prompts, a.tokens).tolist()
+    forms, ref = {}, None
+    for spec in a.form:
+        name, _, path = spec.partition("=")
+        if not path:
+            raise SystemExit(f"--form {spec!r}: write it as NAME=DIR")
+        manifest = json.loads((Path(path) / "manifest.json").read_text())
+        macs = int(manifest["num_parameters"]) - int(manifest["vocab_size"]) * int(manifest["hidden_size"])
+        lm = load_lm(path)
+        lm.prefill(prompts[0][:64], last_only=True)  # warm-up
+        times = []
+        for _ in range(a.reps):
+            t0 = time.perf_counter()
+            lm.prefill(prompts[0], last_only=True)
+            times.append(time.perf_counter() - t0)
+        logits = [lm.prefill(q)[0] for q in prompts]
+        ref = ref or logits
+        agree = float(np.mean([np.mean(x.argmax(-1) == r.argmax(-1)) for x, r in zip(logits, ref)]))
+        diff = float(max(np.abs(x - r).max() for x, r in zip(logits, ref)))
+        q = manifest.get("quantization") or {}
+        t = min(times)
+        forms[name] = {"artifact": path, "method": q.get("method", "float32"), "kv_dtype": manifest.get("kv_dtype"),
+                       "seconds": round(t, 4), "prompt_tokens_per_s": round(a.tokens / t, 1),
+                       "gmac_per_s": round(macs * a.tokens / t / 1e9, 1), "top1_agreement_vs_first": round(agree, 4),
+                       "max_abs_logit_diff_vs_first": round(diff, 3)}
+        print(f"{name:>12}: {a.tokens / t:7.0f} prompt tokens/s, {forms[name]['gmac_per_s']:6.1f} GMAC/s, top-1 "
+              f"agreement {agree:.4f} with {a.form[0].split('=')[0]}", flush=True)
+        del lm
+    result = {"cpu_flags": cpu_flags(), "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2),
+              "tokens": a.tokens, "prompts": a.prompts, "forms": forms,
+              "command": "python -m benchmarks.ceiling --prefill-forms " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {a.out}")
+    return 0
+
+
 if __name__ == "__main__":
-    raise SystemExit(run_modes(main, {"--roofline": roofline_main, "--prompt-profile": prompt_profile_main, "--prompt-cut": prompt_cut_main}))
+    raise SystemExit(run_modes(main, {"--roofline": roofline_main, "--prompt-profile": prompt_profile_main,
+                                      "--prompt-cut": prompt_cut_main, "--prefill-forms": prefill_forms_main}))
