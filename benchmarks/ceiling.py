@@ -541,7 +541,7 @@ def prefill_forms_main(argv: list[str] | None = None) -> int:
         q = manifest.get("quantization") or {}
         t = min(times)
         forms[name] = {"artifact": path, "method": q.get("method", "float32"), "kv_dtype": manifest.get("kv_dtype"),
-                       "seconds": round(t, 4), "prompt_tokens_per_s": round(a.tokens / t, 1),
+                       "seconds": round(t, 6), "prompt_tokens_per_s": round(a.tokens / t, 1),
                        "gmac_per_s": round(macs * a.tokens / t / 1e9, 1), "top1_agreement_vs_first": round(agree, 4),
                        "max_abs_logit_diff_vs_first": round(diff, 3)}
         print(f"{name:>12}: {a.tokens / t:7.0f} prompt tokens/s, {forms[name]['gmac_per_s']:6.1f} GMAC/s, top-1 "

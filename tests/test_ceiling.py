@@ -70,3 +70,26 @@ def test_bad_input_names_the_fix(int8_graph, tmp_path):
     assert run.returncode == 1 and "write it as A@C>=K*B@D" in run.stderr
     roof = run_bench("ceiling", "--roofline", "--layers", "2", "--rows", "1", "--reps", "1", "--forms", "8:30")
     assert roof.returncode == 2 and "--forms '8:30'" in roof.stderr
+
+
+def test_prefill_forms_times_each_form_and_measures_it_against_the_first(int8_graph, tiny_gqa, tiny_splits, tmp_path):
+    """--prefill-forms: the reference agrees with itself exactly; the INT8 graph of the same tiny model is timed and
+    measured against the fp32 one at every position, with its multiply-adds a second from the manifest's shape."""
+    path, cfg, _ = int8_graph
+    tiny_splits.save(tmp_path / "splits.npz")
+    out = tmp_path / "prefill.json"
+    run = run_bench("ceiling", "--prefill-forms", "--form", f"fp32={tiny_gqa}", "--form", f"int8={path}",
+                    "--form", f"again={tiny_gqa}", "--splits", tmp_path / "splits.npz", "--tokens", "64",
+                    "--prompts", "2", "--reps", "2", "--out", out)
+    assert run.returncode == 0, run.stderr[-3000:]
+    forms = json.loads(out.read_text())["forms"]
+    assert list(forms) == ["fp32", "int8", "again"]
+    assert forms["again"]["top1_agreement_vs_first"] == 1.0 and forms["again"]["max_abs_logit_diff_vs_first"] == 0.0
+    assert 0.5 < forms["int8"]["top1_agreement_vs_first"] <= 1.0 and forms["int8"]["max_abs_logit_diff_vs_first"] > 0
+    manifest = json.loads((path / "manifest.json").read_text())
+    macs = manifest["num_parameters"] - manifest["vocab_size"] * manifest["hidden_size"]
+    for f in forms.values():
+        assert f["gmac_per_s"] == pytest.approx(macs * 64 / f["seconds"] / 1e9, rel=0.02, abs=0.11)
+    short = run_bench("ceiling", "--prefill-forms", "--form", f"fp32={tiny_gqa}", "--splits", tmp_path / "splits.npz",
+                      "--tokens", "4096")
+    assert short.returncode != 0 and "fewer than --tokens x --prompts" in short.stderr
