@@ -6,9 +6,10 @@ and peak RSS, one fresh server per (artifact, level), artifacts interleaved at e
         [--llama-server <llama.cpp>/build/bin/llama-server --gguf [q8_0=]smollm2-q8_0.gguf [--gguf q4_k_m=...]]  # anchors
         [--source w8a8_then=<git worktree of an older commit>]   # that artifact served by that tree's server
 
-Workload: chat completions (``client.chat.completions.create``, the model's own template), seeded short user turns
-of a few kinds (questions, instructions, small talk), greedy, exactly ``--max-tokens`` new tokens each
-(``ignore_eos``), ``requests-per-user x c`` requests at concurrency c (at least 8) from c client threads. Caches off:
+Workload (``--workload``): ``chat``, seeded short user turns of a few kinds (questions, instructions, small talk);
+``long_prompt``, a standard-library function of about 650 tokens to explain (prompt-heavy: long prompts, short
+answers). Chat completions through the model's own template, streamed, greedy, exactly ``--max-tokens`` new tokens
+each (``ignore_eos``); each level reports output tokens/s, prompt tokens/s and time to first token (p50, p99), ``requests-per-user x c`` requests at concurrency c (at least 8) from c client threads. Caches off:
 the result cache (``result_cache_size`` 0) and prefix caching (``enable_prefix_caching`` false), so every token is
 computed. The server's CPU seconds are read from /proc (user + system, its whole process). ``--llama-server`` adds
 llama.cpp's own server on the same model (one parallel slot per user, prompt cache off), the same client and
@@ -57,6 +58,38 @@ def chats(n: int, seed: int = 0) -> list[list[dict]]:
     return [[{"role": "user", "content": rng.choice(FORMS).format(t=rng.choice(TOPICS))}] for _ in range(n)]
 
 
+def long_prompts(n: int, seed: int = 0, chars: int = 2600) -> list[list[dict]]:
+    """Seeded requests to explain a standard-library function of about ``chars`` characters (~650 tokens)."""
+    import inspect
+    import json as json_mod
+    import textwrap as textwrap_mod
+
+    sources = [inspect.getsource(f) for mod in (json_mod.decoder, json_mod.encoder, textwrap_mod)
+               for f in vars(mod).values() if inspect.isfunction(f) and f.__module__ == mod.__name__]
+    sources += [inspect.getsource(c) for mod in (json_mod.decoder, json_mod.encoder, textwrap_mod)
+                for c in vars(mod).values() if inspect.isclass(c) and c.__module__ == mod.__name__]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        code = rng.choice(sources)
+        while len(code) < chars:
+            code += "\n" + rng.choice(sources)
+        out.append([{"role": "user", "content": f"Explain what this code does:\n```python\n{code[:chars]}\n```"}])
+    return out
+
+
+WORKLOADS = {"chat": chats, "long_prompt": long_prompts}
+
+
+def workload_requests(workload: str, n: int, seed: int, prompt_chars: int) -> list[list[dict]]:
+    return long_prompts(n, seed, prompt_chars) if workload == "long_prompt" else chats(n, seed)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -97,7 +130,8 @@ def llama_server(binary: Path, gguf: Path, slots: int, max_tokens: int):
 
 
 def run_level(artifact: Path, c: int, requests: int, max_tokens: int, overrides: dict,
-              llama: Path | None = None, source: Path | None = None) -> dict:
+              llama: Path | None = None, source: Path | None = None, workload: str = "chat",
+              prompt_chars: int = 2600) -> dict:
     import openai
 
     server = (llama_server(llama, artifact, c, max_tokens) if llama
@@ -106,12 +140,20 @@ def run_level(artifact: Path, c: int, requests: int, max_tokens: int, overrides:
         name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
 
-        def one(msgs):
-            r = client.chat.completions.create(model=name, messages=msgs, max_tokens=max_tokens, temperature=0,
-                                               extra_body={"ignore_eos": True})
-            return r.usage.completion_tokens
+        def one(msgs) -> tuple[int, int, float]:
+            """(output tokens, prompt tokens, seconds to the first token) of one streamed request."""
+            t0, ttft, done, usage = time.perf_counter(), None, 0, None
+            for chunk in client.chat.completions.create(model=name, messages=msgs, max_tokens=max_tokens,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True},
+                                                        extra_body={"ignore_eos": True}):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    done += 1
+                usage = chunk.usage or usage
+            return (usage.completion_tokens if usage else done), (usage.prompt_tokens if usage else 0), ttft
 
-        one(chats(1, seed=99)[0])  # warm: first-call allocations are not the steady state
+        one(workload_requests(workload, 1, 99, prompt_chars)[0])  # warm: first-call allocations are not the steady state
         peak, stop = [rss_mib(proc.pid)], threading.Event()
 
         def sample():
@@ -122,13 +164,17 @@ def run_level(artifact: Path, c: int, requests: int, max_tokens: int, overrides:
         sampler.start()
         cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
         with ThreadPoolExecutor(c) as pool:
-            tokens = sum(pool.map(one, chats(requests, seed=c)))
+            done = list(pool.map(one, workload_requests(workload, requests, c, prompt_chars)))
         wall, cpu = time.perf_counter() - t0, cpu_seconds(proc.pid) - cpu0
         stop.set()
         sampler.join()
-    return {"c": c, "requests": requests, "output_tokens": tokens, "wall_s": round(wall, 2),
-            "tokens_per_s": round(tokens / wall, 1), "tokens_per_cpu_s": round(tokens / cpu, 1),
-            "peak_rss_mib": round(max(peak)), "load": round(os.getloadavg()[0], 1)}
+    tokens, prompt = sum(d[0] for d in done), sum(d[1] for d in done)
+    ttft = [d[2] for d in done if d[2] is not None]
+    return {"c": c, "requests": requests, "output_tokens": tokens, "prompt_tokens": prompt, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 1), "prompt_tokens_per_s": round(prompt / wall, 1),
+            "ttft_p50_s": round(percentile(ttft, 50), 3), "ttft_p99_s": round(percentile(ttft, 99), 3),
+            "tokens_per_cpu_s": round(tokens / cpu, 1), "peak_rss_mib": round(max(peak)),
+            "load": round(os.getloadavg()[0], 1)}
 
 
 def medians(rounds: list[dict[str, list[dict]]]) -> dict[str, list[dict]]:
@@ -145,6 +191,8 @@ def medians(rounds: list[dict[str, list[dict]]]) -> dict[str, list[dict]]:
                            "output_tokens": int(statistics.median(r["output_tokens"] for r in rs)),
                            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rs), 1),
                            "tokens_per_cpu_s": round(statistics.median(r["tokens_per_cpu_s"] for r in rs), 1),
+                           **{k: round(statistics.median(r[k] for r in rs), 3)
+                              for k in ("prompt_tokens_per_s", "ttft_p50_s", "ttft_p99_s") if k in rs[0]},
                            "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
                            "x_c1_rounds": [r["x_c1"] for r in rs]})
         for lv in levels:
@@ -160,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--requests-per-user", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="chat",
+                   help="chat: short user turns; long_prompt: ~650-token code to explain (prompt-heavy)")
+    p.add_argument("--prompt-chars", type=int, default=2600, help="long_prompt: characters of code per prompt")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="a ServeConfig field")
     p.add_argument("--set-for", action="append", default=[], metavar="NAME:KEY=JSON",
                    help="a ServeConfig field for the artifact NAME only (the same artifact under two names: an A/B of "
@@ -216,12 +267,14 @@ def main(argv: list[str] | None = None) -> int:
                 path, llama = systems[name]
                 src = Path(sources[name]) if name in sources else None
                 r = run_level(path, c, max(8, a.requests_per_user * c), a.max_tokens, {**overrides, **own.get(name, {})},
-                              llama, src)
+                              llama, src, a.workload, a.prompt_chars)
                 base = runs[name][0]["tokens_per_s"] if runs[name] else r["tokens_per_s"]
                 r["x_c1"] = round(r["tokens_per_s"] / base, 2)
                 runs[name].append(r)
                 tag = f"[{k + 1}/{a.repeats}] " if a.repeats > 1 else ""
                 print(f"{tag}{name:>10} c{c:<3} {r['tokens_per_s']:7.1f} tok/s ({r['x_c1']:5.2f}x c1)  "
+                      f"TTFT p50 {r['ttft_p50_s']:6.3f} s p99 {r['ttft_p99_s']:6.3f} s  "
+                      f"{r['prompt_tokens_per_s']:7.1f} prompt tok/s  "
                       f"{r['tokens_per_cpu_s']:6.1f} tok/CPU-s  peak RSS {r['peak_rss_mib']:5d} MiB  load {r['load']}",
                       flush=True)
         rounds.append(runs)
@@ -233,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:>10} c{r['c']:<3} {r['tokens_per_s']:7.1f} tok/s ({r['x_c1']:5.2f}x c1 {r['x_c1_rounds']})  "
                       f"{r['tokens_per_cpu_s']:6.1f} tok/CPU-s")
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({**head, "artifacts": {n: str(p) for n, (p, _) in systems.items()},
+    a.out.write_text(json.dumps({**head, "workload": a.workload, "max_tokens": a.max_tokens,
+                                 **({"prompt_chars": a.prompt_chars} if a.workload == "long_prompt" else {}), "artifacts": {n: str(p) for n, (p, _) in systems.items()},
                                  "sources": sources, "set_for": own, "repeats": a.repeats, "rows": rows,
                                  **({"rounds": rounds} if a.repeats > 1 else {})}, indent=1))
     print(f"wrote {a.out}")

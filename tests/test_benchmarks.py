@@ -326,3 +326,23 @@ def test_sweep_repeats_report_medians_and_each_rounds_ratio(tiny_artifact, tmp_p
     # a name that is no --artifact
     assert run_bench("sweep", "--artifact", f"a={tiny_artifact}", "--set-for", "c:max_batch_size=1", "--out",
                      out).returncode
+
+
+def test_sweep_streams_and_times_the_first_token_of_long_prompts(tiny_artifact, tmp_path):
+    """--workload long_prompt: each request a function to explain (600 characters here, for the tiny model's context),
+    streamed; the server's usage gives the prompt tokens, each level its TTFT percentiles, under the level's time."""
+    from bench_cli import run_bench
+
+    out = tmp_path / "sweep.json"
+    run = run_bench("sweep", "--artifact", f"t={tiny_artifact}", "--concurrency", "1", "2", "--requests-per-user", "1",
+                    "--max-tokens", "3", "--workload", "long_prompt", "--prompt-chars", "600",
+                    "--set", 'providers=["CPUExecutionProvider"]', "--out", out)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["workload"] == "long_prompt" and res["max_tokens"] == 3
+    for row in res["rows"]["t"]:
+        assert row["output_tokens"] == 3 * row["requests"]
+        assert row["prompt_tokens"] >= 100 * row["requests"]  # 600 characters of code each
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] <= row["wall_s"]
+        assert row["prompt_tokens_per_s"] == pytest.approx(row["prompt_tokens"] / row["wall_s"], rel=0.02)
+    assert run_bench("sweep", "--artifact", f"t={tiny_artifact}", "--workload", "essay", "--out", out).returncode
