@@ -141,16 +141,20 @@ def run_level(artifact: Path, c: int, requests: int, max_tokens: int, overrides:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
 
         def one(msgs) -> tuple[int, int, float]:
-            """(output tokens, prompt tokens, seconds to the first token) of one streamed request."""
-            t0, ttft, done, usage = time.perf_counter(), None, 0, None
+            """(output tokens, prompt tokens, seconds to the first token) of one streamed request: the first chunk
+            with text, or (a model whose first tokens make no whole character yet) the first chunk with a choice."""
+            t0, text_at, any_at, done, usage = time.perf_counter(), None, None, 0, None
             for chunk in client.chat.completions.create(model=name, messages=msgs, max_tokens=max_tokens,
                                                         temperature=0, stream=True,
                                                         stream_options={"include_usage": True},
                                                         extra_body={"ignore_eos": True}):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    done += 1
+                if chunk.choices:
+                    any_at = any_at if any_at is not None else time.perf_counter() - t0
+                    if chunk.choices[0].delta.content:
+                        text_at = text_at if text_at is not None else time.perf_counter() - t0
+                        done += 1
                 usage = chunk.usage or usage
+            ttft = text_at if text_at is not None else any_at
             return (usage.completion_tokens if usage else done), (usage.prompt_tokens if usage else 0), ttft
 
         one(workload_requests(workload, 1, 99, prompt_chars)[0])  # warm: first-call allocations are not the steady state

@@ -88,10 +88,12 @@ class ServeConfig(Section):
     # Rows decoding together. 64: every INT8 form's tokens/s still rose from 32 to 64 rows (benchmarks/history.md run 9);
     # the KV rows are allocated for the traffic there is, not for this many (serve/runners/gqa.py).
     max_batch_size: int = Field(64, ge=1)
-    # Tokens one step computes (decodes + prompt chunks); 2048 as vLLM's online server. 32 chat prompts (~1,300
-    # tokens) then run in one batched call: at 512 a wave of them took four calls, each reading every weight
-    # (benchmarks/history.md run 11). Lower it (256-512) when inter-token latency under long prompts matters more.
-    max_num_batched_tokens: int = Field(2048, ge=1)
+    # Tokens one step computes (decodes + prompt chunks). A prompt's rows are bound by arithmetic, not by reading the
+    # weights, so batching several long prompts into one call gains no speed and makes each wait for all: 512 against
+    # vLLM's 2048 gave the demo's champion at 8 users of ~650-token prompts TTFT p50 2.7 s against 7.4, 1.12x the
+    # prompt tokens/s and a third of the peak RSS, chat at 32 users 1.08x the tokens/s, 1 and 8 users unchanged
+    # (benchmarks/results/sweep_budget_*.json; docs/serving.md#scheduling).
+    max_num_batched_tokens: int = Field(512, ge=1)
     # Prompt coalescing (the engine's own loop; a manual-mode caller adds its requests before stepping): once
     # requests arrive within admit_quiet_ms of each other (a burst; one user alone is never held), new ones wait
     # until none has arrived for admit_quiet_ms, at most admit_max_delay_ms after the oldest, so the burst runs as
