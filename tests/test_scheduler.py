@@ -336,3 +336,41 @@ def test_coalescing_is_off_by_default():
         _arrive(s, clock, f"r{i}", 1.0 + 0.001 * i)
     assert s.admit_hold_until() is None
     assert len(s.schedule().scheduled) == 3
+
+
+def test_long_prompts_among_decoding_rows_get_their_first_token_within_the_bound():
+    """Issue 70's starvation bound at the server's default budget: 8 rows decode every step, and each of 4 ~650-token
+    prompts arriving together has its first token after at most ceil((its tokens + the tokens of the prompts ahead of
+    it) / (budget - decoding rows)) steps: prompts go first come, first served, and none waits for all."""
+    import math
+
+    from serve.config import ServeConfig
+
+    budget = ServeConfig().max_num_batched_tokens
+    s, clock = make(num_blocks=1024, block_size=16, max_num_batched_tokens=budget, max_batch_size=16)
+    for i in range(8):
+        s.add(seq(f"chat{i}", 8, max_tokens=400, arrival=i * 1e-3, first=1 + 10 * i))
+    fake_step(s, s.schedule())
+    assert all(not q.is_prefill for q in s.running)  # eight rows decoding
+    clock.t = 1.0
+    lengths = [650, 660, 640, 655]
+    for k, n in enumerate(lengths):
+        s.add(seq(f"long{k}", n, max_tokens=4, arrival=1.0 + k * 1e-3, first=100 + 1000 * k))
+    first_token_step, decoded = {}, {f"chat{i}": 0 for i in range(8)}
+    for step in range(1, 40):
+        out = s.schedule()
+        assert out.num_tokens <= budget
+        for r in out.scheduled:
+            name = r.seq.request_id
+            if name in decoded:
+                decoded[name] += 1
+            elif r.samples and name not in first_token_step:
+                first_token_step[name] = step
+        fake_step(s, out)
+        if len(first_token_step) == len(lengths):
+            break
+    assert all(n == step for n in decoded.values())  # no decoding row missed a step
+    for k in range(len(lengths)):
+        bound = math.ceil(sum(lengths[:k + 1]) / (budget - 8))
+        assert first_token_step[f"long{k}"] <= bound, (k, first_token_step, bound)
+    assert first_token_step["long0"] < first_token_step["long3"]  # the first prompt does not wait for the last
