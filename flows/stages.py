@@ -1,6 +1,7 @@
-"""How the flow hands each stage its part of the config, built once from it: the run's context (stage folders, the
-cache keys' section hashes, the MLflow parent run), the candidate chain's sections, a search branch's and its
-gate's. Tasks get these typed parts, never the PipelineConfig.
+"""How the flow hands each stage its part of the config, built from the config the flow holds at that step (its
+`auto`s resolved after load): the run's context (stage folders, the cache keys' section hashes, the MLflow parent
+run), the candidate chain's sections, a search branch's and its gate's. Tasks get these typed parts, never the
+PipelineConfig.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from compress.config import PipelineConfig, project_root
-from compress.evaluate.gate import resolve_criteria, selection_limits
 from tasks.chain import ChainSettings
 from tasks.common import RunContext
 from tasks.search import SearchGate
@@ -50,6 +50,5 @@ def branch_config(cfg: PipelineConfig, ratio: float) -> PipelineConfig:
 def search_gate(cfg: PipelineConfig) -> SearchGate:
     """A branch's gate: accept's tolerances on the selection split, less the held-out source's check, each accuracy
     tolerance narrowed by search.selection_margin (compress.evaluate.gate.selection_limits)."""
-    return SearchGate(accept=cfg.accept, limits=selection_limits(cfg.accept, cfg.search.selection_margin),
-                      criteria=resolve_criteria(cfg.accept, trained(cfg)), chat_sets=list(cfg.search.chat_sets),
-                      seed=cfg.data.seed)
+    return SearchGate(accept=cfg.accept, margin=cfg.search.selection_margin, trained=trained(cfg),
+                      chat_sets=list(cfg.search.chat_sets), seed=cfg.data.seed)

@@ -47,8 +47,7 @@ class StageRun:
 @dataclass(frozen=True)
 class RunContext:
     """What the stages of one pipeline run share: where their folders live, the MLflow parent run, and the hash of
-    each group of config sections a stage's key depends on (hashed once by the flow: no task sees the whole
-    config)."""
+    each group of config sections a stage's key depends on (hashed by the flow: no task sees the whole config)."""
 
     workdir: str
     parent_run_id: str | None

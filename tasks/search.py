@@ -16,7 +16,8 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NONE
 
-from compress.evaluate import accept, downstream_scores, evaluate_onnx
+from compress.evaluate import accept, downstream_scores, evaluate_onnx, resolve_criteria
+from compress.evaluate.gate import selection_limits
 from compress.evaluate.settings import AcceptConfig
 from compress.prune.search import (Candidate, best_rejected, describe, front_objectives, pareto_figure, pareto_front,
                                    pick_fastest_accepted, search_table)
@@ -29,15 +30,25 @@ from tasks.tracking import child_run, log_figure, log_json, log_metrics, log_par
 
 @dataclass(frozen=True)
 class SearchGate:
-    """What a branch's gate reads: the accept section (chat answer lengths, the downstream sample), its limits on the
-    selection split (accept's, narrowed by search.selection_margin: compress.evaluate.gate.selection_limits), the
-    criteria (resolved once for the run), search.chat_sets and data.seed."""
+    """What a branch's gate reads: the accept section (chat answer lengths, the downstream sample, the limits),
+    search.selection_margin, whether the candidates are trained (pruned or distilled: the criteria's auto),
+    search.chat_sets and data.seed."""
 
     accept: AcceptConfig
-    limits: AcceptConfig
-    criteria: str
+    margin: float
+    trained: bool
     chat_sets: list[str]
     seed: int
+
+    @property
+    def limits(self) -> AcceptConfig:
+        """accept's limits on the selection split: less the held-out source's check, each accuracy tolerance narrowed
+        by the margin (compress.evaluate.gate.selection_limits)."""
+        return selection_limits(self.accept, self.margin)
+
+    @property
+    def criteria(self) -> str:
+        return resolve_criteria(self.accept, self.trained)
 
 
 CHAT_FIGURES = ("chat_perplexity_ratio", "chat_top1_agreement", "chat_judged_ratio", "chat_late_divergence_share",
