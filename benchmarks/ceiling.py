@@ -458,7 +458,7 @@ def prompt_cut_main(argv: list[str] | None = None) -> int:
 
     eng = Engine(a.artifact, ServeConfig(providers=[CPU], verify_artifact=False, max_batch_size=max(a.prompts, 16),
                                          enable_prefix_caching=False, result_cache_size=0,
-                                         max_num_batched_tokens=65536), start=False)
+                                         max_num_batched_tokens=65536, prefill_chunk=0), start=False)
     if not isinstance(eng.runner, runner_gqa.GqaRunner) or eng.runner.split.session is None:
         raise SystemExit("--artifact: needs a gqa artifact on a CPU with 2+ cores (the split session)")
     cuts = {"half": lambda lens, share: len(lens) // 2, "balanced": runner_gqa.balanced_cut}

@@ -100,14 +100,14 @@ def rss_mib(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, gguf: Path, slots: int, max_tokens: int):
+def llama_server(binary: Path, gguf: Path, slots: int, max_tokens: int, prompt_room: int = 256):
     """llama.cpp's own ``llama-server`` on ``gguf`` with ``slots`` parallel slots (continuous batching), its
-    context split between them (256 tokens of prompt and output each, plus ``max_tokens``), 2 threads, on a free
+    context split between them (``prompt_room`` tokens of prompt each, plus ``max_tokens``), 2 threads, on a free
     127.0.0.1 port; yields (base URL, process). The anchor of benchmarks/history.md, never a dependency."""
     import subprocess
 
     port = free_port()
-    ctx = slots * (256 + max_tokens)
+    ctx = slots * (prompt_room + max_tokens)
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
            "-c", str(ctx), "-t", str(os.cpu_count() or 2), "-tb", str(os.cpu_count() or 2), "--no-webui",
            "-b", "2048", "-ub", "512", "--cache-reuse", "0", "--no-cache-prompt"]
@@ -132,7 +132,7 @@ def run_level(artifact: Path, c: int, requests: int, max_tokens: int, overrides:
               prompt_chars: int = 2600) -> dict:
     import openai
 
-    server = (llama_server(llama, artifact, c, max_tokens) if llama
+    server = (llama_server(llama, artifact, c, max_tokens, 256 if workload == "chat" else prompt_chars // 2) if llama
               else running_server(artifact, overrides, source=source))
     with server as (url, proc):
         name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]

@@ -94,6 +94,12 @@ class ServeConfig(Section):
     # prompt tokens/s and a third of the peak RSS, chat at 32 users 1.08x the tokens/s, 1 and 8 users unchanged
     # (benchmarks/results/sweep_budget_*.json; docs/serving.md#scheduling).
     max_num_batched_tokens: int = Field(512, ge=1)
+    # How far the prompts after a step's first one may fill it: the oldest prompt row takes what the token budget
+    # allows, the later ones share what is left of this chunk, so prompts arriving together finish one after another
+    # instead of all at the end of one call. "auto": measured when the engine starts, the size past which a larger
+    # prompt call costs about as much per token (serve/engine/prefill_chunk.py); an int: that many; 0: the budget
+    # alone. docs/serving.md, "Prefill".
+    prefill_chunk: Literal["auto"] | int = "auto"
     # Prompt coalescing (the engine's own loop; a manual-mode caller adds its requests before stepping): once
     # requests arrive within admit_quiet_ms of each other (a burst; one user alone is never held), new ones wait
     # until none has arrived for admit_quiet_ms, at most admit_max_delay_ms after the oldest, so the burst runs as
@@ -191,6 +197,13 @@ class ServeConfig(Section):
     @classmethod
     def _renamed(cls, data):
         return renamed_keys(data, "serve")
+
+    @field_validator("prefill_chunk")
+    @classmethod
+    def _chunk_not_negative(cls, v):
+        if isinstance(v, int) and v < 0:
+            raise ValueError('"auto", 0 (the token budget alone) or a number of tokens, not a negative number')
+        return v
 
     @field_validator("ort_spinning", mode="before")
     @classmethod

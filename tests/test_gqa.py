@@ -60,6 +60,9 @@ class Tap:
 
 def run_engine(art, reqs, first_alone=False, **cfg):
     cfg.setdefault("providers", [CPU])
+    # these tests count the runner's calls and which prompts share one; the chunk that spreads prompts over steps
+    # (and the calls that measure it) is tested in tests/test_scheduler.py and tests/test_prefill_chunk.py
+    cfg.setdefault("prefill_chunk", 0)
     eng = Engine(art, ServeConfig(**cfg), start=False)
     released, release = [], eng.runner.release
     eng.runner.release = lambda key: (released.append(key), release(key))
@@ -199,7 +202,7 @@ def test_first_prompts_admitted_together_run_as_one_prompt_call(gqa_artifact):
     engine's loop admits arrivals together (serve.admit_quiet_ms) is the scheduler's, tested with a fake clock in
     tests/test_scheduler.py."""
     reqs = prompts(6, 5, 20, seed=21)
-    cfg = ServeConfig(providers=[CPU], verify_artifact=False, enable_prefix_caching=False, max_batch_size=8,
+    cfg = ServeConfig(providers=[CPU], verify_artifact=False, enable_prefix_caching=False, max_batch_size=8, prefill_chunk=0,
                       decode_split_rows=0)
 
     def serve(together: bool):
@@ -215,7 +218,7 @@ def test_first_prompts_admitted_together_run_as_one_prompt_call(gqa_artifact):
 
     out, calls, batched = serve(together=True)
     assert batched == 6 and calls == 1 + 3  # one prompt call for all six, then three decode steps
-    with Engine(gqa_artifact, ServeConfig(providers=[CPU], verify_artifact=False), start=False) as alone:
+    with Engine(gqa_artifact, ServeConfig(providers=[CPU], verify_artifact=False, prefill_chunk=0), start=False) as alone:
         ref = {tuple(p): alone.generate(p, SamplingParams.greedy(4, ignore_eos=True)) for p in reqs}
     assert out == ref
     apart, calls_apart, batched_apart = serve(together=False)

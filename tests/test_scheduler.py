@@ -338,16 +338,20 @@ def test_coalescing_is_off_by_default():
     assert len(s.schedule().scheduled) == 3
 
 
-def test_long_prompts_among_decoding_rows_get_their_first_token_within_the_bound():
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_long_prompts_among_decoding_rows_get_their_first_token_within_the_bound(chunk):
     """Issue 70's starvation bound at the server's default budget: 8 rows decode every step, and each of 4 ~650-token
     prompts arriving together has its first token after at most ceil((its tokens + the tokens of the prompts ahead of
-    it) / (budget - decoding rows)) steps: prompts go first come, first served, and none waits for all."""
+    it) / (budget - decoding rows)) steps without a prefill chunk; with one (the prompts after the oldest share what
+    is left of it) after at most the sum of ceil(tokens / (budget - decoding rows)) over it and those ahead: prompts go
+    first come, first served, and none waits for all."""
     import math
 
     from serve.config import ServeConfig
 
     budget = ServeConfig().max_num_batched_tokens
-    s, clock = make(num_blocks=1024, block_size=16, max_num_batched_tokens=budget, max_batch_size=16)
+    s, clock = make(num_blocks=1024, block_size=16, max_num_batched_tokens=budget, max_batch_size=16,
+                    prefill_chunk=chunk)
     for i in range(8):
         s.add(seq(f"chat{i}", 8, max_tokens=400, arrival=i * 1e-3, first=1 + 10 * i))
     fake_step(s, s.schedule())
@@ -356,10 +360,12 @@ def test_long_prompts_among_decoding_rows_get_their_first_token_within_the_bound
     lengths = [650, 660, 640, 655]
     for k, n in enumerate(lengths):
         s.add(seq(f"long{k}", n, max_tokens=4, arrival=1.0 + k * 1e-3, first=100 + 1000 * k))
+    per_step = budget - 8
     first_token_step, decoded = {}, {f"chat{i}": 0 for i in range(8)}
-    for step in range(1, 40):
+    for step in range(1, 200):
         out = s.schedule()
         assert out.num_tokens <= budget
+        assert sum(r.num_tokens for r in out.scheduled if r.start < r.seq.prompt_len) <= per_step  # prompt rows
         for r in out.scheduled:
             name = r.seq.request_id
             if name in decoded:
@@ -371,6 +377,45 @@ def test_long_prompts_among_decoding_rows_get_their_first_token_within_the_bound
             break
     assert all(n == step for n in decoded.values())  # no decoding row missed a step
     for k in range(len(lengths)):
-        bound = math.ceil(sum(lengths[:k + 1]) / (budget - 8))
+        bound = (sum(math.ceil(n / per_step) for n in lengths[:k + 1]) if chunk
+                 else math.ceil(sum(lengths[:k + 1]) / per_step))
         assert first_token_step[f"long{k}"] <= bound, (k, first_token_step, bound)
     assert first_token_step["long0"] < first_token_step["long3"]  # the first prompt does not wait for the last
+
+
+def test_a_prefill_chunk_gives_prompts_arriving_together_their_first_tokens_one_after_another():
+    """8 short prompts arriving together beside 8 decoding rows: with a chunk of 48 tokens (the oldest prompt row
+    takes its share, the later ones what is left of the chunk) they finish in arrival order, the first after one
+    step, the median user's long before the last, while every decode row runs every step; without a chunk all 8 come
+    out of the same step."""
+    def first_steps(chunk):
+        s, clock = make(num_blocks=1024, block_size=16, max_num_batched_tokens=512, max_batch_size=16)
+        for i in range(8):
+            s.add(seq(f"chat{i}", 8, max_tokens=400, arrival=i * 1e-3, first=1 + 10 * i))
+        fake_step(s, s.schedule())
+        s.prefill_chunk = chunk  # from here: eight rows decoding, eight prompts waiting
+        clock.t = 1.0
+        for k in range(8):
+            s.add(seq(f"new{k}", 40, max_tokens=4, arrival=1.0 + k * 1e-4, first=1000 + 100 * k))
+        got = {}
+        for step in range(1, 50):
+            out = s.schedule()
+            assert sum(1 for r in out.scheduled if r.seq.request_id.startswith("chat")) == 8
+            got.update({r.seq.request_id: step for r in out.scheduled
+                        if r.samples and r.seq.request_id.startswith("new") and r.seq.request_id not in got})
+            fake_step(s, out)
+            if len(got) == 8:
+                return [got[f"new{k}"] for k in range(8)]
+
+    assert first_steps(None) == [1] * 8
+    chunked = first_steps(48)
+    assert chunked == sorted(chunked) and chunked[0] == 1 and chunked[-1] == 7  # ceil(8 x 40 / 48) steps
+    assert chunked[3] <= 4  # the median user waits about half as long as the last one
+
+
+def test_a_lone_prompt_takes_the_whole_budget_whatever_the_chunk():
+    """The chunk only shares a step between prompts: one prompt with nobody else runs 300 tokens in one step."""
+    s, _ = make(num_blocks=1024, block_size=16, max_num_batched_tokens=512, prefill_chunk=64)
+    s.add(seq("alone", 300, max_tokens=2))
+    out = s.schedule()
+    assert [(r.seq.request_id, r.num_tokens) for r in out.scheduled] == [("alone", 300)]

@@ -59,6 +59,7 @@ from serve.engine.in_flight import InFlightRequest
 from serve.engine.drafter import make_drafter
 from serve.engine.grammar import GrammarCompiler
 from serve.engine.request_handle import RequestHandle, RequestOutput, TokenEvent
+from serve.engine.prefill_chunk import measure_prefill_chunk
 from serve.engine.request_outputs import RequestOutputs
 from serve.engine.runner_factory import make_runner
 from serve.engine.sampling import SamplingError, SamplingParams, sample_token
@@ -118,6 +119,11 @@ class Engine(RequestOutputs):
         self.block_manager.on_free = on_free
         if drafter is not None:  # what a check of k drafts costs here decides how many pay
             drafter.calibrate(runner, self.block_manager)
+        chunk, self.prefill_costs = config.prefill_chunk, {}
+        if chunk == "auto":  # what a prompt call costs here decides how large a chunk pays
+            most = min(config.max_num_batched_tokens, self.max_model_len, row_tokens or self.max_model_len)
+            chunk, self.prefill_costs = measure_prefill_chunk(runner, self.block_manager, most)
+        self.scheduler.prefill_chunk = chunk or None
         release_free_memory()  # the loader's freed temporaries, ~100 MiB for SmolLM2 (serve/engine/heap.py)
         pool_bytes = num_blocks * spec.bytes_per_block(bs)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)%s; context %d; provider %s",

@@ -6,7 +6,11 @@ Policy, per step (a token budget ``max_num_batched_tokens`` and at most ``max_ba
    oldest request first.
 2. **Then running prefills** (a prompt started in an earlier step) continue with a chunk of
    what budget is left (chunked prefill): a long prompt advances a chunk per step and
-   never stalls the running decodes.
+   never stalls the running decodes. The step's first prompt row (the oldest) takes what the
+   budget allows; the prompt rows after it only share what is left of ``prefill_chunk``, the size
+   past which a larger prompt call costs about as much per token (serve/engine/prefill_chunk.py).
+   So prompts that arrive together finish one after another, first come first served, instead
+   of all at the end of one call, and a lone prompt is not cut smaller than the budget.
 3. **Then admissions** from the waiting queue, while budget, batch slots and blocks last.
    A new sequence first reuses cached prefix blocks, then computes a chunk of the rest.
    Order: requests that waited longer than ``max_wait_s`` first (oldest first), then the
@@ -161,11 +165,13 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int = 512, max_batch_size: int = 16,
                  max_waiting: int = 64, max_wait_s: float = 2.0, max_model_len: int = 2048,
                  policy: str = "fcfs", watermark: float = 0.01, clock: Callable[[], float] = time.monotonic,
-                 max_row_tokens: int | None = None, admit_quiet_s: float = 0.0, admit_max_delay_s: float = 0.0):
+                 max_row_tokens: int | None = None, admit_quiet_s: float = 0.0, admit_max_delay_s: float = 0.0,
+                 prefill_chunk: int | None = None):
         if policy not in ("fcfs", "shortest_first"):
             raise ValueError(f"scheduling policy {policy!r}: allowed are 'fcfs', 'shortest_first'")
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk  # prompt tokens a step at most (None: the token budget alone)
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
@@ -257,6 +263,7 @@ class Scheduler:
             return True
 
         # 1. decodes, oldest first; 2. running prefills continue
+        room = None  # prompt tokens the step's later prompt rows may still take (None: no prompt row yet)
         for decoding in (True, False):
             for seq in list(self.running):
                 if budget <= 0 or len(rows) >= self.max_batch_size:
@@ -264,7 +271,9 @@ class Scheduler:
                 left = seq.num_uncomputed
                 if seq.status is not SeqStatus.RUNNING or left < 1 or (left == 1) != decoding or id(seq) in rows:
                     continue
-                n = 1 if decoding else min(left, budget)
+                n = 1 if decoding else self._prompt_share(left, budget, room)
+                if n < 1:
+                    break
                 if not fits(seq.num_computed + n):
                     row_blocked = True
                     continue
@@ -272,9 +281,10 @@ class Scheduler:
                     rows[id(seq)] = ScheduledSeq(seq, seq.num_computed, n)
                     budget -= n
                     longest = max(longest, seq.num_computed + n)
+                    room = room if decoding else self._room_after(n, room)
         # 3. admissions
         if not preempted_any and not row_blocked:
-            budget = self._admit(rows, budget, longest)
+            budget = self._admit(rows, budget, longest, room)
 
         out.scheduled = list(rows.values())
         out.num_tokens = sum(r.num_tokens for r in out.scheduled)
@@ -293,7 +303,7 @@ class Scheduler:
         now = self.clock() if now is None else now
         if len(self.waiting) >= min(self.max_batch_size - len(self.running), self.max_waiting // 2):
             return None  # the burst fills the rows (waiting longer gains nothing) or half the queue (429s come next)
-        if sum(s.num_uncomputed for s in self.waiting) >= self.max_num_batched_tokens:
+        if sum(s.num_uncomputed for s in self.waiting) >= min(self.max_num_batched_tokens, self.prefill_chunk or 1 << 30):
             return None
         until = min(max(s.arrival for s in self.waiting) + self.admit_quiet_s,
                     min(s.arrival for s in self.waiting) + self.admit_max_delay_s)
@@ -309,7 +319,18 @@ class Scheduler:
             rest.sort(key=lambda s: s.arrival)
         return [*aged, *rest]
 
-    def _admit(self, rows: dict[int, ScheduledSeq], budget: int, longest: int = 0) -> int:
+    def _prompt_share(self, want: int, budget: int, room: int | None) -> int:
+        """Prompt tokens a row gets this step: the step's first prompt row what the budget allows, the rows after
+        it what is left of the prefill chunk (so prompts that arrive together finish one after another)."""
+        return min(want, budget if room is None else min(budget, room))
+
+    def _room_after(self, n: int, room: int | None) -> int | None:
+        """The prompt room left once a prompt row took ``n`` tokens (None: no chunk, the budget alone bounds)."""
+        if not self.prefill_chunk:
+            return None
+        return (max(self.prefill_chunk, n) if room is None else room) - n
+
+    def _admit(self, rows: dict[int, ScheduledSeq], budget: int, longest: int = 0, room: int | None = None) -> int:
         now = self.clock()
         if self.admit_hold_until(now) is not None:
             return budget
@@ -323,7 +344,9 @@ class Scheduler:
             matched = ([] if seq.params.prompt_logprobs is not None
                        else self.bm.match_prefix(seq.token_ids, max_tokens=len(seq.token_ids) - 1))
             cached = len(matched) * bs
-            n = min(len(seq.token_ids) - cached, budget)
+            n = self._prompt_share(len(seq.token_ids) - cached, budget, room)
+            if n < 1:
+                break
             reserve = self.watermark_blocks if self.running else 0
             row_ok = self.max_row_tokens is None or (len(rows) + 1) * max(longest, cached + n) <= self.max_row_tokens
             if not row_ok or not self.bm.can_start(matched, cached + n, reserve=reserve):
@@ -341,6 +364,7 @@ class Scheduler:
             self._insert_running(seq)
             rows[id(seq)] = ScheduledSeq(seq, cached, n)
             budget -= n
+            room = self._room_after(n, room)
             longest = max(longest, cached + n)
         return budget
 
