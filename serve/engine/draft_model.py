@@ -51,7 +51,7 @@ class DraftModel:
             raise ConfigError(f"serve.speculative: the draft model's vocabulary ({self.manifest['vocab_size']}) is "
                               f"larger than the served model's ({target_vocab}); use a draft of the same family")
         cfg = config.model_copy(update={"kv_memory_mb": config.speculative_draft_kv_mb, "num_blocks": None,
-                                        "decode_split_rows": 0})
+                                        "decode_split_rows": 0, "prompt_form": "off"})
         spec = KVCacheSpec.from_manifest(self.manifest)
         num_blocks, row_tokens = kv_layout(cfg, spec, self.manifest.get("attention_layout", "standard"))
         self.block_size = cfg.kv_block_size

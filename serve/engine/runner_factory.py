@@ -20,12 +20,28 @@ def make_runner(artifact_dir: str | Path, manifest: dict, config: ServeConfig, n
     if manifest.get("attention_layout", "standard") == "gqa":
         from serve.runners.gqa import GqaRunner  # in-place GroupQueryAttention rows, host or GPU memory
 
+        prompt = None
+        if config.prompt_form != "off":
+            from serve.config import ConfigError
+            from serve.runners.prompt_form import prompt_graph
+
+            try:
+                prompt = prompt_graph(artifact_dir, manifest)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
         def make():
             return GqaRunner(artifact_dir, manifest, num_blocks, bs, max_batch_size=config.max_batch_size,
                              max_model_len=max_model_len, row_tokens=row_tokens,
                              decode_split_rows=config.decode_split_rows, kv_store_setting=config.kv_store,
-                             uniform_kernels=config.uniform_kernels, hidden_states=hidden_states, **common)
+                             uniform_kernels=config.uniform_kernels, hidden_states=hidden_states,
+                             prompt_graph=prompt, **common)
     else:
+        if config.prompt_form != "off":
+            from serve.config import ConfigError
+
+            raise ConfigError("serve.prompt_form: a prompt form shares the K/V rows of a 'gqa' artifact; this "
+                              "artifact's attention layout is 'standard' (set serve.prompt_form: off)")
         if hidden_states:
             from serve.config import ConfigError
 

@@ -56,7 +56,8 @@ from serve.artifact import graph_bytes
 from serve.kv.device import kv_store
 from serve.runners.gqa_rows import KvRows
 from serve.runners.gqa_split import SplitDecode, balanced_cut
-from serve.runners.onnx_session import CPU, CUDA
+from serve.runners.prompt_form import MIN_ROWS as PROMPT_FORM_MIN_ROWS
+from serve.runners.onnx_session import CPU, CUDA, artifact_session
 from serve.runners.protocol import RunnerBase, RunnerError, RunRow
 from serve.runners.standard import kv_spec
 
@@ -89,7 +90,7 @@ class GqaRunner(RunnerBase):
                  providers: Sequence[str] = (CUDA, CPU), intra_op_threads: int = 0, ort_spinning: str = "during_runs",
                  max_batch_size: int = 16, max_model_len: int | None = None, row_tokens: int | None = None,
                  decode_split_rows: int = 0, kv_store_setting: str = "auto", uniform_kernels: bool = False,
-                 hidden_states: bool = False):
+                 hidden_states: bool = False, prompt_graph: str | Path | None = None):
         layout = manifest.get("attention_layout")
         if layout != "gqa":
             raise RunnerError(f"attention layout {layout!r}: GqaRunner runs 'gqa' artifacts (serve.runners.standard.Runner runs 'standard')")
@@ -109,6 +110,12 @@ class GqaRunner(RunnerBase):
             log.warning("%s serves this %s-cache graph with its K/V in host memory, copied every call; build "
                         "the CUDA form (quantize.target: cuda) to keep it on the GPU", self.provider, self.dtype.__name__)
         self.has_logits_to_keep = "logits_to_keep" in {i.name for i in self.session.get_inputs()}
+        # serve.prompt_form: prompt calls of MIN_ROWS+ rows on the prompt-time form (serve/runners/prompt_form.py),
+        # the same inputs and outputs, bound to the same K/V rows
+        self.prompt_session = None if prompt_graph is None else artifact_session(
+            Path(prompt_graph).parent, {"onnx_file": Path(prompt_graph).name}, providers, intra_op_threads,
+            spinning=ort_spinning, hidden=hidden_states)
+        self.prompt_form_calls = 0
         # The lm_head's work per kept position over the rest of a position's (see balanced_cut); 0 when every
         # position's logits are computed anyway, or the manifest does not say.
         head = int(manifest.get("vocab_size") or 0) * int(manifest.get("hidden_size") or 0)
@@ -327,6 +334,13 @@ class GqaRunner(RunnerBase):
         self.rows.decoded(rows)
         return logits[:, 0, :]
 
+    def _on_prompt_form(self, rows: int):
+        """The prompt form's session for a prompt call of ``rows`` rows where it pays, else None."""
+        if self.prompt_session is None or rows < PROMPT_FORM_MIN_ROWS:
+            return None
+        self.prompt_form_calls += 1
+        return self.prompt_session
+
     def _run_first_prompts(self, base: int, rows: list[RunRow]) -> list[tuple]:
         """Prompts that start at position 0, together on slots [base, base + n): right-padded to the longest,
         ``seqlens_k`` = each length - 1, total_sequence_length = the padded length, which GroupQueryAttention
@@ -342,7 +356,8 @@ class GqaRunner(RunnerBase):
         self.batched_prompts += n
         order = sorted(range(n), key=lambda i: len(rows[i].token_ids))
         self.rows.start_prompts(base, [rows[i] for i in order])
-        split = self.split.prompts(n)
+        on_form = self._on_prompt_form(n * max(len(r.token_ids) for r in rows))
+        split = self.split.prompts(n) and on_form is None
         cut = balanced_cut([len(rows[i].token_ids) for i in order], self._head_share) if split else n
         groups = [order[:cut], order[cut:]] if split else [order]
         calls, starts = [], [0, cut] if split else [0]
@@ -360,9 +375,9 @@ class GqaRunner(RunnerBase):
                       else self._hidden_buf(shape[:2]))
             seqlens = np.array([m - 1 for m in lens], np.int32)
             binding = self._bind(self.rows.kv[:, base + k0:base + k0 + len(g)], ids, seqlens, logits, keep, S,
-                                 self.split.session if split else None, hidden)
+                                 self.split.session if split else on_form, hidden)
             calls.append(_PromptCall(binding, g, k0, lens, logits, S - (keep or S), (ids, seqlens), hidden))
-        self._run([(self.split.session if split else self.session, c.binding) for c in calls])
+        self._run([(self.split.session if split else on_form or self.session, c.binding) for c in calls])
         self.split.prompt_calls += int(split)
         self.calls += len(calls)
         out: list = [None] * n
@@ -382,8 +397,9 @@ class GqaRunner(RunnerBase):
         keep = (n if r.all_logits else 1) if self.has_logits_to_keep else None
         logits = self._logits_buf((1, keep or n, self.vocab_size))
         hidden = self._hidden_buf((1, keep or n))
-        self._run([(self.session, self._bind(self.rows.kv[:, slot:slot + 1], ids, np.array([s + n - 1], np.int32),
-                                             logits, keep, hidden=hidden))])
+        session = self._on_prompt_form(n) or self.session
+        self._run([(session, self._bind(self.rows.kv[:, slot:slot + 1], ids, np.array([s + n - 1], np.int32),
+                                        logits, keep, session=session, hidden=hidden))])
         self.calls += 1
         self.rows.flush(slot)  # a decode tail before this chunk (not expected: chunks come before decoding)
         self.rows.write_back(slot, r.block_table, s, n if write is None else write)
