@@ -101,7 +101,7 @@ class ServeConfig(Section):
     # alone. docs/serving.md, "Prefill".
     prefill_chunk: Literal["auto"] | int = "auto"
     # Prompt rows (calls of 16+ rows) on a prompt-time form of a 4-bit artifact: its attention and gate/up linears as
-    # W8A8, built from the served graph at start-up and cached (compress/quantize/prompt_form.py), decode staying on
+    # W8A8, built from the served graph at start-up and cached (serve/runners/prompt_form.py), decode staying on
     # the 4-bit form, one K/V cache. Qwen2.5-Coder-1.5B: prompts ~1.8x faster, a second copy of those linears in
     # int8 (0.9 GB), the prompt's logits 0.94 top-1 agreement with the 4-bit graph's. "off": prompts on the served
     # form. docs/serving.md, "Prefill".

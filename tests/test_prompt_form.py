@@ -1,4 +1,4 @@
-"""The prompt-time form of a 4-bit artifact (compress/quantize/prompt_form.py) and the server running prompt rows on
+"""The prompt-time form of a 4-bit artifact (serve/runners/prompt_form.py) and the server running prompt rows on
 it (serve.prompt_form): its logits against the 4-bit graph's at every position, the int8 bytes it adds, the cache it
 is kept in, the engine's prompt calls on it with decode on the 4-bit form, and the refusals."""
 
