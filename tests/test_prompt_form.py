@@ -102,4 +102,20 @@ def test_refusals_name_the_key(tiny_gqa, int4_gqa, tmp_path):
         prompt_graph(int4_gqa, manifest, tmp_path)
     with pytest.raises(ConfigError, match="serve.prompt_form"):
         Engine(tiny_gqa, ServeConfig(providers=[CPU], prompt_form="w8a8"), start=False)
+
+
+def test_the_form_is_refused_where_memory_cannot_hold_it(int4_gqa, form, tmp_path, monkeypatch):
+    """The memory budget with the extra form: its session's bytes (the cached form's data file, or 1.3x the served
+    graph before it is built) against the machine's available memory; refused, nothing written, naming the key."""
+    from serve.runners import prompt_form
+
+    graph = prompt_form.graph_size(int4_gqa, read_manifest(int4_gqa))
+    built = (form[1].parent / f"{GRAPH}.data").stat().st_size
+    assert graph < built < 1.3 * graph  # the estimate bounds the form of the tiny model too
+    monkeypatch.setattr(prompt_form, "available_bytes", lambda: built - 1)
+    with pytest.raises(ValueError, match=r"serve.prompt_form: .*GiB more memory.*set serve.prompt_form: off"):
+        prompt_graph(int4_gqa, read_manifest(int4_gqa), form[0])  # cached: its data file counts
+    with pytest.raises(ValueError, match="serve.prompt_form"):
+        prompt_graph(int4_gqa, read_manifest(int4_gqa), tmp_path)  # not built: the estimate counts
+    assert not any(tmp_path.iterdir())
     assert json.loads((int4_gqa / "manifest.json").read_text())["quantization"]["weight_bits"] == 4

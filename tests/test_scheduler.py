@@ -385,9 +385,9 @@ def test_long_prompts_among_decoding_rows_get_their_first_token_within_the_bound
 
 def test_a_prefill_chunk_gives_prompts_arriving_together_their_first_tokens_one_after_another():
     """8 short prompts arriving together beside 8 decoding rows: with a chunk of 48 tokens (the oldest prompt row
-    takes its share, the later ones what is left of the chunk) they finish in arrival order, the first after one
-    step, the median user's long before the last, while every decode row runs every step; without a chunk all 8 come
-    out of the same step."""
+    takes its share, later ones join whole within what is left of the chunk) they finish in arrival order, one a
+    step, none cut in two, while every decode row runs every step; with a chunk of 128, three a step; without a
+    chunk all 8 come out of the same step."""
     def first_steps(chunk):
         s, clock = make(num_blocks=1024, block_size=16, max_num_batched_tokens=512, max_batch_size=16)
         for i in range(8):
@@ -403,14 +403,15 @@ def test_a_prefill_chunk_gives_prompts_arriving_together_their_first_tokens_one_
             assert sum(1 for r in out.scheduled if r.seq.request_id.startswith("chat")) == 8
             got.update({r.seq.request_id: step for r in out.scheduled
                         if r.samples and r.seq.request_id.startswith("new") and r.seq.request_id not in got})
+            assert all(r.num_tokens == 40 for r in out.scheduled if r.seq.request_id.startswith("new")
+                       and r.start == 0)  # whole prompts only
             fake_step(s, out)
             if len(got) == 8:
                 return [got[f"new{k}"] for k in range(8)]
 
     assert first_steps(None) == [1] * 8
-    chunked = first_steps(48)
-    assert chunked == sorted(chunked) and chunked[0] == 1 and chunked[-1] == 7  # ceil(8 x 40 / 48) steps
-    assert chunked[3] <= 4  # the median user waits about half as long as the last one
+    assert first_steps(48) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert first_steps(128) == [1, 1, 1, 2, 2, 2, 3, 3]
 
 
 def test_a_lone_prompt_takes_the_whole_budget_whatever_the_chunk():

@@ -7,10 +7,11 @@ Policy, per step (a token budget ``max_num_batched_tokens`` and at most ``max_ba
 2. **Then running prefills** (a prompt started in an earlier step) continue with a chunk of
    what budget is left (chunked prefill): a long prompt advances a chunk per step and
    never stalls the running decodes. The step's first prompt row (the oldest) takes what the
-   budget allows; the prompt rows after it only share what is left of ``prefill_chunk``, the size
-   past which a larger prompt call costs about as much per token (serve/engine/prefill_chunk.py).
-   So prompts that arrive together finish one after another, first come first served, instead
-   of all at the end of one call, and a lone prompt is not cut smaller than the budget.
+   budget allows; the prompts after it join only whole, within what is left of ``prefill_chunk``,
+   the size past which a larger prompt call costs about as much per token
+   (serve/engine/prefill_chunk.py). So prompts that arrive together finish one after another,
+   first come first served, instead of all at the end of one call; a lone prompt is not cut
+   smaller than the budget, and no short prompt is cut in two (its rest would be a call of its own).
 3. **Then admissions** from the waiting queue, while budget, batch slots and blocks last.
    A new sequence first reuses cached prefix blocks, then computes a chunk of the rest.
    Order: requests that waited longer than ``max_wait_s`` first (oldest first), then the
@@ -320,9 +321,12 @@ class Scheduler:
         return [*aged, *rest]
 
     def _prompt_share(self, want: int, budget: int, room: int | None) -> int:
-        """Prompt tokens a row gets this step: the step's first prompt row what the budget allows, the rows after
-        it what is left of the prefill chunk (so prompts that arrive together finish one after another)."""
-        return min(want, budget if room is None else min(budget, room))
+        """Prompt tokens a row gets this step: the step's first prompt row what the budget allows; a row after it
+        all it wants if that fits what is left of the prefill chunk, else none (prompts that arrive together finish
+        one after another, and a prompt is never cut to fill a chunk: its rest would cost a call of its own)."""
+        if room is None:
+            return min(want, budget)
+        return want if want <= min(budget, room) else 0
 
     def _room_after(self, n: int, room: int | None) -> int | None:
         """The prompt room left once a prompt row took ``n`` tokens (None: no chunk, the budget alone bounds)."""

@@ -103,13 +103,41 @@ def graph_key(artifact_dir: Path, manifest: dict) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+FORM_OVER_GRAPH = 1.3  # Qwen2.5-Coder-1.5B: 1.59 GB of prompt form for a 1.27 GB graph
+
+
+def available_bytes() -> int:
+    """MemAvailable of this machine (Linux), else a figure that refuses nothing."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def graph_size(artifact_dir: Path, manifest: dict) -> int:
+    """Bytes of the served graph's files on disk."""
+    graph = manifest.get("onnx_file", "model.onnx")
+    return sum(p.stat().st_size for p in artifact_dir.glob(graph + "*"))
+
+
 def prompt_graph(artifact_dir: str | Path, manifest: dict, root: Path | None = None) -> Path:
-    """The prompt form's graph for this artifact, written first if the cache has none."""
+    """The prompt form's graph for this artifact, written first if the cache has none; ValueError (naming the
+    setting) for an int8 K/V cache or when this machine's available memory cannot hold the form's session."""
     artifact_dir = Path(artifact_dir)
     if manifest.get("kv_dtype") not in (None, "float32", "float16"):
         raise ValueError(f"serve.prompt_form: this artifact's K/V cache is {manifest.get('kv_dtype')} with scales "
                          f"calibrated on its own form; the prompt form needs a float cache (set serve.prompt_form: off)")
     folder = (root or cache_root()) / graph_key(artifact_dir, manifest)
+    data = folder / f"{GRAPH}.data"
+    # a second session holds the form's weights: about 1.25x the served graph's bytes (int8 where it held 4 bits)
+    need = data.stat().st_size if data.is_file() else int(FORM_OVER_GRAPH * graph_size(artifact_dir, manifest))
+    have = available_bytes()
+    if need > have:
+        raise ValueError(f"serve.prompt_form: the prompt form's session needs ~{need / 2**30:.2f} GiB more memory and "
+                         f"this machine has {have / 2**30:.2f} GiB available; set serve.prompt_form: off")
     if not (folder / GRAPH).is_file():
         t = time.perf_counter()
         wrote = write_prompt_form(artifact_dir, folder)
