@@ -16,7 +16,7 @@ from serve.runners.onnx_session import CPU
 
 
 class CostedRunner:
-    """A runner whose prompt call of n rows costs ``cost(n)`` seconds on a clock it advances itself."""
+    """A runner whose step of prompts of n rows in all costs ``cost(n)`` seconds on a clock it advances itself."""
 
     def __init__(self, cost, fail_at=None):
         self.cost, self.fail_at, self.now, self.sizes, self.released = cost, fail_at, 0.0, [], []
@@ -25,7 +25,7 @@ class CostedRunner:
         return self.now
 
     def execute(self, rows):
-        n = len(rows[0].token_ids)
+        n = sum(len(r.token_ids) for r in rows)
         if n == self.fail_at:
             raise RuntimeError("no kernel for this size")
         self.sizes.append(n)
@@ -56,13 +56,14 @@ def runner_clock(monkeypatch):
 
 
 def test_the_chunk_stops_where_doubling_saves_under_four_percent(runner_clock):
-    # 40 ms a call + 10 ms a row: a token costs 12.5, 11.25, 10.6, 10.3 ms at 16, 32, 64, 128 rows
+    # 40 ms a step + 10 ms a row; 1, 2, 4 prompts of 32 tokens: a token costs 11.25, 10.6, 10.3 ms
     r = runner_clock(CostedRunner(lambda n: 0.040 + 0.010 * n))
     chunk, costs = measure(r)
     assert chunk == 64
-    assert sorted(costs) == [16, 32, 64, 128]
-    assert costs[16] == pytest.approx(0.0125) and costs[128] == pytest.approx(0.0103125)
-    assert r.released == [("prefill-chunk", 0)] and r.trimmed == 0  # its rows' memory given back
+    assert sorted(costs) == [32, 64, 128]
+    assert costs[32] == pytest.approx(0.01125) and costs[128] == pytest.approx(0.0103125)
+    assert sorted(r.released) == sorted((f"prefill-chunk-{i}", 0) for i in range(16))  # 512 / 32 prompts
+    assert r.trimmed == 0  # the rows' memory given back
 
 
 def test_a_cost_that_keeps_falling_takes_the_whole_budget(runner_clock):
@@ -72,12 +73,12 @@ def test_a_cost_that_keeps_falling_takes_the_whole_budget(runner_clock):
 
 def test_no_room_or_a_failing_call_leaves_the_budget_alone(runner_clock):
     r = runner_clock(CostedRunner(lambda n: 0.040 + 0.010 * n))
-    assert measure(r, blocks=8) == (512, {})  # 8 blocks of 16 cannot hold a 512-token prompt
+    assert measure(r, blocks=8) == (512, {})  # 8 blocks of 16 cannot hold 16 prompts of 32 tokens
     assert r.sizes == []
     failing = runner_clock(CostedRunner(lambda n: 0.040 + 0.010 * n, fail_at=64))
     chunk, costs = measure(failing)
-    assert chunk == 512 and sorted(costs) == [16, 32]
-    assert failing.released == [("prefill-chunk", 0)]
+    assert chunk == 512 and sorted(costs) == [32]
+    assert len(failing.released) == 16
 
 
 def test_the_engine_measures_its_chunk_and_answers_as_without_one(gqa_or_tiny):
@@ -89,8 +90,8 @@ def test_the_engine_measures_its_chunk_and_answers_as_without_one(gqa_or_tiny):
         eng = Engine(gqa_or_tiny, ServeConfig(providers=[CPU], prefill_chunk=chunk, enable_prefix_caching=False,
                                               result_cache_size=0), start=False)
         if chunk == "auto":
-            assert 16 <= eng.scheduler.prefill_chunk <= 512
-            assert sorted(eng.prefill_costs)[0] == 16 and all(v > 0 for v in eng.prefill_costs.values())
+            assert 32 <= eng.scheduler.prefill_chunk <= 512
+            assert sorted(eng.prefill_costs)[0] == 32 and all(v > 0 for v in eng.prefill_costs.values())
         else:
             assert eng.scheduler.prefill_chunk is None and eng.prefill_costs == {}
         handles = [eng.add_request(ids, SamplingParams.greedy(6, ignore_eos=True)) for ids in reqs]

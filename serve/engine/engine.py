@@ -122,7 +122,8 @@ class Engine(RequestOutputs):
         chunk, self.prefill_costs = config.prefill_chunk, {}
         if chunk == "auto":  # what a prompt call costs here decides how large a chunk pays
             most = min(config.max_num_batched_tokens, self.max_model_len, row_tokens or self.max_model_len)
-            chunk, self.prefill_costs = measure_prefill_chunk(runner, self.block_manager, most)
+            chunk, self.prefill_costs = measure_prefill_chunk(runner, self.block_manager, most,
+                                                              max_prompts=config.max_batch_size)
         self.scheduler.prefill_chunk = chunk or None
         release_free_memory()  # the loader's freed temporaries, ~100 MiB for SmolLM2 (serve/engine/heap.py)
         pool_bytes = num_blocks * spec.bytes_per_block(bs)
