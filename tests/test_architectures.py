@@ -218,7 +218,7 @@ def test_a_wave_of_prompts_split_in_two_calls_equals_torch(family, models, artif
     model, _ = models(family)
     rng = np.random.default_rng(11)
     reqs = [(rng.integers(3, 500, size=n).tolist(), 5) for n in (4, 9, 12, 30, 6, 70, 8, 5)]
-    eng = Engine(folder, ServeConfig(providers=[CPU], max_batch_size=8, enable_prefix_caching=False,
+    eng = Engine(folder, ServeConfig(providers=[CPU], max_batch_size=8, enable_prefix_caching=False, prefill_chunk=0,
                                      max_num_batched_tokens=512, decode_split_rows=2), start=False)
     handles = [eng.add_request(p, SamplingParams.greedy(n, ignore_eos=True)) for p, n in reqs]
     eng.run_until_done()

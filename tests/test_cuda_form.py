@@ -58,7 +58,7 @@ def test_device_store_equals_host_store(fp16_artifact):
     prefix hits, evictions, preemptions and refills (a 12-block pool, 3 rows, 10 requests)."""
     shared = prompts(1, 9, 9, seed=5)[0]
     reqs = [(shared + p, 14) for p in prompts(10, 2, 16, seed=7)]
-    cfg = dict(num_blocks=16, kv_block_size=4, max_batch_size=3, max_num_batched_tokens=16)
+    cfg = dict(num_blocks=16, kv_block_size=4, max_batch_size=3, max_num_batched_tokens=16, prefill_chunk=0)
     host, want = _greedy(fp16_artifact, reqs, **cfg)
     dev, got = _greedy(fp16_artifact, reqs, kv_store="torch", **cfg)
     assert isinstance(host.runner.store, HostKv) and not isinstance(host.runner.store, TorchKv)

@@ -112,8 +112,12 @@ class GqaRunner(RunnerBase):
         self.has_logits_to_keep = "logits_to_keep" in {i.name for i in self.session.get_inputs()}
         # serve.prompt_form: prompt calls of MIN_ROWS+ rows on the prompt-time form (serve/runners/prompt_form.py),
         # the same inputs and outputs, bound to the same K/V rows
+        if prompt_graph is not None and self.provider != CPU:
+            log.warning("serve.prompt_form: the prompt form is for the CPU execution provider (its W8A8 kernels); "
+                        "%s runs prompts on the served form", self.provider)
+            prompt_graph = None
         self.prompt_session = None if prompt_graph is None else artifact_session(
-            Path(prompt_graph).parent, {"onnx_file": Path(prompt_graph).name}, providers, intra_op_threads,
+            Path(prompt_graph).parent, {"onnx_file": Path(prompt_graph).name}, [CPU], intra_op_threads,
             spinning=ort_spinning, hidden=hidden_states)
         self.prompt_form_calls = 0
         # The lm_head's work per kept position over the rest of a position's (see balanced_cut); 0 when every
