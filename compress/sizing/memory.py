@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serve.kv.budget import available_bytes
+
 GIB = 2**30
 # interpreter, torch, transformers, onnxruntime, Prefect and MLflow in the pipeline's process: about 1.5 GiB measured
 OVERHEAD = 1.5 * GIB
@@ -112,19 +114,6 @@ def estimate_for_shape(name: str) -> dict:
             "stages": {k: round(v / GIB, 1) for k, v in est.items()},
             "pipeline_gib": round(max(est[k] for k in path) / GIB, 1),
             "pipeline_fp32_graph_gib": round(max(est[k] for k in fp32_path) / GIB, 1)}
-
-
-def available_bytes() -> int:
-    """MemAvailable of this machine (Linux), else the total."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_fits(stage: str, need: float, fix: str, available: int | None = None) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from serve.config import ServeConfig
 from serve.engine.scheduler import ScheduledSeq
 from serve.engine.speculative import DraftLength, prompt_lookup
+from serve.kv.cache import ScratchSequence
 from serve.runners.protocol import RunRow
 
 log = logging.getLogger(__name__)
@@ -29,13 +30,6 @@ class SpecCounters:
     drafts: int = 0  # rows that carried drafts
     draft_tokens: int = 0
     accepted_tokens: int = 0
-
-
-class _Scratch:
-    """The calibration's sequence, as the engine's block manager names sequences (its on_free hook reads these)."""
-
-    request_id = "check-costs"
-    epoch = 0
 
 
 class Drafter:
@@ -62,7 +56,7 @@ class Drafter:
         what a drafted step costs on this machine and graph, for the draft lengths (speculative.best_length)."""
         if self.model is not None and not self.reads_hidden:
             return []  # a draft model pays per drafted token too: its length stays the heuristic's
-        scratch = _Scratch()
+        scratch = ScratchSequence("check-costs")
         key = (scratch.request_id, scratch.epoch)  # the runner's name for its rows
         n_max = self.k_max + 1
         block_manager.start(scratch)

@@ -15,19 +15,10 @@ from __future__ import annotations
 import logging
 import time
 
+from serve.kv.cache import ScratchSequence
 from serve.runners.protocol import RunRow
 
 log = logging.getLogger(__name__)
-
-
-class _Scratch:
-    """One of the measurement's sequences, as the engine's block manager names sequences (its on_free hook reads
-    these)."""
-
-    epoch = 0
-
-    def __init__(self, i: int):
-        self.request_id = f"prefill-chunk-{i}"
 
 
 def measure_prefill_chunk(runner, block_manager, most: int, *, prompt: int = 32, gain: float = 0.04,
@@ -40,7 +31,7 @@ def measure_prefill_chunk(runner, block_manager, most: int, *, prompt: int = 32,
     if most <= prompt:
         return most, per_token
     count = max(1, min(most // prompt, max_prompts))
-    seqs = [_Scratch(i) for i in range(count)]
+    seqs = [ScratchSequence(f"prefill-chunk-{i}") for i in range(count)]
     started = []
     chunk = most
     try:

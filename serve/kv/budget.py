@@ -175,3 +175,17 @@ def context_length(config: ServeConfig, spec: KVCacheSpec, manifest: dict, num_b
                           f"raise {key} or lower serve.max_model_len")
     log.warning("context length lowered from the model's %d to %d tokens: %s", want, holds, msg)
     return holds
+
+
+def available_bytes() -> int:
+    """MemAvailable of this machine (Linux), else the total: what a stage or a second session may still take."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -28,6 +28,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 # The KV shape, dtype table and budget arithmetic live in serve/kv/budget.py; importable from here as before.
 from serve.kv.budget import (  # noqa: F401
@@ -41,6 +42,15 @@ from serve.kv.budget import (  # noqa: F401
 )
 
 ROOT_HASH = b""
+
+
+@dataclass(frozen=True)
+class ScratchSequence:
+    """A sequence the engine runs for its own measurements at start-up, named as the block manager and its
+    ``on_free`` hook name sequences (request id + admission epoch)."""
+
+    request_id: str
+    epoch: int = 0
 
 
 class KVCacheError(RuntimeError):

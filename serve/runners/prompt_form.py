@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from serve.artifact import graph_files
+from serve.kv.budget import available_bytes
 from serve.runners.nbits import unpack_nbits
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ def write_prompt_form(artifact_dir: str | Path, dst: str | Path) -> dict:
     tmp.replace(dst / GRAPH)  # the data file first, the graph last: a graph present means a whole form
     return {"nodes": len(targets), "int8_bytes": int8_bytes, "graph": str(dst / GRAPH)}
 
+
 # A prompt call of at least this many rows runs on the prompt form: below it a call reads the weights more than it
 # multiplies them, and the 4-bit form is the faster (Qwen2.5-Coder-1.5B, 2 cores: even at ~8 rows, 1.8x at 512).
 MIN_ROWS = 16
@@ -97,26 +100,14 @@ def cache_root() -> Path:
 def graph_key(artifact_dir: Path, manifest: dict) -> str:
     """The served graph's identity: its files' hashes from the manifest where it lists them, else its sizes and
     modification times."""
-    files = manifest.get("files") or {}
-    graph = manifest.get("onnx_file", "model.onnx")
-    parts = [f"{n}:{files[n]['sha256']}" for n in sorted(files) if n.startswith(graph)]
+    parts = [f"{n}:{manifest['files'][n]['sha256']}" for n in graph_files(manifest)]
     if not parts:
+        graph = manifest.get("onnx_file", "model.onnx")
         parts = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(artifact_dir.glob(graph + "*"))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 FORM_OVER_GRAPH = 1.3  # Qwen2.5-Coder-1.5B: 1.59 GB of prompt form for a 1.27 GB graph
-
-
-def available_bytes() -> int:
-    """MemAvailable of this machine (Linux), else a figure that refuses nothing."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
 
 
 def graph_size(artifact_dir: Path, manifest: dict) -> int:
