@@ -109,6 +109,8 @@ class PipelineConfig(Section):
         search = dump.pop("search")
         if search["mlp_ratios"]:
             dump["search"] = {"mlp_ratios": search["mlp_ratios"], "chat_sets": search["chat_sets"]}
+        if not sections:  # the drafter a version gets (the draft stage, after it is registered) is not the version
+            dump.pop("draft")
         picked = {s: dump[s] for s in sections} if sections else dump
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlflow
 from prefect import flow, get_run_logger
 
 from compress.registry import store as registry
+from compress.artifact import read_manifest
 from compress.config import PipelineConfig, load_config
+from compress.draft.judge import DraftingBound, drafting_bound
 from flows.outcome import flow_state
 from flows.stages import workdir
 
@@ -64,7 +67,8 @@ def build_for_champion(cfg: PipelineConfig, version: str | None = None) -> dict:
     key = hashlib.sha256(f"{sha}:{cfg.section_hash('draft')}".encode()).hexdigest()[:16]
     folder = workdir(cfg) / "draft" / key
     folder.mkdir(parents=True, exist_ok=True)
-    with mlflow.start_run(run_name=f"draft-{name}-v{version}", tags={"stage": "draft", "target_version": version}):
+    with mlflow.start_run(run_name=f"draft-{name}-v{version}", tags={"stage": "draft", "target_version": version},
+                          nested=mlflow.active_run() is not None):  # a child of the compress run's, in its draft stage
         log_params({"draft": cfg.draft.model_dump(mode="json"), "target_version": version})
         built = build_drafter(target, folder / "head", cfg.draft, cache=folder / "conversations.npz")
         log.info("drafter built in %.0f s: held-out acceptance %.2f drafts per check (by position %s)", built.seconds,
@@ -89,6 +93,42 @@ def build_for_champion(cfg: PipelineConfig, version: str | None = None) -> dict:
                                           "drafter_speedup": judged.speedup})
         out["registered"] = f"{drafter_model(name)}/{dv.version}"
         return out
+
+
+@dataclass
+class DraftStage:
+    """The compress flow's draft stage: the draft flow's outcome for the accepted version, or why no drafter was built
+    and what drafting could give it (``bound``)."""
+
+    line: str
+    built: dict | None = None
+    bound: DraftingBound | None = None
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return dict(self.built["figures"]) if self.built else self.bound.metrics() if self.bound else {}
+
+    def to_json(self) -> dict:
+        return {"line": self.line, "built": self.built, "bound": self.bound and asdict(self.bound)}
+
+
+def draft_stage(cfg: PipelineConfig, version: str, target: str | Path) -> DraftStage:
+    """After the compress flow registered ``version`` as accepted: build, judge and register its drafter
+    (build_for_champion), or, for a target below ``draft.min_params``, measure what drafting could give it. A
+    failure here is reported, never raised: the drafter only changes speed and the version's verdict stands."""
+    log = get_run_logger()
+    try:
+        params = int(read_manifest(Path(target), verify=False).get("num_parameters") or 0)
+        if params and params < cfg.draft.min_params:
+            bound = drafting_bound(target)
+            line = (f"skipped: {params:,} parameters < draft.min_params {cfg.draft.min_params:,} (docs/drafter.md); "
+                    f"{bound.line()}")
+            return DraftStage(line, bound=bound)
+        out = build_for_champion(cfg, version)
+        return DraftStage(outcome_message(out), built=out)
+    except Exception as e:  # noqa: BLE001 - the accepted version and its aliases stay as they are
+        log.exception("draft stage failed")
+        return DraftStage(f"failed ({type(e).__name__}: {e}); the version is registered as judged, without a drafter")
 
 
 def curves(built):

@@ -1,8 +1,8 @@
 """The compression DAG as a Prefect flow: one task per stage, one MLflow parent run per pipeline run.
 
 load -> export -> golden -> register baseline -> [prune] -> [distill] -> [export + golden student]
--> [quantize] -> [accept] -> [benchmark] -> register candidate -> [deploy]. Bracketed stages switch on
-in config. With `search.mlp_ratios`, prune -> ... -> quantize runs once per ratio as parallel branches of a
+-> [quantize] -> [accept] -> [benchmark] -> register candidate -> [deploy] -> [draft]. Bracketed stages switch on
+in config; the draft stage builds an accepted version its drafter (flows/draft.py). With `search.mlp_ratios`, prune -> ... -> quantize runs once per ratio as parallel branches of a
 `search` subflow (threads or Dask, `search.task_runner`), each gated on the selection split; the fastest
 accepted candidate goes on to accept, benchmark and register (docs/scaling.md).
 Re-running with the same config resumes: finished stages come from cache.
@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from compress.config import PipelineConfig, load_config, project_root
 from compress.evaluate import chat as chat_eval
 from compress.registry import store as registry
+from flows.draft import draft_stage
 from flows.outcome import pipeline_state
 from flows.registration import register_baseline, register_candidate
 from flows.search import check_search_runner, run_search, search_rejection
@@ -130,12 +131,17 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             out = register_candidate(cfg, parent, tracking_uri, timer, candidate=candidate, verdict=verdict,
                                      bench=bench, baseline_version=baseline_version)
             registered.append(out.registration)
+        drafted = None
+        if cfg.draft.enabled and out is not None and out.status == "accepted":
+            drafted = timer.run("draft", draft_stage, cfg, out.registration.version, candidate)
+            log.info("draft: %s", drafted.line)
         champion_vs = out.champion_vs if out else None
         if champion_vs:
             log_json(champion_vs, "versus_champion.json")
         for r in timer.rows:
             log_metrics({f"{r['stage']}_seconds": r["seconds"], **r["metrics"]})
-        tail = "\n\n" + resolved.markdown() + summary_tail(search, chain)
+        tail = "\n\n" + resolved.markdown() + summary_tail(search, chain) + (
+            f"\n\n**Drafter:** {drafted.line}" if drafted else "")
         mlflow.log_text(timer.markdown(cfg.name, cfg.mlflow.experiment, parent, tracking_uri, registered, verdict,
                                        champion_vs) + tail, "summary.md")
     ui = registry.ui_url(tracking_uri, cfg.mlflow.ui_url)
@@ -150,6 +156,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             "candidate_artifact": candidate, "golden": t.gold.metrics, "verdict": verdict and verdict.to_json(),
             "benchmark": bench and bench.to_json(), "deployed": out.deployed if out else None,
             "promotion_blocked": out.blocked if out else None, "versus_champion": champion_vs,
+            "draft": drafted and drafted.to_json(),
             "search": search and {"rows": search.rows, "lines": search.lines, "metrics": search.metrics},
             "run_url": registry.run_link(ui, parent.info.experiment_id, pid),
             "model_url": registry.model_link(ui, cfg.registry.model_name)}

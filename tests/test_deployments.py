@@ -161,6 +161,10 @@ def _serve(env, tmp, model: str, name: str, *settings: str) -> tuple[subprocess.
     return proc, url
 
 
+def _card(url: str) -> dict:
+    return httpx.get(url + "/v1/models", timeout=5).json()["data"][0]
+
+
 def _wait_served(url: str, version: str) -> None:
     deadline = time.monotonic() + 60
     while _served(url) != version:
@@ -256,6 +260,18 @@ def _operator_loop(env, tmp):
             metrics = httpx.get(drafting_url + "/metrics").text
             drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")]
             assert drafts and float(drafts[0].split()[-1]) > 0, metrics[-2000:]
+            assert _card(drafting_url)["speculative"] == "tiny-llama-drafter/1"
+            # The drafter follows the alias: a rollback to a version without one drafts by prompt lookup, and a deploy
+            # of the drafter's target brings it back, both live.
+            rc, out = _watch(env, tmp, "rollback/on-demand", "-p", "model_name=tiny-llama")
+            assert rc == 0 and "tiny-llama@champion: 4 -> 2" in out, out[-4000:]
+            _wait_served(drafting_url, "2")
+            assert _card(drafting_url)["speculative"] == "prompt_lookup"
+            rc, out = _watch(env, tmp, "deploy/on-demand", "-p", "model_name=tiny-llama", "-p", "version=4",
+                             "-p", f"server_url={drafting_url}")
+            assert rc == 0, out[-4000:]
+            _wait_served(drafting_url, "4")
+            assert _card(drafting_url)["speculative"] == "tiny-llama-drafter/1"
         finally:
             _stop(drafting)
     finally:

@@ -273,3 +273,32 @@ def test_links_in_descriptions_and_summary_are_relative_routes_to_real_runs(tiny
     # the version's files are a logged model of its run (the runs table's "Logged models")
     assert cand.source.startswith("models:/m-")
     assert client.get_logged_model(cand.source[len("models:/"):]).source_run_id == cand.run_id
+
+
+def test_the_draft_stage_says_what_drafting_gives_a_small_model_and_builds_a_drafter_above_its_size(
+        tiny_flow_run, mlflow_store):
+    """draft.enabled: below draft.min_params the stage times the accepted version's checks and says what a drafter
+    could give; above it, it builds, judges and registers the drafter beside the version (the same version: the
+    draft section is not part of what a candidate is)."""
+    from flows.pipeline import compress_flow
+
+    before = len(registry.list_versions("tiny-llama"))
+    out = compress_flow(config="configs/tiny.yaml", overrides=tiny_flow_run["overrides"] + ["draft.enabled=true"])
+    draft = out["draft"]
+    assert draft["line"].startswith("skipped:") and "draft.min_params" in draft["line"], draft
+    costs = draft["bound"]["costs"]
+    assert costs[1] == 1.0 and len(costs) == 6 and all(c > 0.3 for c in costs[1:]), costs
+    assert draft["bound"]["break_even"] == round(max(0.0, costs[2] - 1), 3)
+    assert 1.0 < draft["bound"]["at"]["0.7"] < 4  # 1 + .7 + .49 + ... over a check of about a step or more
+    assert len(registry.list_versions("tiny-llama")) == before
+    summary = MlflowClient(mlflow_store).download_artifacts(out["run_id"], "summary.md")
+    assert "**Drafter:** skipped" in open(summary).read()
+
+    small = ["draft.min_params=0", "draft.prompts=16", "draft.max_tokens=24", "draft.tokens=5120", "draft.vocab=200",
+             "draft.width=64", "draft.min_speedup=0.0001"]
+    out = compress_flow(config="configs/tiny.yaml",
+                        overrides=tiny_flow_run["overrides"] + ["draft.enabled=true", *small])
+    version = out["registered"][-1]["version"]
+    assert out["draft"]["built"]["registered"].startswith("tiny-llama-drafter/"), out["draft"]
+    assert registry.get_version("tiny-llama", version).tags["drafter"] == out["draft"]["built"]["registered"]
+    assert out["draft"]["line"].startswith(f"tiny-llama/{version}: one user x")

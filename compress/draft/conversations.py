@@ -127,13 +127,18 @@ def own_turns(engine, n: int, seed: int, max_tokens: int = 64) -> list[str]:
     text = _render(engine, [{"role": "user", "content": mark}])
     opening = encode_chat(engine.tokenizer, engine.manifest, text[:text.index(mark)])
     tokenizer = engine.tokenizer
-    handles = [engine.add_request(opening, SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed + i))
-               for i in range(n)]
     turns = []
-    for h in tqdm(handles, desc="target's own user turns", leave=False):
-        text = tokenizer.decode(h.result().output_ids, skip_special_tokens=True).strip()
-        if len(text) > 8:
-            turns.append(text)
+    wave = 128  # in waves: the engine's waiting queue is bounded (serve.max_waiting)
+    bar = tqdm(total=n, desc="target's own user turns", leave=False)
+    for lo in range(0, n, wave):
+        handles = [engine.add_request(opening, SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed + i))
+                   for i in range(lo, min(n, lo + wave))]
+        for h in handles:
+            text = tokenizer.decode(h.result().output_ids, skip_special_tokens=True).strip()
+            if len(text) > 8:
+                turns.append(text)
+            bar.update(1)
+    bar.close()
     return turns
 
 

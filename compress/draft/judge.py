@@ -72,3 +72,43 @@ def judge_drafter(target: str | Path, drafter: str | Path, *, prompts: int = 8, 
     per_check = (c.accepted_tokens + c.drafts) / c.drafts if c and c.drafts else 0.0
     return Judgement(round(off_rate, 2), round(on_rate, 2), round(on_rate / off_rate, 3),
                      sum(a == b for a, b in zip(off_texts, on_texts)), len(chats), round(acc, 3), round(per_check, 2))
+
+
+@dataclass
+class DraftingBound:
+    """What drafting can give this target on this machine, from its measured check costs: ``costs[n]`` a check of n
+    positions over a decode step, the first-draft acceptance a drafter needs to pay at all (one draft, ``break_even``),
+    and the most it gives one user at a few acceptance rates (``at``: rate -> speed-up), before the drafter's own cost."""
+
+    costs: list[float]
+    break_even: float
+    at: dict[str, float]  # "0.5" -> speed-up
+
+    def metrics(self) -> dict[str, float]:
+        return {"draft_check2_cost": self.costs[2], "draft_break_even_acceptance": self.break_even,
+                **{f"draft_bound_at_{round(100 * float(a))}": x for a, x in self.at.items()}}
+
+    def line(self) -> str:
+        at = " / ".join(f"{x:.2f}x" for x in self.at.values())
+        rates = " / ".join(f"{float(a):.0%}" for a in self.at)
+        return (f"a check of 2 positions costs {self.costs[2]:.2f} decode steps here, so a drafter pays once its first "
+                f"draft stands in more than {self.break_even:.0%} of checks; at {rates} it gives one user at most {at}")
+
+
+def drafting_bound(target: str | Path, rates: tuple[float, ...] = (0.5, 0.7), k_max: int = 4) -> DraftingBound:
+    """Time checks of 1 .. k_max + 1 positions on the target's engine (serve/engine/drafter.py ``calibrate``, as the
+    server does at start-up) and turn them into what a drafter of each acceptance rate can give at one user."""
+    from serve.config import ServeConfig
+    from serve.engine.engine import Engine
+
+    eng = Engine(Path(target), ServeConfig(speculative="prompt_lookup", speculative_tokens=k_max, prefill_chunk=0,
+                                           result_cache_size=0, enable_prefix_caching=False), start=False)
+    try:
+        costs = list(eng.drafter.costs or [])
+    finally:
+        eng.shutdown()
+    if len(costs) < 3:
+        raise RuntimeError(f"timing checks on {target} failed; see the log")
+    at = {str(a): round(max(sum(a ** i for i in range(k + 1)) / costs[k + 1] for k in range(1, len(costs) - 1)), 3)
+          for a in rates}
+    return DraftingBound([round(c, 3) for c in costs], round(max(0.0, costs[2] - 1.0), 3), at)

@@ -11,8 +11,13 @@ class DraftConfig(Section):
     """The champion's drafter (compress/draft/, docs/speculative.md): a draft head on the target's hidden state,
     distilled on the target's own answers, judged on the server one user at a time."""
 
-    # Build a drafter for the accepted model.
+    # Build a drafter for the accepted model: the compress flow's draft stage after registering it (the draft flow
+    # builds one on demand whatever this says).
     enabled: bool = False
+    # The draft stage builds a drafter only for a target of at least this many parameters; below, it measures what
+    # drafting could give and says so in the run summary (docs/drafter.md: on SmolLM2-135M a head took 743 s and gave
+    # 1.01x on chat).
+    min_params: int = Field(500_000_000, ge=0)
     # Prompts the target answers to make the drafter's data (its own user turns, documentation questions, code
     # edits of standard-library functions; never the serving benchmark's prompts).
     prompts: int = Field(320, ge=8)

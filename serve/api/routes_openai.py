@@ -53,7 +53,7 @@ async def chat_completions(request: Request):
 def model_card(lm: LoadedModel) -> dict:
     return {"id": lm.name, "object": "model", "created": int(lm.loaded_at), "owned_by": OWNED_BY,
             "version": lm.version, "alias": lm.alias, "uri": lm.uri, "max_model_len": lm.engine.max_model_len,
-            "artifact_sha256": lm.artifact_sha256}
+            "artifact_sha256": lm.artifact_sha256, "speculative": lm.speculative}
 
 
 @router.get("/v1/models")

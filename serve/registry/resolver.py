@@ -103,6 +103,7 @@ class LocalVersion:
     downloaded: bool  # we own the folder and delete it when the model retires
     # the version's own drafter (its ``drafter`` tag, flows/draft.py), fetched beside it for serve.speculative auto
     drafter: Path | None = None
+    drafter_link: str | None = None  # its registered name, "<model>/<version>"
 
 
 class ModelSource:
@@ -155,14 +156,16 @@ class ModelSource:
         except Exception as e:
             shutil.rmtree(dst, ignore_errors=True)
             raise ModelSourceError(f"downloading {spec.name} version {version} failed: {type(e).__name__}: {e}") from e
+        drafter, link = self._fetch_drafter(version, dst) if self.wants_drafter else (None, None)
         return LocalVersion(self.served_name, str(version), spec.alias, Path(path), downloaded=True,
-                            drafter=self._fetch_drafter(version, dst) if self.wants_drafter else None)
+                            drafter=drafter, drafter_link=link)
 
     wants_drafter = False  # set by the server when serve.speculative is auto
 
-    def _fetch_drafter(self, version: str, dst: Path) -> Path | None:
-        """The drafter the version links to (tag ``drafter``: "<model>/<version>"), downloaded into ``dst``; None
-        without one, or when it cannot be fetched (the target is served without it, with a line in the log)."""
+    def _fetch_drafter(self, version: str, dst: Path) -> tuple[Path | None, str | None]:
+        """The drafter the version links to (tag ``drafter``: "<model>/<version>"), downloaded into ``dst``, and that
+        link; None without one, or when it cannot be fetched (the target is served without it, with a line in the
+        log)."""
         import logging
 
         log = logging.getLogger(__name__)
@@ -170,13 +173,13 @@ class ModelSource:
         try:
             link = registry.get_version(self.spec.name, version).tags.get("drafter")
             if not link:
-                return None
+                return None, None
             path = Path(registry.download(f"{MODELS_SCHEME}{link}", dst / "drafter"))
-            return path if (path / "manifest.json").is_file() else None
+            return (path, link) if (path / "manifest.json").is_file() else (None, None)
         except Exception as e:  # noqa: BLE001 - a drafter only changes the speed: serve without it
             log.warning("the drafter of %s version %s could not be fetched (%s: %s); serving without it",
                         self.spec.name, version, type(e).__name__, e)
-            return None
+            return None, None
 
     def cleanup(self) -> None:
         if self._own_root and self._download_root is not None:

@@ -60,6 +60,9 @@ class LoadedModel:
     # sha256 of manifest.json (which holds every file's sha256): the registry's `artifact_sha256` tag, so a
     # deploy can tell "version 2 of this store" from "version 2 of another store".
     artifact_sha256: str | None = None
+    # what drafts for it (serve.speculative as resolved: off, prompt_lookup, the registered drafter "<model>/<version>"
+    # that auto brought along with the version, or a folder)
+    speculative: str = "off"
     leases: int = 0
     retired: bool = False  # no longer current: draining
     closed: bool = False  # engine shut down
@@ -176,10 +179,11 @@ class ModelManager:
     # ---- loading ---------------------------------------------------------------------------
     def _load(self, version: str | None) -> LoadedModel:
         fetched = self.source.fetch(version)
-        config = self.config
+        config, drafts = self.config, self.config.speculative
         if config.speculative == "auto":  # the version's own drafter (with prompt lookup), else prompt lookup
             config = config.model_copy(update={"speculative": str(fetched.drafter) if fetched.drafter
                                                else "prompt_lookup"})
+            drafts = fetched.drafter_link or config.speculative
         try:
             engine = self._factory(fetched.path, config)
         except Exception as e:
@@ -200,7 +204,7 @@ class ModelManager:
         self._generation += 1
         return LoadedModel(fetched.name, fetched.version, fetched.alias, self.source.spec.uri, fetched.path, engine,
                            self._generation, downloaded=fetched.downloaded,
-                           artifact_sha256=sha256_file(Path(fetched.path) / MANIFEST))
+                           artifact_sha256=sha256_file(Path(fetched.path) / MANIFEST), speculative=drafts)
 
     def load_initial(self) -> LoadedModel:
         """Load the model the source names now; raises ModelSourceError when it cannot."""
