@@ -378,3 +378,26 @@ def test_speculation_keeps_greedy_tokens(family, artifacts, tiny_gqa):
         accepted[spec] = st.spec_accepted_tokens / st.spec_draft_tokens
     assert accepted[str(folder)] == 1.0  # its own greedy drafts always stand
     assert accepted[str(tiny_gqa)] < 1.0 or family == "llama"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pipeline_built_draft_head_keeps_greedy_tokens(family, artifacts, tmp_path):
+    """The draft stage's head (compress/draft/stage.py) built on the family's own graph from its own answers: greedy
+    outputs token for token as without it while it drafts (how many stand depends on how predictable a random tiny
+    model's answers are: tests/test_draft_head.py measures that on the tiny Llama)."""
+    from compress.draft.settings import DraftConfig
+    from compress.draft.stage import DraftError, build_drafter
+
+    folder, exporter = artifacts(family)
+    settings = DraftConfig(enabled=True, prompts=12, max_tokens=16, users=4, vocab=128, width=64, steps=3,
+                           tokens=256 * 30, held_out=0.2)
+    if exporter != "gqa":  # a head reads the hidden state that only gqa graphs output
+        with pytest.raises(DraftError, match="attention layout"):
+            build_drafter(folder, tmp_path / "head", settings, progress=False)
+        return
+    head = build_drafter(folder, tmp_path / "head", settings, progress=False).path
+    reqs = _requests()
+    want = _engine_outputs(folder, reqs, max_batch_size=4)
+    got, st = _spec_outputs(folder, reqs, str(head))
+    assert got == want
+    assert st.spec_draft_tokens > 0

@@ -122,3 +122,37 @@ def test_a_drafter_of_another_model_or_layout_is_refused(tiny_gqa, tiny_head, ti
         build_drafter(tiny_gqa, tmp_path / "x", DraftConfig(vocab=10**7))
     with pytest.raises(DraftError, match="attention layout"):
         build_drafter(tiny_artifact, tmp_path / "y", DraftConfig())
+
+
+def test_a_trimmed_vocabulary_never_drafts_outside_it_while_the_target_still_emits_those_tokens(tiny_gqa, tmp_path):
+    """A head with a 24-token vocabulary: every token it proposes is one of them, the target's greedy answers hold
+    tokens outside it, and those answers are the same as without drafting."""
+    import onnx
+    from onnx import numpy_helper
+
+    from compress.draft import conversations as conv
+    from compress.draft.stage import build_drafter
+
+    torch.manual_seed(0)
+    settings = DraftConfig(enabled=True, prompts=16, max_tokens=24, users=4, vocab=24, width=64, steps=3,
+                           tokens=256 * 40, held_out=0.2)
+    result = build_drafter(tiny_gqa, tmp_path / "head", settings, cache=tmp_path / "convs.npz", progress=False)
+    graph = onnx.load(str(result.path / "draft.onnx"))
+    vocab = set(numpy_helper.to_array(next(i for i in graph.graph.initializer if i.name == "vocab_ids")).tolist())
+    assert len(vocab) == 24
+    prompts = [c.ids[:c.start].tolist() for c in conv.load(tmp_path / "convs.npz")[:6]]
+    outs, drafted = {}, []
+    for spec in ("off", str(result.path)):
+        eng = Engine(tiny_gqa, cfg(speculative=spec), start=False)
+        if eng.drafter is not None:
+            propose = eng.drafter.model.propose
+            eng.drafter.model.propose = lambda reqs: [drafted.extend(d) or d for d in propose(reqs)]
+        outs[spec] = []
+        for p in prompts:
+            handle = eng.add_request(p, SamplingParams.greedy(24))
+            eng.run_until_done()
+            outs[spec].append(handle.result().output_ids)
+    emitted = {t for out in outs["off"] for t in out}
+    assert emitted - vocab, "the target's answers should reach outside the trimmed vocabulary"
+    assert drafted and set(drafted) <= vocab
+    assert outs["off"] == outs[str(result.path)]
