@@ -156,3 +156,24 @@ def test_a_trimmed_vocabulary_never_drafts_outside_it_while_the_target_still_emi
     assert emitted - vocab, "the target's answers should reach outside the trimmed vocabulary"
     assert drafted and set(drafted) <= vocab
     assert outs["off"] == outs[str(result.path)]
+
+
+def test_a_failing_head_neither_overrides_nor_pauses_prompt_lookup(tiny_gqa, tiny_head):
+    """Beside a head, prompt lookup keeps its own draft length: where the sequence repeats itself its copies are drafted
+    and stand as with lookup alone, even when every one of the head's guesses fails."""
+    result, _ = tiny_head
+    loop = [7, 8, 9, 10, 11] * 6
+    accepted = {}
+    for spec in ("prompt_lookup", str(result.path)):
+        eng = Engine(tiny_gqa, cfg(speculative=spec), start=False)
+        eng.drafter.costs = None  # lengths by acceptance alone: the timed costs of a tiny model are noise
+        if eng.drafter.model is not None:  # the head proposes a token that never stands
+            eng.drafter.model.propose = lambda reqs: [[0] * k for _, _, k in reqs]
+        handle = eng.add_request(loop, SamplingParams.greedy(40, ignore_eos=True))
+        eng.run_until_done()
+        stats = eng.stats()
+        accepted[spec] = (handle.result().output_ids, stats.spec_accepted_tokens)
+        eng.shutdown()
+    assert accepted["prompt_lookup"][0] == accepted[str(result.path)][0]
+    assert accepted["prompt_lookup"][1] > 10
+    assert accepted[str(result.path)][1] >= 0.8 * accepted["prompt_lookup"][1], accepted

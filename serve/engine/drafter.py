@@ -39,14 +39,20 @@ class Drafter:
         self.ngram = config.speculative_ngram
         self.model = draft_model
         self.lengths: dict[Hashable, DraftLength] = {}
+        # beside a draft head, prompt lookup keeps a length of its own: on code edits its copies stand where the
+        # head's guesses fail, and one source's failures must not pause the other
+        self.lookup_lengths: dict[Hashable, DraftLength] = {}
+        self._allowed: dict[Hashable, tuple[int, int]] = {}  # this step's (lookup k, head k) per request
+        self._source: dict[Hashable, dict] = {}  # which lengths the drafts being checked came from
         self.counters = SpecCounters()
 
-    def _length(self, key: Hashable, greedy: bool = True) -> DraftLength:
-        d = self.lengths.get(key)
+    def _length(self, key: Hashable, greedy: bool = True, lengths: dict | None = None) -> DraftLength:
+        lengths = self.lengths if lengths is None else lengths
+        d = lengths.get(key)
         if d is None:
             # the costs are timings, which differ run to run: a sampled request's lengths follow its acceptance
             # alone, so a seeded request draws the same numbers twice (greedy text is the same at any length)
-            d = self.lengths[key] = DraftLength(self.k_max, self.costs if greedy else None)
+            d = lengths[key] = DraftLength(self.k_max, self.costs if greedy else None)
         return d
 
     costs: list[float] | None = None  # a check of n positions over a decode step (index n), from ``calibrate``
@@ -97,7 +103,13 @@ class Drafter:
             room = min(seq.params.max_tokens - seq.num_output - 1, max_model_len - len(seq.token_ids))
             if room < 1:
                 continue
-            k = min(self._length((seq.request_id, seq.epoch), seq.params.is_greedy).want(), room)
+            key = (seq.request_id, seq.epoch)
+            k = self._length(key, seq.params.is_greedy).want()
+            if self.reads_hidden:
+                look = self._length(key, seq.params.is_greedy, self.lookup_lengths).want()
+                self._allowed[key] = (min(look, room), min(k, room))
+                k = max(k, look)
+            k = min(k, room)
             if k > 0:
                 out.append((r, k))
         return out
@@ -109,14 +121,17 @@ class Drafter:
             return [prompt_lookup(r.seq.token_ids, k, self.ngram) for r, k in wanted]
         if self.reads_hidden:
             # a draft head costs little and knows nothing of the prompt: where the sequence repeats an n-gram
-            # (code edits, quoting) the lookup's k tokens go first, the head drafts the other rows
-            looked = [prompt_lookup(r.seq.token_ids, k, self.ngram) for r, k in wanted]
-            rest = [i for i, (d, (_, k)) in enumerate(zip(looked, wanted)) if len(d) < k]
-            if rest:
-                drafted = self._model_drafts([wanted[i] for i in rest])
-                for i, d in zip(rest, drafted):
-                    if len(d) > len(looked[i]):
-                        looked[i] = d
+            # (code edits, quoting) the lookup's tokens go, the head drafts the rows where it finds none
+            keys = [(r.seq.request_id, r.seq.epoch) for r, _ in wanted]
+            allowed = [self._allowed.pop(key, (k, k)) for key, (_, k) in zip(keys, wanted)]
+            looked = [prompt_lookup(r.seq.token_ids, lk, self.ngram) if lk else []
+                      for (r, _), (lk, _) in zip(wanted, allowed)]
+            rest = [i for i, (d, (_, hk)) in enumerate(zip(looked, allowed)) if not d and hk]
+            drafted = self._model_drafts([(wanted[i][0], allowed[i][1]) for i in rest]) if rest else []
+            for i, d in zip(rest, drafted):
+                looked[i] = d
+            for i, key in enumerate(keys):
+                self._source[key] = self.lookup_lengths if i not in rest else self.lengths
             return looked
         return self._model_drafts(wanted)
 
@@ -143,11 +158,12 @@ class Drafter:
         c.drafts += 1
         c.draft_tokens += proposed
         c.accepted_tokens += accepted
-        self._length(key).update(proposed, accepted)
+        self._length(key, lengths=self._source.pop(key, None)).update(proposed, accepted)
 
     def release(self, key: Hashable) -> None:
         """The request's sequence is gone (finished, cancelled, preempted: a new epoch starts afresh)."""
-        self.lengths.pop(key, None)
+        for held in (self.lengths, self.lookup_lengths, self._allowed, self._source):
+            held.pop(key, None)
         if self.model is not None:
             self.model.release(key)
 
