@@ -120,16 +120,21 @@ class Drafter:
         if self.model is None:  # prompt lookup
             return [prompt_lookup(r.seq.token_ids, k, self.ngram) for r, k in wanted]
         if self.reads_hidden:
-            # a draft head costs little and knows nothing of the prompt: where the sequence repeats an n-gram
-            # (code edits, quoting) the lookup's tokens go, the head drafts the rows where it finds none
+            # a draft head costs little and knows nothing of the prompt: where the sequence repeats an n-gram of two
+            # tokens or more (code edits, quoting) the lookup's tokens go, the head drafts the other rows, and a
+            # one-token match (a common word: weak evidence) drafts only where the head does not
             keys = [(r.seq.request_id, r.seq.epoch) for r, _ in wanted]
             allowed = [self._allowed.pop(key, (k, k)) for key, (_, k) in zip(keys, wanted)]
-            looked = [prompt_lookup(r.seq.token_ids, lk, self.ngram) if lk else []
+            looked = [prompt_lookup(r.seq.token_ids, lk, self.ngram, min_ngram=min(2, self.ngram)) if lk else []
                       for (r, _), (lk, _) in zip(wanted, allowed)]
             rest = [i for i, (d, (_, hk)) in enumerate(zip(looked, allowed)) if not d and hk]
             drafted = self._model_drafts([(wanted[i][0], allowed[i][1]) for i in rest]) if rest else []
             for i, d in zip(rest, drafted):
                 looked[i] = d
+            rest = [i for i in rest if looked[i]]
+            for i, ((r, _), (lk, _)) in enumerate(zip(wanted, allowed)):
+                if not looked[i] and lk:
+                    looked[i] = prompt_lookup(r.seq.token_ids, lk, self.ngram)
             for i, key in enumerate(keys):
                 self._source[key] = self.lookup_lengths if i not in rest else self.lengths
             return looked
