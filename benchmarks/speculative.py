@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {"result_cache_size": 0, "enable_prefix_caching": False}
     for item in args.set:
         k, v = item.split("=", 1)
+        k = k.removeprefix("serve.")  # as the help and the config file spell it
         base[k] = json.loads(v) if v[:1] in "0123456789[{tf-" else v
     methods = {"off": "off"}
     for m in args.method or ["prompt_lookup"]:
