@@ -26,7 +26,7 @@ from compress.artifact import read_manifest
 from compress.config import PipelineConfig, load_config
 from compress.draft.judge import DraftingBound, drafting_bound
 from flows.outcome import flow_state
-from flows.stages import workdir
+from flows.stages import resolve_config_path, workdir
 
 DRAFTER_TAG = "drafter"  # on the target version: "<drafter model>/<version>"
 
@@ -159,7 +159,5 @@ def outcome_message(out: dict) -> str:
 def draft_flow(config: str = "configs/default.yaml", overrides: list[str] | None = None,
                version: str | None = None):
     """Build, judge and (when it pays) register the drafter of the champion (or of ``version``)."""
-    from flows.pipeline import resolve_config_path
-
     return flow_state(lambda: build_for_champion(load_config(resolve_config_path(config), overrides or []), version),
                       lambda out: "Registered" if out["registered"] else "NotRegistered", outcome_message)

@@ -11,20 +11,19 @@ Re-running with the same config resumes: finished stages come from cache.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from pathlib import Path
 
 import mlflow
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from compress.config import PipelineConfig, load_config, project_root
+from compress.config import PipelineConfig, load_config
 from compress.evaluate import chat as chat_eval
 from compress.registry import store as registry
 from flows.draft import draft_stage
 from flows.outcome import pipeline_state
 from flows.registration import register_baseline, register_candidate
 from flows.search import check_search_runner, run_search, search_rejection
-from flows.stages import chain_settings, run_context, trained
+from flows.stages import chain_settings, resolve_config_path, run_context, trained
 from flows.summary import StageTimer, summary_tail
 from flows.teacher import teacher_stages
 from tasks.accept import accept_task
@@ -172,10 +171,3 @@ def compress_flow(config: str = "configs/default.yaml", overrides: list[str] | N
     raises `RunNotAccepted` (with `.outcome`) or the error itself.
     """
     return pipeline_state(lambda: run_pipeline(load_config(resolve_config_path(config), overrides or [])))
-
-
-def resolve_config_path(config: str) -> Path:
-    path = Path(config)
-    if not path.is_absolute() and not path.exists():
-        path = project_root() / path
-    return path

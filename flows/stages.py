@@ -52,3 +52,11 @@ def search_gate(cfg: PipelineConfig) -> SearchGate:
     tolerance narrowed by search.selection_margin (compress.evaluate.gate.selection_limits)."""
     return SearchGate(accept=cfg.accept, margin=cfg.search.selection_margin, trained=trained(cfg),
                       chat_sets=list(cfg.search.chat_sets), seed=cfg.data.seed)
+
+
+def resolve_config_path(config: str) -> Path:
+    """A config path as given, else relative to the project root (a deployment's working directory may differ)."""
+    path = Path(config)
+    if not path.is_absolute() and not path.exists():
+        path = project_root() / path
+    return path
