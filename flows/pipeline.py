@@ -3,8 +3,9 @@
 load -> export -> golden -> register baseline -> [prune] -> [distill] -> [export + golden student]
 -> [quantize] -> [accept] -> [benchmark] -> register candidate -> [deploy] -> [draft]. Bracketed stages switch on
 in config; the draft stage builds an accepted version its drafter (flows/draft.py). With `search.mlp_ratios`,
-prune -> ... -> quantize runs once per ratio as parallel branches of a `search` subflow (threads or Dask, `search.task_runner`), each gated on the selection split; the fastest
-accepted candidate goes on to accept, benchmark and register (docs/scaling.md).
+prune -> ... -> quantize runs once per ratio as parallel branches of a `search` subflow (threads or Dask,
+`search.task_runner`), each gated on the selection split; the fastest accepted candidate goes on to accept,
+benchmark and register (docs/scaling.md).
 Re-running with the same config resumes: finished stages come from cache.
 """
 
