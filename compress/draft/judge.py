@@ -101,6 +101,8 @@ def drafting_bound(target: str | Path, rates: tuple[float, ...] = (0.5, 0.7), k_
     from serve.config import ServeConfig
     from serve.engine.engine import Engine
 
+    from serve.engine.speculative import best_length, draft_rate
+
     eng = Engine(Path(target), ServeConfig(speculative="prompt_lookup", speculative_tokens=k_max, prefill_chunk=0,
                                            result_cache_size=0, enable_prefix_caching=False), start=False)
     try:
@@ -109,6 +111,5 @@ def drafting_bound(target: str | Path, rates: tuple[float, ...] = (0.5, 0.7), k_
         eng.shutdown()
     if len(costs) < 3:
         raise RuntimeError(f"timing checks on {target} failed; see the log")
-    at = {str(a): round(max(sum(a ** i for i in range(k + 1)) / costs[k + 1] for k in range(1, len(costs) - 1)), 3)
-          for a in rates}
+    at = {str(a): round(draft_rate(a, costs, best_length(a, costs, k_max)), 3) for a in rates}
     return DraftingBound([round(c, 3) for c in costs], round(max(0.0, costs[2] - 1.0), 3), at)

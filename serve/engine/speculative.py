@@ -95,10 +95,15 @@ def best_length(first: float, costs: Sequence[float], k_max: int) -> int:
     1.03x a decode step but 5 for 1.77x, so a drafter right one time in three pays at k = 1 and loses at k = 4."""
     best, best_rate = 1, 0.0
     for k in range(1, min(k_max, len(costs) - 2) + 1):
-        rate = sum(first ** i for i in range(k + 1)) / costs[k + 1]
+        rate = draft_rate(first, costs, k)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
+
+
+def draft_rate(first: float, costs: Sequence[float], k: int) -> float:
+    """Tokens per decode step's time when every check carries ``k`` drafts that each stand with chance ``first``."""
+    return sum(first ** i for i in range(k + 1)) / costs[k + 1]
 
 
 class DraftLength:
